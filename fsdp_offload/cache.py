@@ -1,0 +1,99 @@
+"""Host memory: pinned (or page-aligned) buffers under a byte budget, and which subgroup is where.
+
+`HostCache` owns the slot buffers that hold subgroups' FP32 state and tracks residency: which
+subgroup is in which slot, whether its host copy is newer than its stored one (dirty), and the order
+in which slots were last used (evict the least recently used first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .storage.base import ALIGN
+
+
+def aligned_host_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose address is 4 KiB-aligned (as O_DIRECT needs)."""
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A 4 KiB-aligned uint8 host tensor of exactly `nbytes`, page-locked when `pin`.
+
+    Pinning registers the exact range with CUDA: the caching host allocator would round the size up
+    to a power of two and break the budget.
+    """
+    buf = aligned_host_buffer(nbytes)
+    if pin:
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(err)}): lower the host "
+                "budget or raise the locked-memory limit (ulimit -l)"
+            )
+    return buf
+
+
+def unpin(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+class HostCache:
+    """`num_slots` buffers of `slot_bytes` each, and the residency of subgroups in them."""
+
+    def __init__(self, slot_bytes: int, num_slots: int, pin: bool) -> None:
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.pinned = pin
+        self._arena = host_buffer(slot_bytes * num_slots, pin)
+        self.slots = [self._arena[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.slot_of: dict[int, int] = {}  # resident subgroup -> slot
+        self.dirty: set[int] = set()
+        self._lru: OrderedDict[int, None] = OrderedDict()  # resident subgroups, least recent first
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def is_resident(self, sg: int) -> bool:
+        return sg in self.slot_of
+
+    def touch(self, sg: int) -> None:
+        self._lru.move_to_end(sg)
+
+    def take_free(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def victim(self, keep: set[int]) -> int | None:
+        """The least recently used resident subgroup not in `keep`, or None."""
+        for sg in self._lru:
+            if sg not in keep:
+                return sg
+        return None
+
+    def admit(self, sg: int, slot: int, dirty: bool) -> None:
+        self.slot_of[sg] = slot
+        self._lru[sg] = None
+        self._lru.move_to_end(sg)
+        if dirty:
+            self.dirty.add(sg)
+
+    def remove(self, sg: int) -> int:
+        """Takes `sg` out of residency and returns its slot (the caller decides what the slot holds)."""
+        self._lru.pop(sg)
+        self.dirty.discard(sg)
+        return self.slot_of.pop(sg)
+
+    def give_back(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def close(self) -> None:
+        if self.pinned and self._arena is not None:
+            unpin(self._arena)
+        self._arena = None
+        self.slots = []

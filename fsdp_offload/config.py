@@ -1,0 +1,40 @@
+"""Options of the out-of-core optimizer, as a dataclass that Hydra recipes fill in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+
+
+@dataclass
+class OffloadConfig:
+    # Storage paths for FP32 state that does not fit the host cache, e.g. ["posix:/local/nvme"].
+    tiers: list[str] = field(default_factory=list)
+    # All page-locked host memory of this rank's optimizer, in GiB: the low-precision grad/param
+    # staging buffer (2 bytes/param) plus the FP32 state cache. None: keep all state in host memory.
+    host_budget_gb: float | None = None
+    # Elements per subgroup (one I/O unit); a multiple of 1024. 100Mi by default, as in DeepSpeed.
+    subgroup_numel: int = 100 * (1 << 20)
+    # Subgroups fetched ahead of the one being updated.
+    prefetch: int = 2
+    # "alternating" (ascending on even steps, descending on odd) or "fixed" (always ascending).
+    update_order: str = "alternating"
+    # Low-precision dtype of the model's params and grads: "bfloat16" or "float16".
+    param_dtype: str = "bfloat16"
+    # AdamW kernel: "auto" (fused C++ if it builds, else torch), "fused" or "torch".
+    kernel: str = "auto"
+    # Fixed share of subgroups per tier (same length as tiers); None: equal shares.
+    tier_ratios: list[float] | None = None
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return None if self.host_budget_gb is None else int(self.host_budget_gb * GIB)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Exact bytes plus a readable size, for error messages: '3221225472 bytes (3.00 GiB)'."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{int(nbytes)} bytes ({nbytes / size:.2f} {unit})"
+    return f"{int(nbytes)} bytes"

@@ -1,0 +1,90 @@
+"""The MLP-Offload paper's per-step metrics: update time and throughput, I/O volume and speed.
+
+Effective I/O throughput is bytes moved over the time I/O was under way (the union of the transfers'
+intervals): for an update phase bound by I/O this is 2 x subgroup bytes / (read + write time).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from .storage.base import Transfer
+
+log = logging.getLogger("fsdp_offload.metrics")
+
+
+def busy_seconds(transfers: list[Transfer]) -> float:
+    """Length of the union of the transfers' [start, end] intervals."""
+    total, end = 0.0, float("-inf")
+    for t in sorted(transfers, key=lambda t: t.start):
+        if t.start > end:
+            total += t.end - t.start
+            end = t.end
+        elif t.end > end:
+            total += t.end - end
+            end = t.end
+    return total
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    update_s: float
+    params: int  # params updated this step
+    subgroups: int
+    cache_hits: int
+    subgroups_read: int = 0
+    subgroups_written: int = 0
+    bytes_read: dict[str, int] = field(default_factory=dict)  # per tier spec
+    bytes_written: dict[str, int] = field(default_factory=dict)
+    read_s: dict[str, float] = field(default_factory=dict)  # busy time of reads per tier
+    write_s: dict[str, float] = field(default_factory=dict)
+    io_busy_s: float = 0.0
+    subgroups_per_tier: dict[str, int] = field(default_factory=dict)  # where stored copies live
+
+    @property
+    def update_mparams_per_s(self) -> float:
+        return self.params / self.update_s / 1e6 if self.update_s > 0 else 0.0
+
+    @property
+    def effective_io_gbps(self) -> float:
+        moved = sum(self.bytes_read.values()) + sum(self.bytes_written.values())
+        return moved / self.io_busy_s / 1e9 if self.io_busy_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["update_mparams_per_s"] = self.update_mparams_per_s
+        d["effective_io_gbps"] = self.effective_io_gbps
+        return d
+
+    def log(self) -> None:
+        log.info(json.dumps(self.as_dict()))
+
+
+def step_metrics(
+    step: int,
+    update_s: float,
+    params: int,
+    subgroups: int,
+    cache_hits: int,
+    transfers: list[Transfer],
+    location: dict[int, str],
+) -> StepMetrics:
+    """Folds one step's transfers into a StepMetrics."""
+    m = StepMetrics(step, update_s, params, subgroups, cache_hits)
+    for kind, nbytes, secs in (("read", m.bytes_read, m.read_s), ("write", m.bytes_written, m.write_s)):
+        by_tier: dict[str, list[Transfer]] = {}
+        for t in transfers:
+            if t.kind == kind:
+                by_tier.setdefault(t.tier, []).append(t)
+        for tier, ts in by_tier.items():
+            nbytes[tier] = sum(t.nbytes for t in ts)
+            secs[tier] = busy_seconds(ts)
+    m.subgroups_read = sum(t.kind == "read" for t in transfers)
+    m.subgroups_written = sum(t.kind == "write" for t in transfers)
+    m.io_busy_s = busy_seconds(transfers)
+    m.subgroups_per_tier = dict(Counter(location.values()))
+    return m

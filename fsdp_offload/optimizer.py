@@ -1,0 +1,356 @@
+"""OffloadAdamW: AdamW whose FP32 master params and moments live out of core, in subgroups.
+
+The model keeps bf16 (or fp16) params; the optimizer keeps their FP32 masters and the Adam moments in
+subgroups that stream through a host cache and storage tiers. Each step updates the subgroups in
+alternating order from the low-precision grads, upcast in flight, and writes the new low-precision
+params back into the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .cache import HostCache
+from .config import OffloadConfig, format_bytes
+from .kernels import get_adamw_kernel
+from .metrics import StepMetrics, step_metrics
+from .placement import FixedRatioPlacement
+from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
+from .staging import LowpStaging
+from .storage import Tier, make_tier
+from .subgroups import SubgroupLayout
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def local_data(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's elements of `p` (the local shard of a DTensor)."""
+    return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+def _rank_tag() -> str:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return f"rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with out-of-core FP32 state.
+
+    Build it on the model's FP32 params: it takes their values as master weights and then casts the
+    params to `offload.param_dtype`, so the model (and the GPU) hold no FP32 copy. Grads must then
+    arrive in that dtype.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        offload: OffloadConfig | None = None,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid lr {lr}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        self._frozen = False
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._frozen = True
+        self.offload = cfg = offload or OffloadConfig()
+        if cfg.update_order not in UPDATE_ORDERS:
+            raise ValueError(f"offload.update_order={cfg.update_order!r}: choose one of {UPDATE_ORDERS}")
+        if cfg.param_dtype not in _DTYPES:
+            raise ValueError(f"offload.param_dtype={cfg.param_dtype!r}: choose one of {sorted(_DTYPES)}")
+        if cfg.prefetch < 0:
+            raise ValueError(f"offload.prefetch={cfg.prefetch} must be >= 0")
+        self.param_dtype = _DTYPES[cfg.param_dtype]
+
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._check_params()
+        locals_ = [local_data(p) for p in self._params]
+        self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
+        self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
+        pin = any(t.is_cuda for t in locals_)
+
+        self.staging = LowpStaging(self.layout, self.param_dtype, pin)
+        num_slots = self._plan_slots(self.staging.nbytes)
+        self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
+        self.tiers: list[Tier] = [make_tier(s) for s in cfg.tiers]
+        tag = _rank_tag()
+        for t in self.tiers:
+            t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
+        ratios = cfg.tier_ratios or [1.0] * max(1, len(self.tiers))
+        if self.tiers and len(ratios) != len(self.tiers):
+            raise ValueError(f"offload.tier_ratios has {len(ratios)} entries for {len(self.tiers)} tiers")
+        self.placement = FixedRatioPlacement(ratios, len(self.layout))
+        self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
+        self._closer = weakref.finalize(self, _close, self.tiers, self.cache)
+
+        self._steps = [0] * len(self._params)  # AdamW step count of each param
+        self.step_count = 0  # optimizer steps taken: picks the update order
+        self._pending: list[int] | None = None  # subgroups left of a step that raised
+        self._pending_scale = 1.0
+        self.last_metrics: StepMetrics | None = None
+
+        masters = [t.detach().reshape(-1) for t in locals_]
+        self._fill_state(lambda i: masters[i], None, None)
+        for p in self._params:
+            p.data = p.data.to(self.param_dtype)
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def _check_params(self) -> None:
+        if not self._params:
+            raise ValueError("OffloadAdamW got an empty parameter list")
+        devices = {local_data(p).device.type for p in self._params}
+        if len(devices) > 1:
+            raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
+        for i, p in enumerate(self._params):
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
+                    "master weights from the model's FP32 params and casts the model to "
+                    f"{self.offload.param_dtype} itself; build it before casting the model"
+                )
+            if not local_data(p).is_contiguous():
+                raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
+
+    def _plan_slots(self, staging_bytes: int) -> int:
+        """Host cache slots that the budget allows, or a clear error when it is too small."""
+        cfg, m, slot = self.offload, len(self.layout), self.layout.slot_bytes
+        budget = cfg.host_budget_bytes
+        if budget is None:
+            return m
+        slots = min(m, max(0, (budget - staging_bytes) // slot))
+        if slots == m:
+            return m
+        minimum = cfg.prefetch + 1
+        if slots < minimum:
+            raise ValueError(
+                f"offload.host_budget_gb={cfg.host_budget_gb} is below the pipeline's minimum of "
+                f"{format_bytes(staging_bytes + minimum * slot)}: {format_bytes(staging_bytes)} of grad "
+                f"staging + {minimum} slots of {format_bytes(slot)} for prefetch={cfg.prefetch}; raise the "
+                "budget, or lower subgroup_numel or prefetch"
+            )
+        if not cfg.tiers:
+            raise ValueError(
+                f"offload.host_budget_gb={cfg.host_budget_gb} holds {slots} of {m} subgroups and no tier "
+                "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
+                f"{format_bytes(staging_bytes + m * slot)}"
+            )
+        return slots
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_frozen", False):
+            raise RuntimeError(
+                "OffloadAdamW lays out its subgroups when it is built; params cannot be added later. "
+                "Build a new optimizer over all params"
+            )
+        for k in ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"):
+            if param_group.get(k):
+                raise ValueError(f"OffloadAdamW does not support {k}=True")
+        super().add_param_group(param_group)
+
+    # -- grads ----------------------------------------------------------------------------------
+
+    def stage_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Hands param `index`'s low-precision grad to the host staging buffer (hooks call this)."""
+        p = self._params[index]
+        local = local_data(p)
+        if grad.dtype != self.param_dtype:
+            raise TypeError(
+                f"grad of param {index} (shape {tuple(p.shape)}) is {grad.dtype}; OffloadAdamW expects "
+                f"{self.param_dtype} grads (the model's params are {self.param_dtype})"
+            )
+        if grad.shape != local.shape:
+            raise ValueError(f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is {tuple(local.shape)}")
+        self.staging.stage(index, grad)
+
+    def _stage_param_grads(self) -> None:
+        for i, p in enumerate(self._params):
+            if p.grad is not None and not self.staging.staged[i]:
+                self.stage_grad(i, local_data(p.grad) if hasattr(p.grad, "to_local") else p.grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self._pending is None:
+            self.staging.clear()
+
+    # -- the update -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Updates every subgroup. If it raises (an I/O error, say), nothing is lost: the next call
+        finishes the same step from the subgroup where it stopped."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        start = time.perf_counter()
+        if self._pending is None:
+            self._stage_param_grads()
+            if not any(self.staging.staged):
+                raise RuntimeError("step() called before any backward: no param has a grad")
+            for i, has in enumerate(self.staging.staged):
+                self._steps[i] += has
+            self._pending = update_order(len(self.layout), self.step_count, self.offload.update_order)
+            self._pending_scale = 1.0
+        done: list[int] = []
+        params = [local_data(p) for p in self._params]
+
+        def update(sg: int, state: torch.Tensor) -> None:
+            self._update_subgroup(sg, state, self._pending_scale)
+            self.staging.write_back(sg, params)
+            done.append(sg)
+
+        try:
+            self.pipeline.run(self._pending, update)
+        finally:
+            self._pending = self._pending[len(done):] or None
+        self._finish_step(start)
+        return loss
+
+    def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
+        subgroup = self.layout.subgroups[sg]
+        p, m, v = subgroup.parts(state)
+        g = self.staging.view(sg)
+        staged = self.staging.staged
+        for seg in subgroup.segments:
+            if not staged[seg.param]:
+                continue
+            group = self.param_groups[self._group_of[seg.param]]
+            beta1, beta2 = group["betas"]
+            piece = slice(seg.offset, seg.offset + seg.numel)
+            self._kernel(
+                p[piece], m[piece], v[piece], g[piece], g[piece],
+                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]), step=self._steps[seg.param], grad_scale=grad_scale,
+            )  # fmt: skip
+
+    def _finish_step(self, start: float) -> None:
+        transfers, hits = self.pipeline.take_transfers()
+        updated = sum(n for n, has in zip(self.layout.numels, self.staging.staged) if has)
+        location = {sg: self.tiers[t].name for sg, t in self.pipeline.location.items() if not self.cache.is_resident(sg)}
+        self.last_metrics = step_metrics(
+            self.step_count, time.perf_counter() - start, updated, len(self.layout), hits, transfers, location
+        )
+        self.last_metrics.log()
+        self.step_count += 1
+        self.staging.clear()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _fill_state(
+        self,
+        master: Callable[[int], torch.Tensor],
+        exp_avg: Callable[[int], torch.Tensor] | None,
+        exp_avg_sq: Callable[[int], torch.Tensor] | None,
+        params: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Overwrites every subgroup from flat per-param FP32 tensors (moments None: zeros).
+
+        With `params`, the low-precision params are rewritten from the new masters too."""
+
+        def fill(sg: int, state: torch.Tensor) -> None:
+            state.zero_()
+            parts = self.layout.subgroups[sg].parts(state)
+            for seg in self.layout.subgroups[sg].segments:
+                src = slice(seg.param_offset, seg.param_offset + seg.numel)
+                dst = slice(seg.offset, seg.offset + seg.numel)
+                for part, source in zip(parts, (master, exp_avg, exp_avg_sq)):
+                    if source is not None:
+                        part[dst].copy_(source(seg.param)[src])
+            if params is not None:
+                self.staging.fill_from_master(sg, parts[0], params)
+
+        # Fill in the reverse of the next step's order, so the cache ends up holding what it needs first.
+        order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+        self.pipeline.run(order, fill, load=False)
+        self.pipeline.take_transfers()
+
+    def _require_step_finished(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError(
+                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left); "
+                "call step() again to finish it before saving or loading state"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Like torch.optim.AdamW's, plus each param's FP32 'master_param' (all gathered in host memory).
+
+        For models whose state does not fit host memory, checkpoint through the DCP Stateful instead.
+        """
+        self._require_step_finished()
+        shapes = [local_data(p).shape for p in self._params]
+        out = [{k: torch.empty(s, dtype=torch.float32) for k in ("master_param", "exp_avg", "exp_avg_sq")} for s in shapes]
+
+        def gather(sg: int, state: torch.Tensor) -> None:
+            parts = self.layout.subgroups[sg].parts(state)
+            for seg in self.layout.subgroups[sg].segments:
+                dst = slice(seg.param_offset, seg.param_offset + seg.numel)
+                src = slice(seg.offset, seg.offset + seg.numel)
+                for key, part in zip(("master_param", "exp_avg", "exp_avg_sq"), parts):
+                    out[seg.param][key].view(-1)[dst].copy_(part[src])
+
+        order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+        self.pipeline.run(order, gather, dirty=False)
+        self.pipeline.take_transfers()
+        state = {i: {"step": torch.tensor(float(self._steps[i])), **out[i]} for i in range(len(self._params))}
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+            start += n
+        return {"state": state, "param_groups": groups, "offload": {"step_count": self.step_count}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores masters, moments, step counts and hyperparameters, and rewrites the model's params
+        from the restored masters."""
+        self._require_step_finished()
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(
+                f"state_dict has param groups of sizes {[len(g['params']) for g in groups]}, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}: it was saved from another model"
+            )
+        for i, p in enumerate(self._params):
+            want = tuple(local_data(p).shape)
+            for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                got = tuple(state[i][key].shape) if i in state and key in state[i] else None
+                if got != want:
+                    raise ValueError(f"state_dict param {i} {key}: shape {got}, expected {want} (another model or sharding?)")
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+
+        def flat(key: str) -> Callable[[int], torch.Tensor]:
+            return lambda i: state[i][key].reshape(-1).to(torch.float32)
+
+        self.step_count = int(state_dict.get("offload", {}).get("step_count", 0))
+        self._steps = [int(state[i]["step"]) for i in range(len(self._params))]
+        self.staging.clear()
+        self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), [local_data(p) for p in self._params])
+        self.staging.clear()
+
+    def close(self) -> None:
+        """Deletes this rank's tier files and releases pinned memory."""
+        self._closer()
+
+
+def _close(tiers: list[Tier], cache: HostCache) -> None:
+    for t in tiers:
+        t.close()
+    cache.close()

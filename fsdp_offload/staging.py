@@ -1,0 +1,76 @@
+"""The host buffer of low-precision values laid out by subgroup.
+
+Backward hands each param's bf16/fp16 grad into it; after a subgroup's update the kernel overwrites
+that subgroup's grads with the new bf16/fp16 params, which are copied from here back into the model.
+One buffer does both jobs, so no FP32 grad and no second low-precision copy is ever held.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import host_buffer
+from .subgroups import Segment, SubgroupLayout
+
+LOWP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class LowpStaging:
+    def __init__(self, layout: SubgroupLayout, dtype: torch.dtype, pin: bool) -> None:
+        if dtype not in LOWP_DTYPES:
+            raise ValueError(f"param_dtype must be one of {LOWP_DTYPES}, got {dtype}")
+        self.layout = layout
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._raw = host_buffer(layout.padded_numel * itemsize, pin)
+        self.buffer = self._raw.view(dtype)
+        self._offsets = layout.padded_offsets
+        self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
+
+    @property
+    def nbytes(self) -> int:
+        return self._raw.numel()
+
+    def view(self, sg: int) -> torch.Tensor:
+        """Subgroup `sg`'s part of the buffer (padded length)."""
+        lo = self._offsets[sg]
+        return self.buffer[lo : lo + self.layout.subgroups[sg].padded]
+
+    def _pieces(self, param: int) -> list[tuple[torch.Tensor, Segment]]:
+        return [(self.view(sg)[seg.offset : seg.offset + seg.numel], seg) for sg, seg in self.layout.param_segments[param]]
+
+    def stage(self, param: int, grad: torch.Tensor) -> None:
+        """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer.
+
+        A second grad before the step accumulates into the first (in the low-precision dtype, as
+        autograd accumulates .grad of bf16 params).
+        """
+        flat = grad.reshape(-1)
+        for dst, seg in self._pieces(param):
+            src = flat[seg.param_offset : seg.param_offset + seg.numel]
+            if self.staged[param]:
+                dst.add_(src.to("cpu"))
+            else:
+                dst.copy_(src, non_blocking=src.is_cuda)
+        self.staged[param] = True
+
+    def write_back(self, sg: int, params: list[torch.Tensor]) -> None:
+        """Copies subgroup `sg`'s updated low-precision params into the model's local param data."""
+        src_all = self.view(sg)
+        for seg in self.layout.subgroups[sg].segments:
+            if not self.staged[seg.param]:
+                continue  # a param without a grad was not updated
+            dst = params[seg.param].view(-1)[seg.param_offset : seg.param_offset + seg.numel]
+            dst.copy_(src_all[seg.offset : seg.offset + seg.numel], non_blocking=dst.is_cuda)
+
+    def fill_from_master(self, sg: int, master: torch.Tensor, params: list[torch.Tensor]) -> None:
+        """Rounds `sg`'s FP32 masters into the buffer and writes them to the model (after a load)."""
+        lowp = self.view(sg)
+        for seg in self.layout.subgroups[sg].segments:
+            piece = slice(seg.offset, seg.offset + seg.numel)
+            lowp[piece].copy_(master[piece])
+            dst = params[seg.param].view(-1)[seg.param_offset : seg.param_offset + seg.numel]
+            dst.copy_(lowp[piece], non_blocking=dst.is_cuda)
+
+    def clear(self) -> None:
+        self.staged = [False] * len(self.staged)

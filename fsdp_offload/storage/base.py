@@ -1,0 +1,183 @@
+"""What every storage tier is: a place that stores and returns whole subgroups by key.
+
+A tier keeps one file per rank. Each subgroup has a fixed slot in it (`attach`), so a subgroup is one
+I/O of MiB-scale, 4 KiB-aligned requests. Reads and writes return futures that resolve to a
+`Transfer` record, which the bandwidth model and the metrics learn from.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ALIGN = 4096
+
+# Priorities of the I/O queue: reads of the next subgroup go before writes of the last.
+READ_PRIORITY = 0
+WRITE_PRIORITY = 1
+
+
+class TierError(RuntimeError):
+    """A tier cannot do what was asked; the message names the path and the fix."""
+
+
+class CorruptSubgroupError(TierError):
+    """A subgroup read back differs (in size or checksum) from what was written."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One finished subgroup transfer, as the bandwidth model and metrics see it."""
+
+    tier: str
+    kind: str  # "read" | "write"
+    key: int
+    nbytes: int
+    start: float  # time.perf_counter()
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class IOWorkers:
+    """A fixed pool of threads fed by a priority queue (lower value first, FIFO within one)."""
+
+    def __init__(self, num_threads: int, name: str) -> None:
+        if num_threads < 1:
+            raise ValueError(f"{name}: I/O thread count must be >= 1, got {num_threads}")
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-io{i}", daemon=True)
+            for i in range(num_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        self._queue.put((priority, next(self._seq), fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            _, _, fn, fut = self._queue.get()
+            if fn is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to whoever waits on the future
+                fut.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put((1 << 30, next(self._seq), None, None))
+        for t in self._threads:
+            t.join()
+
+
+def gather(futures: list[Future], on_done: Callable[[], object]) -> Future:
+    """A future that resolves to `on_done()` once every one of `futures` has finished.
+
+    It waits for all of them even after one fails, so a buffer is never reused while a request on it
+    is still in flight; the first failure is what it raises.
+    """
+    out: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def _one_done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+            return
+        try:
+            out.set_result(on_done())
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    if not futures:
+        out.set_result(on_done())
+    for f in futures:
+        f.add_done_callback(_one_done)
+    return out
+
+
+class Tier(abc.ABC):
+    """A storage path for subgroups. Subclasses do the I/O; this class holds what is common."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._slot_offsets: list[int] = []
+        self._slot_bytes: list[int] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec
+
+    def attach(self, tag: str, slot_bytes: list[int]) -> None:
+        """Creates this rank's file, with one 4 KiB-aligned slot per subgroup.
+
+        `tag` makes the file unique per process and rank (e.g. "rank3-<run id>").
+        """
+        offsets, off = [], 0
+        for n in slot_bytes:
+            if n % ALIGN:
+                raise ValueError(f"{self.spec}: slot of {n} bytes is not a multiple of {ALIGN}")
+            offsets.append(off)
+            off += n
+        self._slot_offsets, self._slot_bytes = offsets, list(slot_bytes)
+        self._open(tag, off)
+
+    def _check_slot(self, key: int, buf: torch.Tensor) -> int:
+        nbytes = buf.numel() * buf.element_size()
+        if not 0 <= key < len(self._slot_bytes):
+            raise KeyError(f"{self.spec}: no slot for subgroup {key} (it has {len(self._slot_bytes)})")
+        if nbytes != self._slot_bytes[key]:
+            raise ValueError(
+                f"{self.spec}: subgroup {key} slot is {self._slot_bytes[key]} bytes, buffer is {nbytes}"
+            )
+        return self._slot_offsets[key]
+
+    @abc.abstractmethod
+    def _open(self, tag: str, total_bytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def write(self, key: int, buf: torch.Tensor) -> Future:
+        """Starts writing `buf` (a contiguous host tensor) to subgroup `key`'s slot.
+
+        The future resolves to a Transfer once every byte is known written.
+        """
+
+    @abc.abstractmethod
+    def read(self, key: int, buf: torch.Tensor) -> Future:
+        """Starts reading subgroup `key` into `buf`; raises CorruptSubgroupError on a bad read."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stops the workers and deletes this rank's file."""
+
+    @property
+    @abc.abstractmethod
+    def path(self) -> str:
+        """The file this rank's subgroups live in (for messages and checkpoints)."""
+
+
+def transfer(tier: str, kind: str, key: int, nbytes: int, start: float) -> Transfer:
+    return Transfer(tier, kind, key, nbytes, start, time.perf_counter())

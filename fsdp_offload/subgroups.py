@@ -1,0 +1,105 @@
+"""The flat layout of a rank's params, cut into fixed-size subgroups.
+
+Params are concatenated in a deterministic order (the order given to the optimizer) and cut every
+`subgroup_numel` elements, so a param may span two subgroups. A subgroup's FP32 state is one
+contiguous buffer [params | exp_avg | exp_avg_sq], each part padded to 4 KiB, so one subgroup is one
+I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_NUMEL = 1024  # 4 KiB of FP32
+STATE_PARTS = 3  # master params, exp_avg, exp_avg_sq
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The part of one param that lives in one subgroup."""
+
+    param: int  # index of the param in the optimizer's flat param list
+    param_offset: int  # first element, in the param's flattened local data
+    offset: int  # first element, within the subgroup
+    numel: int
+
+
+@dataclass(frozen=True)
+class Subgroup:
+    index: int
+    numel: int  # elements that hold params
+    padded: int  # numel rounded up to ALIGN_NUMEL: the length of each state part
+    segments: tuple[Segment, ...]
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_PARTS * self.padded * 4
+
+    def parts(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master params, exp_avg, exp_avg_sq) as FP32 views of a slot buffer holding this subgroup."""
+        flat = state[: self.state_bytes].view(torch.float32)
+        n = self.padded
+        return flat[:n], flat[n : 2 * n], flat[2 * n : 3 * n]
+
+
+class SubgroupLayout:
+    """Deterministic cut of params (given by their element counts) into subgroups."""
+
+    def __init__(self, numels: list[int], subgroup_numel: int) -> None:
+        if subgroup_numel <= 0 or subgroup_numel % ALIGN_NUMEL:
+            raise ValueError(
+                f"subgroup_numel={subgroup_numel} must be a positive multiple of {ALIGN_NUMEL} "
+                "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
+            )
+        total = sum(numels)
+        if total == 0:
+            raise ValueError("the optimizer got no parameter elements to manage")
+        self.numels = list(numels)
+        self.subgroup_numel = subgroup_numel
+        self.total_numel = total
+        starts, acc = [], 0
+        for n in numels:
+            starts.append(acc)
+            acc += n
+        self.param_starts = starts
+
+        subgroups = []
+        for index, lo in enumerate(range(0, total, subgroup_numel)):
+            hi = min(lo + subgroup_numel, total)
+            segs = []
+            for p, (start, n) in enumerate(zip(starts, numels)):
+                a, b = max(lo, start), min(hi, start + n)
+                if a < b:
+                    segs.append(Segment(param=p, param_offset=a - start, offset=a - lo, numel=b - a))
+            numel = hi - lo
+            padded = -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
+            subgroups.append(Subgroup(index, numel, padded, tuple(segs)))
+        self.subgroups: list[Subgroup] = subgroups
+        # Where each param's pieces live, for grad staging and gathering state.
+        self.param_segments: list[list[tuple[int, Segment]]] = [[] for _ in numels]
+        for sg in subgroups:
+            for seg in sg.segments:
+                self.param_segments[seg.param].append((sg.index, seg))
+
+    def __len__(self) -> int:
+        return len(self.subgroups)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the largest subgroup's state: the size of one host cache slot."""
+        return max(sg.state_bytes for sg in self.subgroups)
+
+    @property
+    def padded_offsets(self) -> list[int]:
+        """Element offset of each subgroup in a flat buffer of padded subgroups (staging buffers)."""
+        out, acc = [], 0
+        for sg in self.subgroups:
+            out.append(acc)
+            acc += sg.padded
+        return out
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(sg.padded for sg in self.subgroups)

@@ -1,0 +1,53 @@
+"""Pure-torch AdamW on one flat segment: the reference path and the fallback.
+
+It applies the same tensor ops in the same order as torch.optim.AdamW's single-tensor path, so master
+params and moments are bit-identical to torch.optim.AdamW fed the same upcast grads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Upcast at most this many grad elements at a time: the FP32 grad only ever exists in flight.
+UPCAST_CHUNK = 1 << 22
+
+
+def torch_adamw_step(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+) -> None:
+    """One AdamW step on 1-D FP32 `param`/`exp_avg`/`exp_avg_sq` from a bf16/fp16/fp32 `grad`.
+
+    `grad` is multiplied by `grad_scale` after the upcast (clip factor / inverse loss scale).
+    `param_out`, when given, receives the updated params in its own (low-precision) dtype.
+    """
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    n = param.numel()
+    for lo in range(0, n, UPCAST_CHUNK):
+        hi = min(lo + UPCAST_CHUNK, n)
+        p, m, v = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
+        g = grad[lo:hi].float()
+        if grad_scale != 1.0:
+            g.mul_(grad_scale)
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+        if param_out is not None:
+            param_out[lo:hi].copy_(p)

@@ -1,0 +1,265 @@
+"""OffloadAdamW on plain tensors: bit-exact with torch.optim.AdamW wherever the state lives."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.storage import CorruptSubgroupError, TierError
+from fsdp_offload.storage import posix as posix_mod
+
+SHAPES = [(300, 37), (513,), (1000, 29), (7,), (2500,)]  # 41_120 elements: no multiple of 4096
+SG = 4096  # subgroup elements: 11 subgroups, params span subgroup borders
+SLOT = 3 * SG * 4
+STAGING = 2 * (10 * SG + 1024)  # bf16 staging bytes: 10 full subgroups and one padded to 1024
+
+
+def gib(nbytes: int) -> float:
+    return nbytes / 2**30
+
+
+def budget_for(slots: int) -> float:
+    return gib(STAGING + slots * SLOT)
+
+
+def make_params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def grads_for(step: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+
+
+def groups(params: list[torch.Tensor]) -> list[dict]:
+    """Two param groups with different lr and weight decay."""
+    return [
+        {"params": params[:3], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": params[3:], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+
+
+def run_pair(cfg: OffloadConfig, steps: int = 6, scheduler: bool = False):
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
+    opt = OffloadAdamW(groups(mine), offload=cfg)
+    scheds = []
+    if scheduler:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref_opt, opt)]
+    for s in range(steps):
+        for p, r, g in zip(mine, ref, grads_for(s)):
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+        for sch in scheds:
+            sch.step()
+    return opt, ref_opt, mine, ref
+
+
+def assert_same_as_reference(opt, ref_opt, mine, ref) -> None:
+    sd = opt.state_dict()["state"]
+    for i, r in enumerate(ref):
+        st = ref_opt.state[r]
+        assert torch.equal(sd[i]["master_param"], r.data), f"param {i} master differs"
+        assert torch.equal(sd[i]["exp_avg"], st["exp_avg"]), f"param {i} exp_avg differs"
+        assert torch.equal(sd[i]["exp_avg_sq"], st["exp_avg_sq"]), f"param {i} exp_avg_sq differs"
+        assert int(sd[i]["step"]) == int(st["step"])
+        assert mine[i].dtype == torch.bfloat16
+        assert torch.equal(mine[i].data, r.data.to(torch.bfloat16)), f"param {i} bf16 copy differs"
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["all_in_cache", "all_on_disk", "mixed", "fixed_order"],
+)
+def test_bit_exact_with_torch_adamw(tmp_path, where):
+    cfg = {
+        "all_in_cache": OffloadConfig(subgroup_numel=SG),
+        "all_on_disk": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=1, host_budget_gb=budget_for(2)),
+        "mixed": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, host_budget_gb=budget_for(6)),
+        "fixed_order": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, update_order="fixed", host_budget_gb=budget_for(4)),
+    }[where]
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    if cfg.tiers:
+        assert opt.last_metrics.bytes_read[cfg.tiers[0]] > 0  # state really went through the disk
+    opt.close()
+
+
+def test_fp16_grads(tmp_path):
+    init = make_params()
+    ref = torch.nn.Parameter(init[2].clone())
+    mine = torch.nn.Parameter(init[2].clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-3, foreach=False)
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, param_dtype="float16", host_budget_gb=gib(2 * 8 * SG + 3 * SLOT))
+    opt = OffloadAdamW([mine], lr=1e-3, offload=cfg)
+    for s in range(5):
+        g = grads_for(s, torch.float16)[2]
+        mine.grad, ref.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    assert mine.dtype == torch.float16
+    assert torch.equal(opt.state_dict()["state"][0]["master_param"], ref.data)
+    opt.close()
+
+
+def test_alternating_order_reads_only_what_the_cache_misses(tmp_path):
+    m, c = 11, 5
+    reads = {}
+    for order in ("alternating", "fixed"):
+        cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, update_order=order, host_budget_gb=budget_for(c))
+        opt, *_ = run_pair(cfg, steps=1)
+        per_step = []
+        for s in range(1, 5):
+            for p, g in zip(opt._params, grads_for(s)):
+                p.grad = g
+            opt.step()
+            per_step.append((opt.last_metrics.subgroups_read, opt.last_metrics.subgroups_written, opt.last_metrics.cache_hits))
+        reads[order] = per_step
+        opt.close()
+    assert reads["alternating"] == [(m - c, m - c, c)] * 4  # M - C subgroups moved each way, not M
+    assert reads["fixed"] == [(m, m, 0)] * 4
+
+
+def test_state_dict_round_trip_into_fresh_optimizer_on_other_dirs(tmp_path):
+    dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+    dir_a.mkdir()
+    dir_b.mkdir()
+    cfg_a = OffloadConfig(tiers=[f"posix:{dir_a}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    cfg_b = OffloadConfig(tiers=[f"posix:{dir_b}"], subgroup_numel=SG, host_budget_gb=budget_for(4), prefetch=1)
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
+    opt = OffloadAdamW(groups(mine), offload=cfg_a)
+    for s in range(7):
+        if s == 3:
+            saved = opt.state_dict()
+            opt.close()
+            fresh = [torch.nn.Parameter(torch.zeros(sh)) for sh in SHAPES]
+            opt = OffloadAdamW(groups(fresh), lr=0.5, offload=cfg_b)
+            opt.load_state_dict(saved)
+            mine = fresh
+            assert opt.param_groups[0]["lr"] == 1e-2  # hyperparameters come back too
+        for p, r, g in zip(mine, ref, grads_for(s)):
+            p.grad, r.grad = g, g.float()
+        opt.step()
+        ref_opt.step()
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
+    opt = OffloadAdamW(groups(mine), offload=cfg)
+    real_write = posix_mod._pwrite_all
+    for s in range(5):
+        for p, r, g in zip(mine, ref, grads_for(s)):
+            p.grad, r.grad = g, g.float()
+        if s in (1, 3):
+            code = errno.ENOSPC if s == 1 else errno.EIO
+
+            def failing(fd, view, offset, code=code):
+                raise OSError(code, os.strerror(code))
+
+            monkeypatch.setattr(posix_mod, "_pwrite_all", failing)
+            with pytest.raises(OSError) as info:
+                opt.step()
+            assert info.value.errno == code
+            with pytest.raises(RuntimeError, match="call step\\(\\) again"):
+                opt.state_dict()
+            monkeypatch.setattr(posix_mod, "_pwrite_all", real_write)  # the fault is gone
+        opt.step()  # finishes the interrupted step, or takes a normal one
+        ref_opt.step()
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_damaged_subgroup_file_is_reported_with_its_path(tmp_path, damage):
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    params = [torch.nn.Parameter(t) for t in make_params()]
+    opt = OffloadAdamW(groups(params), offload=cfg)
+    path = opt.tiers[0].path
+    with open(path, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(SLOT)  # only the first subgroup's slot survives
+        else:
+            f.seek(SLOT * 10 - 5000)  # inside a subgroup that lives on disk
+            f.write(b"\xff" * 64)
+    for p, g in zip(params, grads_for(0)):
+        p.grad = g
+    with pytest.raises(CorruptSubgroupError, match=str(path)):
+        opt.step()
+    opt.close()
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+    p = lambda: [torch.nn.Parameter(t) for t in make_params()]  # noqa: E731
+    with pytest.raises(TierError, match="does not exist"):
+        OffloadAdamW(p(), offload=OffloadConfig(tiers=[f"posix:{tmp_path}/missing"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
+    with pytest.raises(ValueError, match="unknown tier scheme 'nfs'"):
+        OffloadAdamW(p(), offload=OffloadConfig(tiers=["nfs:/x"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
+    with pytest.raises(ValueError, match=rf"below the pipeline's minimum of {STAGING + 3 * SLOT} bytes .*3 slots"):
+        OffloadAdamW(p(), offload=OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(2)))
+    with pytest.raises(ValueError, match="add a tier"):
+        OffloadAdamW(p(), offload=OffloadConfig(subgroup_numel=SG, host_budget_gb=budget_for(4)))
+    with pytest.raises(ValueError, match="multiple of 1024"):
+        OffloadAdamW(p(), offload=OffloadConfig(subgroup_numel=1000))
+    with pytest.raises(ValueError, match="is torch.bfloat16, not float32"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
+
+    params = p()
+    opt = OffloadAdamW(params, offload=OffloadConfig(subgroup_numel=SG))
+    with pytest.raises(RuntimeError, match="before any backward"):
+        opt.step()
+    params[0].grad = torch.zeros(SHAPES[0])  # float32: wrong dtype
+    with pytest.raises(TypeError, match="expects torch.bfloat16 grads"):
+        opt.step()
+    params[0].grad = torch.zeros(5, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="shape \\(5,\\)"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="cannot be added later"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    opt.close()
+
+
+def test_unwritable_tier_dir(tmp_path):
+    if os.getuid() == 0:
+        target = "/sys"  # root writes anywhere a mode allows: use a read-only file system
+        if os.access(target, os.W_OK) and os.statvfs(target).f_flag & os.ST_RDONLY == 0:
+            try:
+                os.mkdir("/sys/fsdp-offload-probe")
+                os.rmdir("/sys/fsdp-offload-probe")
+                pytest.skip("running as root and /sys is writable: no unwritable dir to test with")
+            except OSError:
+                pass
+    else:
+        target = tmp_path / "ro"
+        target.mkdir(mode=0o500)
+    with pytest.raises(TierError, match=f"{target}"):
+        OffloadAdamW(
+            [torch.nn.Parameter(t) for t in make_params()],
+            offload=OffloadConfig(tiers=[f"posix:{target}"], subgroup_numel=SG, host_budget_gb=budget_for(3)),
+        )
+
+
+def test_tier_files_are_private_and_removed(tmp_path):
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    opt = OffloadAdamW([torch.nn.Parameter(t) for t in make_params()], offload=cfg)
+    path = opt.tiers[0].path
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+    opt.close()
+    assert not os.path.exists(path)
