@@ -12,10 +12,10 @@ from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.storage import CorruptSubgroupError, TierError
 from fsdp_offload.storage import posix as posix_mod
 
-SHAPES = [(300, 37), (513,), (1000, 29), (7,), (2500,)]  # 41_120 elements: no multiple of 4096
+SHAPES = [(300, 37), (513,), (1000, 29), (7,), (2500,)]  # 43_120 elements: no multiple of 4096
 SG = 4096  # subgroup elements: 11 subgroups, params span subgroup borders
 SLOT = 3 * SG * 4
-STAGING = 2 * (10 * SG + 1024)  # bf16 staging bytes: 10 full subgroups and one padded to 1024
+STAGING = 2 * (10 * SG + 3072)  # bf16 staging bytes: 43_120 elements = 10 full subgroups + one of 2160 padded to 3072
 
 
 def gib(nbytes: int) -> float:
@@ -224,12 +224,11 @@ def test_bad_inputs_fail_clearly(tmp_path):
     opt = OffloadAdamW(params, offload=OffloadConfig(subgroup_numel=SG))
     with pytest.raises(RuntimeError, match="before any backward"):
         opt.step()
-    params[0].grad = torch.zeros(SHAPES[0])  # float32: wrong dtype
+    # torch itself refuses a .grad of another dtype or shape; hooks hand grads over through stage_grad
     with pytest.raises(TypeError, match="expects torch.bfloat16 grads"):
-        opt.step()
-    params[0].grad = torch.zeros(5, dtype=torch.bfloat16)
+        opt.stage_grad(0, torch.zeros(SHAPES[0]))
     with pytest.raises(ValueError, match="shape \\(5,\\)"):
-        opt.step()
+        opt.stage_grad(0, torch.zeros(5, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="cannot be added later"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     opt.close()
