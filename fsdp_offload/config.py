@@ -24,6 +24,11 @@ class OffloadConfig:
     param_dtype: str = "bfloat16"
     # AdamW kernel: "auto" (fused C++ if it builds, else torch), "fused" or "torch".
     kernel: str = "auto"
+    # Clip grads to this global L2 norm (across ranks) before any subgroup is updated; None: no clipping.
+    max_grad_norm: float | None = None
+    # fp16 only: the dynamic loss scale to start from and how many good steps double it.
+    loss_scale_init: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
     # Fixed share of subgroups per tier (same length as tiers); None: equal shares.
     tier_ratios: list[float] | None = None
 

@@ -9,6 +9,7 @@ params back into the model.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -19,7 +20,9 @@ import torch
 
 from .cache import HostCache
 from .config import OffloadConfig, format_bytes
+from .fsdp import CopyStream, check_sharded_params, install_grad_hooks, local_data, mesh_group, root_fsdp_module
 from .kernels import get_adamw_kernel
+from .loss_scale import DynamicLossScaler
 from .metrics import StepMetrics, step_metrics
 from .placement import FixedRatioPlacement
 from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
@@ -32,11 +35,6 @@ log = logging.getLogger(__name__)
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def local_data(p: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds this rank's elements of `p` (the local shard of a DTensor)."""
-    return p.to_local() if hasattr(p, "to_local") else p.data
-
-
 def _rank_tag() -> str:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     return f"rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -47,7 +45,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     Build it on the model's FP32 params: it takes their values as master weights and then casts the
     params to `offload.param_dtype`, so the model (and the GPU) hold no FP32 copy. Grads must then
-    arrive in that dtype.
+    arrive in that dtype. For an FSDP2 model, the one line is
+
+        optimizer = OffloadAdamW(model.parameters(), lr=3e-4, model=model, offload=OffloadConfig(...))
+
+    which also hooks each sharded param so its grad shard goes to host memory as soon as it is reduced.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         offload: OffloadConfig | None = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"invalid lr {lr}: must be >= 0")
@@ -81,6 +84,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
+        if model is not None:
+            self._root = root_fsdp_module(model)
+            check_sharded_params(model, self._params)
+        elif any(hasattr(p, "device_mesh") for p in self._params):
+            raise ValueError(
+                "the params are FSDP2-sharded DTensors: pass model=model so OffloadAdamW can cast the model "
+                "and hook its grad shards: OffloadAdamW(model.parameters(), ..., model=model)"
+            )
         locals_ = [local_data(p) for p in self._params]
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
@@ -105,11 +116,27 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pending: list[int] | None = None  # subgroups left of a step that raised
         self._pending_scale = 1.0
         self.last_metrics: StepMetrics | None = None
+        self.loss_scaler = (
+            DynamicLossScaler(cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval)
+            if self.param_dtype == torch.float16
+            else None
+        )
+        self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
+        self.last_grad_norm: float | None = None
+        self._group = mesh_group(self._params)
+        self._copies = CopyStream(locals_[0].device)
 
         masters = [t.detach().reshape(-1) for t in locals_]
         self._fill_state(lambda i: masters[i], None, None)
-        for p in self._params:
-            p.data = p.data.to(self.param_dtype)
+        del masters
+        if model is not None:
+            model.to(self.param_dtype)  # FSDP2 re-points its sharded storage (FSDPModule._apply)
+            self._params = [p for g in self.param_groups for p in g["params"]]
+            self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
+        else:
+            self._root = None
+            for p in self._params:
+                p.data = p.data.to(self.param_dtype)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -181,16 +208,47 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.staging.stage(index, grad)
 
     def _stage_param_grads(self) -> None:
-        for i, p in enumerate(self._params):
-            if p.grad is not None and not self.staging.staged[i]:
-                self.stage_grad(i, local_data(p.grad) if hasattr(p.grad, "to_local") else p.grad)
+        """Stages the .grad of params that no hook has handed over (plain tensors)."""
+        with self._copies.after_current():
+            for i, p in enumerate(self._params):
+                if p.grad is not None and not self.staging.staged[i]:
+                    self.stage_grad(i, local_data(p.grad))
+        self._copies.wait_host()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         if self._pending is None:
             self.staging.clear()
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
     # -- the update -----------------------------------------------------------------------------
+
+    def _grad_scale(self) -> float | None:
+        """The factor applied to every grad in flight (1 / loss scale x clip factor), or None when the
+        fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
+        cfg = self.offload
+        if cfg.max_grad_norm is None and self.loss_scaler is None:
+            return 1.0
+        sq = torch.tensor([self.staging.grad_square_sum()], dtype=torch.float64)
+        if self._group is not None:
+            device = local_data(self._params[0]).device
+            sq = sq.to(device)
+            torch.distributed.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
+        total = float(sq.item())
+        unscale = 1.0
+        if self.loss_scaler is not None:
+            unscale = 1.0 / self.loss_scaler.scale  # the scale this backward ran with
+            found_inf = not math.isfinite(total)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return None
+        norm = math.sqrt(total) * unscale
+        self.last_grad_norm = norm
+        clip = 1.0 if cfg.max_grad_norm is None else min(1.0, cfg.max_grad_norm / (norm + 1e-6))
+        return unscale * clip
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -205,24 +263,41 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._stage_param_grads()
             if not any(self.staging.staged):
                 raise RuntimeError("step() called before any backward: no param has a grad")
+            scale = self._grad_scale()
+            if scale is None:  # fp16 overflow: no state is touched
+                self.skipped_steps += 1
+                self.staging.clear()
+                return loss
             for i, has in enumerate(self.staging.staged):
                 self._steps[i] += has
             self._pending = update_order(len(self.layout), self.step_count, self.offload.update_order)
-            self._pending_scale = 1.0
+            self._pending_scale = scale
         done: list[int] = []
         params = [local_data(p) for p in self._params]
 
         def update(sg: int, state: torch.Tensor) -> None:
             self._update_subgroup(sg, state, self._pending_scale)
-            self.staging.write_back(sg, params)
+            with self._copies.after_current():
+                self.staging.write_back(sg, params)
             done.append(sg)
 
         try:
             self.pipeline.run(self._pending, update)
         finally:
             self._pending = self._pending[len(done):] or None
+            self._params_written()
         self._finish_step(start)
         return loss
+
+    def _params_written(self) -> None:
+        """Makes the next forward wait for the params copied back so far."""
+        event = self._copies.record()
+        if event is None:
+            return
+        if self._root is not None:
+            self._root.set_post_optim_event(event)
+        else:
+            torch.cuda.current_stream().wait_event(event)
 
     def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
         subgroup = self.layout.subgroups[sg]

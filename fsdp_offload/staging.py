@@ -13,6 +13,7 @@ from .cache import host_buffer
 from .subgroups import Segment, SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
+_NORM_CHUNK = 1 << 22
 
 
 class LowpStaging:
@@ -53,6 +54,18 @@ class LowpStaging:
             else:
                 dst.copy_(src, non_blocking=src.is_cuda)
         self.staged[param] = True
+
+    def grad_square_sum(self) -> float:
+        """Sum of squares of the staged grads, accumulated in FP32 chunk by chunk (inf/nan if any is)."""
+        total = 0.0
+        for param, staged in enumerate(self.staged):
+            if not staged:
+                continue
+            for piece, _ in self._pieces(param):
+                for lo in range(0, piece.numel(), _NORM_CHUNK):
+                    chunk = piece[lo : lo + _NORM_CHUNK].float()
+                    total += float(torch.dot(chunk, chunk))
+        return total
 
     def write_back(self, sg: int, params: list[torch.Tensor]) -> None:
         """Copies subgroup `sg`'s updated low-precision params into the model's local param data."""

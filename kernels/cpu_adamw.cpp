@@ -147,7 +147,8 @@ AVX512_TARGET inline void store_out16(void* out, int64_t i, __m512 p) {
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
     r = _mm512_srli_epi32(r, 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+    const __mmask16 nan = _mm512_cmp_ps_mask(p, p, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(dst, _mm512_cvtepi32_epi16(r));
   }
   if constexpr (O == Out::f16)
@@ -181,8 +182,10 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Segment& s, 
   const __m512 decay = _mm512_set1_ps(c.decay), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps), neg_step_size = _mm512_set1_ps(c.neg_step_size);
   for (int64_t i = lo; i < vec_hi; i += 16) {
-    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_loadu_ps(root + (i - lo)), bc2_sqrt), eps);
-    const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step_size, _mm512_loadu_ps(s.exp_avg + i)), denom);
+    const __m512 root_v = _mm512_loadu_ps(root + (i - lo));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(root_v, bc2_sqrt), eps);
+    const __m512 m = _mm512_loadu_ps(s.exp_avg + i);
+    const __m512 step = _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom);
     const __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(s.param + i), decay), step);
     _mm512_storeu_ps(s.param + i, p);
     store_out16<O>(s.param_out, i, p);
@@ -247,8 +250,10 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Segment& s, const
   const __m256 decay = _mm256_set1_ps(c.decay), bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps), neg_step_size = _mm256_set1_ps(c.neg_step_size);
   for (int64_t i = lo; i < vec_hi; i += 8) {
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(root + (i - lo)), bc2_sqrt), eps);
-    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step_size, _mm256_loadu_ps(s.exp_avg + i)), denom);
+    const __m256 root_v = _mm256_loadu_ps(root + (i - lo));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(root_v, bc2_sqrt), eps);
+    const __m256 m = _mm256_loadu_ps(s.exp_avg + i);
+    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom);
     const __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(s.param + i), decay), step);
     _mm256_storeu_ps(s.param + i, p);
     store_out8<O>(s.param_out, i, p);
@@ -259,9 +264,11 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Segment& s, const
 
 bool isa_supported(Isa isa) {
 #if defined(__x86_64__)
-  if (isa == Isa::avx512) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (isa == Isa::avx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   if (isa == Isa::avx2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
 #endif
   return isa == Isa::scalar;
 }
@@ -297,14 +304,15 @@ void run_grad(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl, Out out)
 }
 
 void check_state(const at::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n,
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
+                  t.numel() == n,
               name, " must be a contiguous FP32 CPU tensor of ", n, " elements");
 }
 
 // The op. Scalars are Python doubles, already combined as torch_adamw_step combines them.
 void adamw_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                const at::Tensor& grad, const std::optional<at::Tensor>& param_out, double grad_scale,
-                double decay, double weight, double beta2, double one_minus_beta2, double bc2_sqrt,
+                const at::Tensor& grad, const std::optional<at::Tensor>& param_out,
+                double grad_scale, double decay, double weight, double beta2, double one_minus_beta2, double bc2_sqrt,
                 double eps, double neg_step_size, const std::string& isa_name, bool use_mkl_sqrt) {
   const int64_t n = param.numel();
   check_state(param, "param", n);

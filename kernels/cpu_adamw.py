@@ -117,7 +117,8 @@ def load_fused_adamw(isa: str | None = None, mkl_sqrt: bool | None = None) -> Fu
     if isa not in ISAS:
         raise ValueError(f"unknown ISA {isa!r}: choose one of {', '.join(ISAS)}")
     if not extension.isa_supported(isa):
-        raise RuntimeError(f"this CPU lacks the {isa} instructions (best it has: {extension.best_isa()})")
+        best = extension.best_isa()
+        raise RuntimeError(f"this CPU lacks the {isa} instructions (the best it has: {best})")
     has_mkl = extension.has_mkl_sqrt()
     if mkl_sqrt and not has_mkl:
         raise RuntimeError("this torch build has no MKL (libtorch_cpu exports no vmsSqrt)")
@@ -133,38 +134,49 @@ def _check_args(
 ) -> None:
     n = param.numel()
     for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous():
+        if t.dtype != torch.float32 or not _is_flat_cpu(t):
             raise ValueError(
                 f"{name} must be a 1-D contiguous FP32 CPU tensor, got {t.dtype} {tuple(t.shape)} "
                 f"on {t.device} (contiguous={t.is_contiguous()})"
             )
         if t.numel() != n:
             raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-    if grad.dtype not in GRAD_DTYPES or grad.device.type != "cpu" or not grad.is_contiguous():
+    if grad.dtype not in GRAD_DTYPES or not _is_flat_cpu(grad):
         raise ValueError(
-            f"grad must be a contiguous bf16/fp16/fp32 CPU tensor, got {grad.dtype} on {grad.device} "
-            f"(contiguous={grad.is_contiguous()})"
+            f"grad must be a 1-D contiguous bf16/fp16/fp32 CPU tensor, got {grad.dtype} "
+            f"{tuple(grad.shape)} on {grad.device} (contiguous={grad.is_contiguous()})"
         )
     if grad.numel() != n:
         raise ValueError(f"grad has {grad.numel()} elements, param has {n}")
     if param_out is None:
         return
-    if param_out.dtype not in OUT_DTYPES or param_out.device.type != "cpu" or not param_out.is_contiguous():
+    out = param_out
+    if out.dtype not in OUT_DTYPES or not _is_flat_cpu(out):
         raise ValueError(
-            f"param_out must be a contiguous bf16/fp16 CPU tensor, got {param_out.dtype} on "
-            f"{param_out.device} (contiguous={param_out.is_contiguous()})"
+            f"param_out must be a 1-D contiguous bf16/fp16 CPU tensor, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
         )
     if param_out.numel() != n:
         raise ValueError(f"param_out has {param_out.numel()} elements, param has {n}")
-    # Aliasing grad is fine element for element; any other overlap would let a thread overwrite
-    # grads that another thread has yet to read.
+    check_param_out_overlap(param_out, grad, (param, exp_avg, exp_avg_sq))
+
+
+def check_param_out_overlap(
+    param_out: torch.Tensor, grad: torch.Tensor, state: tuple[torch.Tensor, ...]
+) -> None:
+    """param_out may alias grad element for element; any other overlap would let one thread (or
+    GPU block) overwrite grads or state that another has yet to read."""
     if _overlap(param_out, grad) and (
         param_out.data_ptr() != grad.data_ptr() or param_out.element_size() != grad.element_size()
     ):
         raise ValueError("param_out overlaps grad without aliasing it element for element")
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    for name, t in zip(("param", "exp_avg", "exp_avg_sq"), state):
         if _overlap(param_out, t):
             raise ValueError(f"param_out overlaps {name}")
+
+
+def _is_flat_cpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

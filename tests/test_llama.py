@@ -1,4 +1,4 @@
-"""The LLaMA-style reference model: shapes, bf16 backward, GQA, RoPE, init, checkpointing, presets."""
+"""The LLaMA-style model: shapes, bf16 backward, GQA, RoPE, init, checkpointing, presets."""
 
 import dataclasses
 import math
@@ -266,7 +266,8 @@ def test_presets_are_near_their_nominal_size():
         n = num_params(MODEL_PRESETS[name])
         assert abs(n - nominal) <= 0.15 * nominal, f"{name}: {n / 1e9:.2f}B"
     tiny_args = MODEL_PRESETS["tiny"]
-    assert (tiny_args.dim, tiny_args.n_layers, tiny_args.n_heads, tiny_args.kv_heads) == (64, 2, 4, 2)
+    shape = (tiny_args.dim, tiny_args.n_layers, tiny_args.n_heads, tiny_args.kv_heads)
+    assert shape == (64, 2, 4, 2)
     assert tiny_args.vocab_size == 256  # byte-level
     one_b = MODEL_PRESETS["1b"]
     assert (one_b.dim, one_b.n_layers, one_b.ffn_dim, one_b.n_heads) == (2048, 24, 5504, 16)
@@ -288,7 +289,8 @@ def _fsdp2_worker(rank: int, world: int, store: str) -> None:
         fully_shard(model)  # root: tok_embeddings (also the tied output) and norm
         model.to_empty(device="cpu")
         model.init_weights()
-        set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, ref.state_dict(), options=opts)
         x = tokens()
         loss, ref_loss = lm_loss(model, x), lm_loss(ref, x)
         loss.backward()

@@ -1,4 +1,7 @@
-"""OffloadAdamW on plain tensors: bit-exact with torch.optim.AdamW wherever the state lives."""
+"""OffloadAdamW on plain tensors: bit-exact with torch.optim.AdamW wherever the state lives.
+
+The pure-torch kernel is the bit-exact one; the fused kernel has its own bound (test_kernels.py).
+"""
 
 from __future__ import annotations
 
@@ -81,10 +84,10 @@ def assert_same_as_reference(opt, ref_opt, mine, ref) -> None:
 )
 def test_bit_exact_with_torch_adamw(tmp_path, where):
     cfg = {
-        "all_in_cache": OffloadConfig(subgroup_numel=SG),
-        "all_on_disk": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=1, host_budget_gb=budget_for(2)),
-        "mixed": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, host_budget_gb=budget_for(6)),
-        "fixed_order": OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, update_order="fixed", host_budget_gb=budget_for(4)),
+        "all_in_cache": OffloadConfig(kernel="torch", subgroup_numel=SG),
+        "all_on_disk": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=1, host_budget_gb=budget_for(2)),
+        "mixed": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, host_budget_gb=budget_for(6)),
+        "fixed_order": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, update_order="fixed", host_budget_gb=budget_for(4)),
     }[where]
     opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
     assert_same_as_reference(opt, ref_opt, mine, ref)
@@ -98,7 +101,7 @@ def test_fp16_grads(tmp_path):
     ref = torch.nn.Parameter(init[2].clone())
     mine = torch.nn.Parameter(init[2].clone())
     ref_opt = torch.optim.AdamW([ref], lr=1e-3, foreach=False)
-    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, param_dtype="float16", host_budget_gb=gib(2 * 8 * SG + 3 * SLOT))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, param_dtype="float16", loss_scale_init=1.0, host_budget_gb=gib(2 * 8 * SG + 3 * SLOT))
     opt = OffloadAdamW([mine], lr=1e-3, offload=cfg)
     for s in range(5):
         g = grads_for(s, torch.float16)[2]
@@ -114,7 +117,7 @@ def test_alternating_order_reads_only_what_the_cache_misses(tmp_path):
     m, c = 11, 5
     reads = {}
     for order in ("alternating", "fixed"):
-        cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, update_order=order, host_budget_gb=budget_for(c))
+        cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, update_order=order, host_budget_gb=budget_for(c))
         opt, *_ = run_pair(cfg, steps=1)
         per_step = []
         for s in range(1, 5):
@@ -132,8 +135,8 @@ def test_state_dict_round_trip_into_fresh_optimizer_on_other_dirs(tmp_path):
     dir_a, dir_b = tmp_path / "a", tmp_path / "b"
     dir_a.mkdir()
     dir_b.mkdir()
-    cfg_a = OffloadConfig(tiers=[f"posix:{dir_a}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
-    cfg_b = OffloadConfig(tiers=[f"posix:{dir_b}"], subgroup_numel=SG, host_budget_gb=budget_for(4), prefetch=1)
+    cfg_a = OffloadConfig(kernel="torch", tiers=[f"posix:{dir_a}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    cfg_b = OffloadConfig(kernel="torch", tiers=[f"posix:{dir_b}"], subgroup_numel=SG, host_budget_gb=budget_for(4), prefetch=1)
     init = make_params()
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     mine = [torch.nn.Parameter(t.clone()) for t in init]
@@ -157,7 +160,7 @@ def test_state_dict_round_trip_into_fresh_optimizer_on_other_dirs(tmp_path):
 
 
 def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
-    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     init = make_params()
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     mine = [torch.nn.Parameter(t.clone()) for t in init]
@@ -188,7 +191,7 @@ def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
 def test_damaged_subgroup_file_is_reported_with_its_path(tmp_path, damage):
-    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     params = [torch.nn.Parameter(t) for t in make_params()]
     opt = OffloadAdamW(groups(params), offload=cfg)
     path = opt.tiers[0].path
@@ -208,20 +211,20 @@ def test_damaged_subgroup_file_is_reported_with_its_path(tmp_path, damage):
 def test_bad_inputs_fail_clearly(tmp_path):
     p = lambda: [torch.nn.Parameter(t) for t in make_params()]  # noqa: E731
     with pytest.raises(TierError, match="does not exist"):
-        OffloadAdamW(p(), offload=OffloadConfig(tiers=[f"posix:{tmp_path}/missing"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}/missing"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
     with pytest.raises(ValueError, match="unknown tier scheme 'nfs'"):
-        OffloadAdamW(p(), offload=OffloadConfig(tiers=["nfs:/x"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=["nfs:/x"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
     with pytest.raises(ValueError, match=rf"below the pipeline's minimum of {STAGING + 3 * SLOT} bytes .*3 slots"):
-        OffloadAdamW(p(), offload=OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(2)))
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(2)))
     with pytest.raises(ValueError, match="add a tier"):
-        OffloadAdamW(p(), offload=OffloadConfig(subgroup_numel=SG, host_budget_gb=budget_for(4)))
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb=budget_for(4)))
     with pytest.raises(ValueError, match="multiple of 1024"):
-        OffloadAdamW(p(), offload=OffloadConfig(subgroup_numel=1000))
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=1000))
     with pytest.raises(ValueError, match="is torch.bfloat16, not float32"):
         OffloadAdamW([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
 
     params = p()
-    opt = OffloadAdamW(params, offload=OffloadConfig(subgroup_numel=SG))
+    opt = OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
     with pytest.raises(RuntimeError, match="before any backward"):
         opt.step()
     # torch itself refuses a .grad of another dtype or shape; hooks hand grads over through stage_grad
@@ -250,12 +253,12 @@ def test_unwritable_tier_dir(tmp_path):
     with pytest.raises(TierError, match=f"{target}"):
         OffloadAdamW(
             [torch.nn.Parameter(t) for t in make_params()],
-            offload=OffloadConfig(tiers=[f"posix:{target}"], subgroup_numel=SG, host_budget_gb=budget_for(3)),
+            offload=OffloadConfig(kernel="torch", tiers=[f"posix:{target}"], subgroup_numel=SG, host_budget_gb=budget_for(3)),
         )
 
 
 def test_tier_files_are_private_and_removed(tmp_path):
-    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     opt = OffloadAdamW([torch.nn.Parameter(t) for t in make_params()], offload=cfg)
     path = opt.tiers[0].path
     assert os.stat(path).st_mode & 0o777 == 0o600

@@ -1,7 +1,7 @@
 """A LLaMA-style decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
 One file that reads top to bottom, in the manner of torchtitan's `models/llama3/model.py` and
-nanoGPT. It is the reference model the offloading optimizer is trained and benchmarked on, so it is built for
+nanoGPT. It is the model the offloading optimizer is trained and benchmarked on, so it is built for
 FSDP2: `layers` is an `nn.ModuleList` of blocks to `fully_shard` one by one, and it can be built on
 the meta device and materialized later:
 

@@ -80,6 +80,31 @@ def make_private_dir(root: str, spec: str) -> str:
     return path
 
 
+def open_private_file(path: str) -> tuple[int, bool]:
+    """Creates `path` 0600 (never through a symlink) and opens it O_DIRECT if the file system takes
+    an aligned O_DIRECT write, else buffered. Returns (fd, direct)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    if _O_DIRECT:
+        try:
+            fd = os.open(path, flags | _O_DIRECT, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        else:
+            probe = mmap.mmap(-1, ALIGN)  # page-aligned by construction
+            try:
+                os.pwrite(fd, probe, 0)
+                return fd, True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(fd)
+                os.unlink(path)
+            finally:
+                probe.close()
+    return os.open(path, flags, 0o600), False
+
+
 class PosixTier(Tier):
     """`posix:/dir[?threads=N&request_mb=M]`: one O_DIRECT file per rank under `dir`."""
 
@@ -104,32 +129,14 @@ class PosixTier(Tier):
 
     def _open(self, tag: str, total_bytes: int) -> None:
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(self._path, flags | _O_DIRECT, 0o600)
-            self.direct = _O_DIRECT != 0 and self._probe_direct(fd)
-            if not self.direct:
-                os.close(fd)
-                os.unlink(self._path)
-                fd = os.open(self._path, flags, 0o600)
-                log.warning("%s: O_DIRECT is not supported on %s; using buffered I/O", self.spec, self.root)
-            os.ftruncate(fd, total_bytes)
+            self._fd, self.direct = open_private_file(self._path)
+            os.ftruncate(self._fd, total_bytes)
         except OSError as exc:
             raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
-        self._fd = fd
+        if not self.direct:
+            log.warning("%s: O_DIRECT is not supported on %s; using buffered I/O", self.spec, self.root)
         self._workers = IOWorkers(self.threads, self.spec)
-
-    def _probe_direct(self, fd: int) -> bool:
-        probe = mmap.mmap(-1, ALIGN)  # page-aligned by construction
-        try:
-            os.pwrite(fd, probe, 0)
-            return True
-        except OSError as exc:
-            if exc.errno == errno.EINVAL:
-                return False
-            raise
-        finally:
-            probe.close()
 
     def _views(self, key: int, buf: torch.Tensor) -> tuple[int, memoryview, int]:
         offset = self._check_slot(key, buf)

@@ -1,0 +1,97 @@
+"""FSDP2 glue: grad shards to host as reduce-scatter ends, new params back before the next forward.
+
+A post-accumulate-grad hook on each sharded param copies its bf16 grad shard into the optimizer's
+pinned staging buffer on a side stream (after FSDP's reduce-scatter stream) and frees the GPU grad.
+After the step, the new bf16 params go back on the same stream, and the root module's next
+all-gather waits on an event recorded there (`set_post_optim_event`). On CPU (gloo) the copies are
+plain synchronous ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+
+def local_data(p: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's elements of `p` (the local shard of a DTensor)."""
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+class CopyStream:
+    """The side stream for host<->device copies of one optimizer (no stream on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def after_current(self) -> Iterator[None]:
+        """Runs the block on the side stream, ordered after the work queued so far."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def wait_host(self) -> None:
+        """Blocks until every copy queued on the side stream has landed."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def record(self) -> torch.cuda.Event | None:
+        return None if self.stream is None else self.stream.record_event()
+
+
+def root_fsdp_module(model: nn.Module) -> FSDPModule:
+    """The model itself, checked to be an FSDP2 root (fully_shard applied to it and its blocks)."""
+    if not isinstance(model, FSDPModule):
+        inner = any(isinstance(m, FSDPModule) for m in model.modules())
+        hint = "call fully_shard(model) on the root too" if inner else "apply fully_shard to its blocks and to the root"
+        raise TypeError(f"{type(model).__name__} is not an FSDP2-sharded model: {hint} before building OffloadAdamW")
+    return model
+
+
+def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
+    """Every optimizer param must be one of the model's FSDP2 sharded (DTensor) params."""
+    owned = {id(p) for p in model.parameters()}
+    for i, p in enumerate(params):
+        if id(p) not in owned:
+            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not a parameter of the model passed as model=")
+        if not isinstance(p, DTensor):
+            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not sharded by fully_shard (not a DTensor)")
+        if p.device_mesh.ndim != 1:
+            raise ValueError(f"param {i} lives on a {p.device_mesh.ndim}-D mesh: OffloadAdamW supports 1-D FSDP meshes")
+
+
+def install_grad_hooks(
+    params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None], copies: CopyStream
+) -> list:
+    """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it."""
+
+    def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            with copies.after_current():
+                stage(index, local)
+                if copies.stream is not None:
+                    local.record_stream(copies.stream)  # keep the memory until the D2H copy has run
+            param.grad = None
+
+        return hook
+
+    return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+
+
+def mesh_group(params: list[torch.Tensor]) -> torch.distributed.ProcessGroup | None:
+    """The process group that shards the params (None for plain tensors: nothing to reduce)."""
+    for p in params:
+        if isinstance(p, DTensor):
+            return p.device_mesh.get_group()
+    return None

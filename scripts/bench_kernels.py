@@ -1,0 +1,181 @@
+"""Throughput of the AdamW kernels on one subgroup, and how close the fused CPU kernel gets to memory.
+
+    python scripts/bench_kernels.py --numel 100000000 --threads 16 --device-kind nvidia-h100-x1
+
+CPU, all with bf16 grads in and bf16 params out: the fused C++ kernel; torch's fused AdamW
+(`torch._fused_adamw_` on FP32, plus the bf16 -> FP32 grad cast and FP32 -> bf16 param cast it needs);
+the pure-torch path. The fused kernel's GB/s counts 28 bytes/param (read 2 grad + 12 state, write 12
+state + 2 params) against the better of a copy and a triad over arrays of the same size. On CUDA:
+the Triton kernel against torch's fused CUDA AdamW (with the same two casts). Writes
+benchmarks/results/bench_kernels_<device>_<timestamp>.json and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from fsdp_offload.kernels import get_adamw_kernel, torch_adamw_step
+
+REPO = Path(__file__).resolve().parents[1]
+BYTES_PER_PARAM = 28
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10)
+
+
+def median_seconds(
+    fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None
+) -> float:
+    fn()  # warm-up: first-touch page faults, lazy init, Triton compile
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def state(numel: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """FP32 param/exp_avg/exp_avg_sq, bf16 grad and bf16 param_out with realistic magnitudes."""
+    param = torch.randn(numel, device=device)
+    exp_avg = torch.randn(numel, device=device) * 1e-3
+    exp_avg_sq = torch.rand(numel, device=device) * 1e-6
+    grad = (torch.randn(numel, device=device) * 1e-3).bfloat16()
+    return param, exp_avg, exp_avg_sq, grad, torch.empty_like(grad)
+
+
+def torch_fused_step(param, exp_avg, exp_avg_sq, grad, param_out, grad32, step) -> None:
+    """torch's fused AdamW as a bf16-grad optimizer would run it: cast in, update, cast out."""
+    grad32.copy_(grad)
+    torch._fused_adamw_(
+        [param], [grad32], [exp_avg], [exp_avg_sq], [], [step],
+        lr=HYPER["lr"], beta1=HYPER["beta1"], beta2=HYPER["beta2"],
+        weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], amsgrad=False, maximize=False,
+    )  # fmt: skip
+    param_out.copy_(param)
+
+
+def memory_bandwidth(numel: int, repeats: int) -> dict[str, float]:
+    """STREAM-style copy (8 B/element) and triad (12 B/element) GB/s with torch's threads."""
+    a, b, c = torch.empty(numel), torch.rand(numel), torch.rand(numel)
+    copy_s = median_seconds(lambda: a.copy_(b), repeats)
+    triad_s = median_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats)
+    return {"copy_gbps": 8 * numel / copy_s / 1e9, "triad_gbps": 12 * numel / triad_s / 1e9}
+
+
+def bench_cpu(numel: int, repeats: int) -> dict[str, float | str]:
+    _, fused = get_adamw_kernel("fused")
+    tensors = state(numel)
+    fused_s = median_seconds(lambda: fused(*tensors, **HYPER), repeats)
+    grad32, step = torch.empty(numel), torch.tensor(float(HYPER["step"]))
+    torch_fused_s = median_seconds(lambda: torch_fused_step(*tensors, grad32, step), repeats)
+    del grad32
+    pure_s = median_seconds(lambda: torch_adamw_step(*tensors, **HYPER), repeats)
+    return {
+        "fused_isa": getattr(fused, "isa", "?"),
+        "fused_mparams_per_s": numel / fused_s / 1e6,
+        "torch_mparams_per_s": numel / torch_fused_s / 1e6,
+        "pure_torch_mparams_per_s": numel / pure_s / 1e6,
+        "fused_gbps": BYTES_PER_PARAM * numel / fused_s / 1e9,
+    }
+
+
+def bench_cuda(numel: int, repeats: int) -> dict[str, float]:
+    from fsdp_offload.kernels.triton_adamw import triton_adamw_step
+
+    tensors = state(numel, "cuda")
+    sync = torch.cuda.synchronize
+    triton_s = median_seconds(lambda: triton_adamw_step(*tensors, **HYPER), repeats, sync)
+    grad32 = torch.empty(numel, device="cuda")
+    step = torch.tensor(float(HYPER["step"]), device="cuda")
+    torch_s = median_seconds(lambda: torch_fused_step(*tensors, grad32, step), repeats, sync)
+    return {
+        "triton_mparams_per_s": numel / triton_s / 1e6,
+        "torch_cuda_fused_mparams_per_s": numel / torch_s / 1e6,
+        "triton_gbps": BYTES_PER_PARAM * numel / triton_s / 1e9,
+        "triton_speedup_vs_torch_cuda": torch_s / triton_s,
+    }
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    except OSError:
+        return "uncommitted"
+    return out.stdout.strip() if out.returncode == 0 else "uncommitted"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--numel", type=int, default=100_000_000, help="params in the subgroup")
+    cores = len(os.sched_getaffinity(0))
+    parser.add_argument("--threads", type=int, default=cores, help="CPU threads")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per kernel (median taken)")
+    parser.add_argument("--device-kind", default="cpu", help="machine name recorded in the result")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    result: dict[str, object] = {
+        "command": " ".join(["python", *sys.argv]),
+        "device": args.device_kind,
+        "commit": git_commit(),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "numel": args.numel,
+    }
+    result.update(bench_cpu(args.numel, args.repeats))
+    bandwidth = memory_bandwidth(args.numel, args.repeats)
+    result.update(bandwidth)
+    result["memory_bw_gbps"] = max(bandwidth.values())
+    result["fraction_of_memory_bw"] = result["fused_gbps"] / result["memory_bw_gbps"]
+    result["speedup_vs_torch_fused"] = result["fused_mparams_per_s"] / result["torch_mparams_per_s"]
+    result["triton_speedup_vs_torch_cuda"] = None
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+        result.update(bench_cuda(args.numel, args.repeats))
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = args.out_dir / f"bench_kernels_{args.device_kind}_{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+    rows = [
+        ("fused CPU kernel", result["fused_mparams_per_s"], f"{result['fused_gbps']:.1f} GB/s"),
+        ("torch fused + casts", result["torch_mparams_per_s"], ""),
+        ("pure-torch path", result["pure_torch_mparams_per_s"], ""),
+    ]
+    if "triton_mparams_per_s" in result:
+        rows += [
+            ("Triton (GPU)", result["triton_mparams_per_s"], f"{result['triton_gbps']:.0f} GB/s"),
+            ("torch fused CUDA + casts", result["torch_cuda_fused_mparams_per_s"], ""),
+        ]
+    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    print(f"{args.numel / 1e6:g}M params, {args.threads} threads, {result['fused_isa']}")
+    print(f"{'kernel':<26}{'M params/s':>12}  note")
+    for name, rate, note in rows:
+        print(f"{name:<26}{rate:>12.0f}  {note}")
+    print(
+        f"fused: {result['speedup_vs_torch_fused']:.2f}x torch fused, "
+        f"{result['fraction_of_memory_bw']:.0%} of {result['memory_bw_gbps']:.1f} GB/s memory bandwidth"
+    )
+    if result["triton_speedup_vs_torch_cuda"] is not None:
+        print(f"Triton: {result['triton_speedup_vs_torch_cuda']:.2f}x torch fused CUDA")
+
+
+if __name__ == "__main__":
+    main()
