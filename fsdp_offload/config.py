@@ -29,8 +29,23 @@ class OffloadConfig:
     # fp16 only: the dynamic loss scale to start from and how many good steps double it.
     loss_scale_init: float = 2.0**16
     loss_scale_growth_interval: int = 2000
-    # Fixed share of subgroups per tier (same length as tiers); None: equal shares.
+    # Which tier a subgroup goes to when it leaves the host cache (with 2+ tiers): "learned" (the split
+    # that minimises the update phase, from learned read/write bandwidths and what the cache keeps),
+    # "eq1" (the MLP-Offload paper's Eq. 1: shares in proportion to min(read, write) bandwidth) or
+    # "fixed" (tier_ratios).
+    placement: str = "learned"
+    # placement="fixed" only: share of subgroups per tier (same length as tiers); None: equal shares.
     tier_ratios: list[float] | None = None
+    # Processes of a node that may do I/O on one tier at a time: "exclusive" (one), "shared" (no limit)
+    # or a number k. Held with file locks that the kernel drops when a process dies.
+    tier_access: str | int = "exclusive"
+    # Node-local dir for the tier lock files (a shared file system would make the locks span nodes).
+    tier_lock_dir: str = "/dev/shm"
+    # JSON file of measured and learned bandwidths per host and tier: a run starts from the last run's
+    # numbers and measures only tiers it lacks. None: measure every run and keep nothing.
+    bandwidth_profile: str | None = "~/.cache/fsdp-offload/bandwidth.json"
+    # GiB written then read per tier by the calibration microbenchmark, when the profile lacks a tier.
+    calibration_gb: float = 1.0
 
     @property
     def host_budget_bytes(self) -> int | None:

@@ -24,10 +24,10 @@ from .fsdp import CopyStream, check_sharded_params, install_grad_hooks, local_da
 from .kernels import get_adamw_kernel
 from .loss_scale import DynamicLossScaler
 from .metrics import StepMetrics, step_metrics
-from .placement import FixedRatioPlacement
+from .placement import make_placement
 from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
 from .staging import LowpStaging
-from .storage import Tier, make_tier
+from .storage import Tier, open_tiers
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -100,16 +100,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.staging = LowpStaging(self.layout, self.param_dtype, pin)
         num_slots = self._plan_slots(self.staging.nbytes)
         self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
-        self.tiers: list[Tier] = [make_tier(s) for s in cfg.tiers]
+        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         tag = _rank_tag()
         for t in self.tiers:
             t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
-        ratios = cfg.tier_ratios or [1.0] * max(1, len(self.tiers))
-        if self.tiers and len(ratios) != len(self.tiers):
-            raise ValueError(f"offload.tier_ratios has {len(ratios)} entries for {len(self.tiers)} tiers")
-        self.placement = FixedRatioPlacement(ratios, len(self.layout))
+        self.placement = make_placement(cfg, self.layout, self.cache.num_slots)
         self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
-        self._closer = weakref.finalize(self, _close, self.tiers, self.cache)
+        tiers, cache, placement = self.tiers, self.cache, self.placement
+
+        def shutdown() -> None:
+            placement.close()  # saves the learned bandwidths
+            _close(tiers, cache)
+
+        self._closer = weakref.finalize(self, shutdown)
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order

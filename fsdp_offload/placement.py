@@ -1,38 +1,334 @@
-"""Which tier a subgroup is written to when it leaves the host cache."""
+"""Which tier a subgroup is written to when it leaves the host cache, and the bandwidth model behind it.
+
+Three rules, one per `offload.placement`:
+- "fixed": shares given by `tier_ratios`.
+- "eq1": the MLP-Offload paper's Eq. 1: T_i = ceil(M * B_i / sum B) subgroups on tier i (trimmed to
+  sum to M), with B_i = min(read, write) bandwidth of tier i.
+- "learned": the split that minimises the expected update phase. It knows which subgroups the host
+  cache keeps (they never reach a tier), what each step reads and writes (with alternating order a
+  subgroup is read in one step and written in the next, or both in the middle of the order), costs
+  reads and writes at their own bandwidths, and interleaves tiers along the next step's order so that
+  every tier is busy all through the step.
+
+Both bandwidth rules replan when a tier's learned bandwidth drifts; a subgroup then moves to its new
+tier when it is next flushed, which it is anyway: replanning costs no I/O.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from .calibrate import MIN_BPS, BandwidthProfile, TierSpeed, seed_speeds, tier_profile_key
+from .config import OffloadConfig
 from .storage.base import Transfer
+from .subgroups import SubgroupLayout
+
+log = logging.getLogger(__name__)
+
+PLACEMENTS = ("learned", "eq1", "fixed")
+
+
+class BandwidthModel:
+    """Each tier's read and write bandwidth, learned from every transfer; per-request latency as seeded.
+
+    A transfer's record spans from when it was issued to when it finished, and on a busy tier that
+    includes waiting behind other transfers. So a tier's busy time is shared out as a serial device
+    spends it: each instant goes to the transfer, of those in flight then, that finishes first. Each
+    transfer reports when it finishes (from the I/O threads), and claims the part of its span that no
+    earlier-finished transfer has claimed. Its bandwidth sample is bytes / (claimed - latency); the
+    estimate is the median of the last WINDOW samples of that tier and direction, so a one-off stall
+    moves nothing and a lasting change takes over after WINDOW // 2 + 1 transfers. Latency stays at its
+    calibrated value: subgroups are all about one size, so their times cannot tell it from bandwidth.
+    """
+
+    WINDOW = 7
+    _CLAIMS_KEPT = 64
+
+    def __init__(self, seeds: list[TierSpeed]) -> None:
+        if not seeds:
+            raise ValueError("a bandwidth model needs at least one tier")
+        for i, s in enumerate(seeds):
+            if not s.valid:
+                raise ValueError(f"tier {i}: seed {s} must have positive, finite read/write rates and latency >= 0")
+        self._latency = [s.latency_s for s in seeds]
+        self._samples = [{"read": deque([s.read_bps], maxlen=self.WINDOW), "write": deque([s.write_bps], maxlen=self.WINDOW)} for s in seeds]
+        self._claimed: list[list[list[float]]] = [[] for _ in seeds]  # per tier: disjoint [start, end], sorted
+        self._lock = threading.Lock()
+        self.observed = 0  # transfers learned from
+
+    def __len__(self) -> int:
+        return len(self._latency)
+
+    def speeds(self) -> list[TierSpeed]:
+        with self._lock:
+            return [
+                TierSpeed(statistics.median(s["read"]), statistics.median(s["write"]), lat)
+                for s, lat in zip(self._samples, self._latency)
+            ]
+
+    def observe(self, tier: int, t: Transfer) -> None:
+        """Learns from one finished transfer on `tier` (call it as each transfer finishes)."""
+        if t.kind not in ("read", "write"):
+            raise ValueError(f"transfer of kind {t.kind!r}: expected 'read' or 'write'")
+        with self._lock:
+            busy = self._claim(tier, t.start, t.end) - self._latency[tier]
+            self.observed += 1
+            if busy > 0 and t.nbytes > 0:
+                self._samples[tier][t.kind].append(max(t.nbytes / busy, MIN_BPS))
+
+    def _claim(self, tier: int, start: float, end: float) -> float:
+        """Seconds of [start, end] that no earlier-finished transfer claimed; marks them claimed."""
+        claimed = self._claimed[tier]
+        free, merged, lo, hi = end - start, [], start, end
+        for a, b in claimed:  # disjoint, so overlaps add up
+            if b < start or a > end:
+                merged.append([a, b])
+                continue
+            free -= max(0.0, min(b, end) - max(a, start))
+            lo, hi = min(lo, a), max(hi, b)
+        merged.append([lo, hi])
+        merged.sort()
+        self._claimed[tier] = merged[-self._CLAIMS_KEPT :]
+        return max(free, 0.0)
+
+
+# -- what a step moves ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """Which subgroups each kind of step reads from and writes to the tiers, in steady state.
+
+    With alternating order there are two kinds of step (ascending, descending); with fixed order one.
+    A step in order O whose cache of C slots holds O[:C] when it starts (alternating order leaves it so)
+    hits O[:C], reads O[C:] and writes O[:M-C] as it evicts them, least recently used first. With fixed
+    order the cache holds the last C, which are evicted before the step reaches them: every subgroup is
+    read and written every step.
+    """
+
+    orders: list[list[int]]
+    reads: list[frozenset[int]]
+    writes: list[frozenset[int]]
+
+    @property
+    def moving(self) -> frozenset[int]:
+        """Subgroups that a tier ever sees in steady state; the others stay in the host cache."""
+        return frozenset().union(*self.reads, *self.writes)
+
+
+def steady_traffic(num_subgroups: int, cache_slots: int, update_order: str) -> StepTraffic:
+    m, c = num_subgroups, cache_slots
+    ascending = list(range(m))
+    if update_order == "fixed":
+        everything = frozenset(ascending) if c < m else frozenset()
+        return StepTraffic([ascending], [everything], [everything])
+    if update_order != "alternating":
+        raise ValueError(f"unknown update order {update_order!r}")
+    orders = [ascending, ascending[::-1]]
+    return StepTraffic(orders, [frozenset(o[c:]) for o in orders], [frozenset(o[: max(0, m - c)]) for o in orders])
+
+
+def expected_step_seconds(tiers: list[int], speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffic) -> float:
+    """Mean over the kinds of step of the busiest tier's I/O time: the update phase of an I/O-bound
+    step whose tiers all stay busy. The makespan this module's learned rule minimises."""
+    total = 0.0
+    for reads, writes in zip(traffic.reads, traffic.writes):
+        load = [0.0] * len(speeds)
+        for sg in reads:
+            load[tiers[sg]] += speeds[tiers[sg]].seconds("read", sizes[sg])
+        for sg in writes:
+            load[tiers[sg]] += speeds[tiers[sg]].seconds("write", sizes[sg])
+        total += max(load)
+    return total / len(traffic.orders)
+
+
+# -- the rules --------------------------------------------------------------------------------------
+
+
+def smooth_round_robin(shares: list[float], num_subgroups: int) -> list[int]:
+    """Tier of each subgroup, in proportion to `shares` and interleaved along the subgroups: subgroup
+    k goes to the tier furthest behind its share after k placements (smooth weighted round-robin)."""
+    if not shares or any(r < 0 for r in shares) or sum(shares) <= 0:
+        raise ValueError(f"placement shares {shares} must be non-negative with a positive sum")
+    total = sum(shares)
+    credit = [0.0] * len(shares)
+    out = []
+    for _ in range(num_subgroups):
+        for i, r in enumerate(shares):
+            credit[i] += r / total
+        best = max(range(len(shares)), key=lambda i: credit[i])
+        credit[best] -= 1.0
+        out.append(best)
+    return out
+
+
+def eq1_counts(bandwidths: list[float], num_subgroups: int) -> list[int]:
+    """The paper's Eq. 1: T_i = ceil(M * B_i / sum B), then the most over-rounded trimmed until they sum to M."""
+    total = sum(bandwidths)
+    exact = [num_subgroups * b / total for b in bandwidths]
+    counts = [math.ceil(x) for x in exact]
+    while sum(counts) > num_subgroups:
+        i = max(range(len(counts)), key=lambda i: counts[i] - exact[i])
+        counts[i] -= 1
+    return counts
+
+
+def plan_eq1(speeds: list[TierSpeed], num_subgroups: int) -> list[int]:
+    counts = eq1_counts([min(s.read_bps, s.write_bps) for s in speeds], num_subgroups)
+    return smooth_round_robin([float(c) for c in counts], num_subgroups)
+
+
+def plan_makespan(speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffic) -> list[int]:
+    """The learned rule: walks the next step's order and gives each subgroup the tier that keeps the
+    expected update phase (summed over the kinds of step) lowest; ties go to the tier that would finish
+    its share earliest. Walking in order balances every prefix, which is what keeps all tiers busy
+    while the pipeline works through the step. Subgroups the cache keeps cost no step anything; they
+    go where a full flush (a checkpoint) would end soonest."""
+    n, kinds = len(speeds), range(len(traffic.orders))
+    load = [[0.0] * n for _ in kinds]
+    flush = [0.0] * n
+    tiers = [0] * len(sizes)
+    for sg in traffic.orders[0]:
+        cost = [
+            [
+                (speeds[i].seconds("read", sizes[sg]) if sg in traffic.reads[k] else 0.0)
+                + (speeds[i].seconds("write", sizes[sg]) if sg in traffic.writes[k] else 0.0)
+                for i in range(n)
+            ]
+            for k in kinds
+        ]
+        flush_cost = [speeds[i].seconds("write", sizes[sg]) for i in range(n)]
+
+        def score(i: int) -> tuple[float, float, float]:
+            step = sum(max(load[k][j] + (cost[k][i] if j == i else 0.0) for j in range(n)) for k in kinds)
+            full_flush = max(flush[j] + (flush_cost[i] if j == i else 0.0) for j in range(n))
+            finish = max(load[k][i] + cost[k][i] for k in kinds)
+            return step, full_flush, finish
+
+        best = min(range(n), key=score)
+        for k in kinds:
+            load[k][best] += cost[k][best]
+        flush[best] += flush_cost[best]
+        tiers[sg] = best
+    return tiers
 
 
 class FixedRatioPlacement:
-    """Spreads subgroups over tiers in fixed proportions (1 tier: everything goes there).
-
-    Subgroup k goes to the tier whose share is furthest behind its target after k placements (smooth
-    weighted round-robin), so the split is deterministic and interleaved along the update order.
-    """
+    """Spreads subgroups over tiers in fixed proportions (1 tier: everything goes there)."""
 
     def __init__(self, ratios: list[float], num_subgroups: int) -> None:
-        if not ratios or any(r < 0 for r in ratios) or sum(ratios) <= 0:
-            raise ValueError(f"placement ratios {ratios} must be non-negative with a positive sum")
-        total = sum(ratios)
-        credit = [0.0] * len(ratios)
-        self._tier: list[int] = []
-        for _ in range(num_subgroups):
-            for i, r in enumerate(ratios):
-                credit[i] += r / total
-            best = max(range(len(ratios)), key=lambda i: credit[i])
-            credit[best] -= 1.0
-            self._tier.append(best)
+        self._tier = smooth_round_robin(ratios, num_subgroups)
 
     def tier_for(self, sg: int) -> int:
         return self._tier[sg]
 
-    def observe(self, transfer: Transfer) -> None:
+    def observe(self, tier: int, transfer: Transfer) -> None:
         """Fixed placement learns nothing from transfers."""
 
-    def state_dict(self) -> dict:
-        return {}
+    def close(self) -> None:
+        """Fixed placement has nothing to save."""
 
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore: the split follows from the ratios alone."""
+
+class AdaptivePlacement:
+    """A bandwidth rule (`plan`: speeds -> tier of each subgroup) kept current with a BandwidthModel.
+
+    Replans when any tier's read or write bandwidth has moved by more than DRIFT since the current
+    plan was made (less would only shuffle subgroups on noise), and then saves the new numbers to the
+    profile, so the next run starts from them.
+    """
+
+    DRIFT = 0.10
+
+    def __init__(
+        self,
+        model: BandwidthModel,
+        plan: Callable[[list[TierSpeed]], list[int]],
+        name: str,
+        tier_specs: list[str],
+        profile: BandwidthProfile | None = None,
+    ) -> None:
+        if len(tier_specs) != len(model):
+            raise ValueError(f"{len(tier_specs)} tier specs for a model of {len(model)} tiers")
+        self.model = model
+        self.name = name
+        self.tier_specs = tier_specs
+        self._plan_fn = plan
+        self._profile = profile
+        self._keys = [tier_profile_key(s) for s in tier_specs]
+        self.replans = 0
+        self.basis: list[TierSpeed] = []
+        self.tiers: list[int] = []
+        self._plan(model.speeds())
+
+    def _plan(self, speeds: list[TierSpeed]) -> None:
+        self.tiers = self._plan_fn(speeds)
+        self.basis = speeds
+        log.info(
+            "placement %s: %s",
+            self.name,
+            ", ".join(
+                f"{spec} {self.tiers.count(i)} subgroups (read {s.read_bps / 1e9:.3g} GB/s, write {s.write_bps / 1e9:.3g} GB/s)"
+                for i, (spec, s) in enumerate(zip(self.tier_specs, speeds))
+            ),
+        )
+
+    def tier_for(self, sg: int) -> int:
+        speeds = self.model.speeds()
+        if any(now.drifted_from(then, self.DRIFT) for now, then in zip(speeds, self.basis)):
+            self._plan(speeds)
+            self.replans += 1
+            self._save(speeds)
+        return self.tiers[sg]
+
+    def observe(self, tier: int, transfer: Transfer) -> None:
+        self.model.observe(tier, transfer)
+
+    def _save(self, speeds: list[TierSpeed]) -> None:
+        if self._profile is not None:
+            self._profile.save_learned(dict(zip(self._keys, speeds)))
+
+    def close(self) -> None:
+        """Saves what was learned to the profile and lets go of it."""
+        if self._profile is None:
+            return
+        if self.model.observed:
+            self._save(self.model.speeds())
+        self._profile.close()
+        self._profile = None
+
+
+def make_placement(
+    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int
+) -> FixedRatioPlacement | AdaptivePlacement:
+    """The placement that `cfg.placement` names. With 2+ tiers and a bandwidth rule, its model starts
+    from the bandwidth profile, measuring (and saving) the tiers the profile lacks."""
+    if cfg.placement not in PLACEMENTS:
+        raise ValueError(f"offload.placement={cfg.placement!r}: choose one of {PLACEMENTS}")
+    if cfg.tier_ratios is not None and cfg.placement != "fixed":
+        raise ValueError(
+            f"offload.tier_ratios={cfg.tier_ratios} only applies to placement='fixed', not {cfg.placement!r}: "
+            "drop tier_ratios or set offload.placement='fixed'"
+        )
+    num_tiers, m = len(cfg.tiers), len(layout)
+    if cfg.placement == "fixed" or num_tiers < 2:
+        ratios = cfg.tier_ratios or [1.0] * max(1, num_tiers)
+        if num_tiers and len(ratios) != num_tiers:
+            raise ValueError(f"offload.tier_ratios has {len(ratios)} entries for {num_tiers} tiers")
+        return FixedRatioPlacement(ratios, m)
+    if not cfg.calibration_gb > 0:
+        raise ValueError(f"offload.calibration_gb={cfg.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
+    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
+    seeds = seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), min(layout.slot_bytes, 64 << 20))
+    sizes = [sg.state_bytes for sg in layout.subgroups]
+    if cfg.placement == "eq1":
+        plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731
+    else:
+        traffic = steady_traffic(m, cache_slots, cfg.update_order)
+        plan = lambda speeds: plan_makespan(speeds, sizes, traffic)  # noqa: E731
+    return AdaptivePlacement(BandwidthModel(seeds), plan, cfg.placement, list(cfg.tiers), profile)

@@ -3,12 +3,15 @@
 While subgroup i is updated, the next `prefetch` subgroups are being fetched; fetching one into a
 slot whose occupant is dirty first writes the occupant to the tier the placement picks (a lazy flush:
 nothing is written until its slot is needed). A subgroup's host copy is dropped only once its write is
-known good, so an I/O error loses nothing.
+known good, so an I/O error loses nothing. When the next subgroup is still on its way (its tier busy,
+or held by another process of the node) while a later one of the window is ready, the later one goes
+first. Every finished transfer is handed to the placement as it finishes, to learn bandwidths from.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -17,6 +20,8 @@ import torch
 from .cache import HostCache
 from .storage.base import Tier, Transfer
 from .subgroups import SubgroupLayout
+
+log = logging.getLogger(__name__)
 
 UPDATE_ORDERS = ("alternating", "fixed")
 
@@ -35,7 +40,8 @@ def update_order(num_subgroups: int, step: int, order: str) -> list[int]:
 class Placement(Protocol):
     def tier_for(self, sg: int) -> int: ...
 
-    def observe(self, transfer: Transfer) -> None: ...
+    def observe(self, tier: int, transfer: Transfer) -> None:
+        """Called from an I/O thread as each transfer on tiers[tier] finishes."""
 
 
 @dataclass
@@ -71,6 +77,9 @@ class SubgroupPipeline:
         self.prefetch = prefetch
         self.location: dict[int, int] = {}  # subgroup -> tier holding its latest good stored copy
         self._fetches: dict[int, _Fetch] = {}
+        self._evicting: dict[int, int] = {}  # subgroup being written out -> the fetch that evicts it
+        self._position: dict[int, int] = {}  # subgroup -> its place in the current pass's order
+        self._visited: set[int] = set()  # this pass
         self.transfers: list[Transfer] = []  # since the last take_transfers()
         self.hits = 0
 
@@ -95,30 +104,68 @@ class SubgroupPipeline:
     ) -> None:
         """Calls `visit(sg, state)` on each subgroup of `order` with its state resident.
 
+        Subgroups go in order, except that a ready one of the prefetch window goes before one still on
+        its way (subgroups are independent: the order of visits changes no result). `order` is
+        rearranged in place into the order of the visits, so that after an error `order[k:]` are the
+        subgroups not visited, k being how many were.
         `load=False` skips reading stored copies (the visit overwrites the whole state);
         `dirty=False` says the visit only reads the state.
         """
+        self._position = {sg: k for k, sg in enumerate(order)}
+        self._visited = set()
         try:
-            for i, sg in enumerate(order):
+            for i in range(len(order)):
                 window = order[i : i + 1 + self.prefetch]
                 keep = set(window)
                 for nxt in window:
                     self._start(nxt, load, keep)
+                ready = self._first_ready(window)
+                if ready:
+                    order.insert(i, order.pop(i + ready))
+                sg = order[i]
                 state = self._acquire(sg, load, keep)
                 visit(sg, state)
+                self._visited.add(sg)
                 if dirty:
                     self.cache.dirty.add(sg)
         except BaseException:
             self.drain()
             raise
 
+    def _first_ready(self, window: list[int]) -> int:
+        """Index in `window` of the first subgroup that is resident or whose fetch has finished,
+        waiting for one if need be; 0 when nothing in the window is under way."""
+        while True:
+            pending = []
+            for j, sg in enumerate(window):
+                f = self._fetches.get(sg)
+                if f is None:
+                    if self.cache.is_resident(sg):
+                        return j
+                elif f.done.done():
+                    return j
+                else:
+                    pending.append(f.done)
+            if not pending:
+                return 0
+            wait(pending, return_when=FIRST_COMPLETED)
+
     def _start(self, sg: int, load: bool, keep: set[int]) -> bool:
         """Begins bringing `sg` into a slot; False when every slot is spoken for right now."""
         if self.cache.is_resident(sg) or sg in self._fetches:
             return True
+        if sg in self._evicting:
+            # Its newest copy is still being written out: let that write land (or fail and put it back).
+            error = self._settle(self._evicting[sg])
+            if error is not None:
+                raise error
+            if self.cache.is_resident(sg):
+                return True
+        if load and sg not in self.location:
+            raise RuntimeError(f"subgroup {sg} is neither in host memory nor stored on any tier")
         slot, victim = self.cache.take_free(), None
         if slot is None:
-            victim = self.cache.victim(keep)
+            victim = self._victim(keep)
             if victim is None:
                 return False
             was_dirty = victim in self.cache.dirty
@@ -127,11 +174,31 @@ class SubgroupPipeline:
                 victim = None  # its stored copy is current: the slot is simply reused
         fetch = _Fetch(sg, slot, victim, None if victim is None else self.placement.tier_for(victim))
         self._fetches[sg] = fetch
-        read_tier = self.tiers[self.location[sg]] if load else None
-        self._chain(fetch, read_tier)
+        if victim is not None:
+            self._evicting[victim] = sg
+        self._chain(fetch, self.location[sg] if load else None)
         return True
 
-    def _chain(self, f: _Fetch, read_tier: Tier | None) -> None:
+    def _victim(self, keep: set[int]) -> int | None:
+        """The resident subgroup to evict: the least recently used of those this pass has not visited,
+        else the visited one earliest in the pass's order. Visits that went out of order thus evict as
+        strict order would have: a subgroup that was overtaken must not outlive its overtaker, or the
+        next step (in the reverse order) would find the wrong subgroups cached."""
+        victim = self.cache.victim(keep | self._visited)
+        if victim is not None:
+            return victim
+        done = [sg for sg in self._visited if sg not in keep and self.cache.is_resident(sg)]
+        return min(done, key=self._position.__getitem__, default=None)
+
+    def _learn(self, tier: int, t: Transfer) -> None:
+        """Hands a finished transfer to the placement. This runs inside a fetch's chain of callbacks on
+        an I/O thread, where an exception would leave the fetch unresolved forever: it is logged."""
+        try:
+            self.placement.observe(tier, t)
+        except Exception:
+            log.exception("placement failed to learn from %s", t)
+
+    def _chain(self, f: _Fetch, read_tier: int | None) -> None:
         """Write the victim (if any), then read `f.sg` (if asked), then resolve `f.done`."""
 
         def finish(error: BaseException | None = None, write_failed: bool = False) -> None:
@@ -141,6 +208,7 @@ class SubgroupPipeline:
         def after_read(fut: Future) -> None:
             if fut.exception() is None:
                 f.read = fut.result()
+                self._learn(read_tier, f.read)
             finish(fut.exception())
 
         def after_write(fut: Future | None) -> None:
@@ -148,10 +216,11 @@ class SubgroupPipeline:
                 if fut.exception() is not None:
                     return finish(fut.exception(), write_failed=True)
                 f.write = fut.result()
+                self._learn(f.victim_tier, f.write)
             if read_tier is None:
                 return finish()
             try:
-                read_tier.read(f.sg, self.view(f.slot, f.sg)).add_done_callback(after_read)
+                self.tiers[read_tier].read(f.sg, self.view(f.slot, f.sg)).add_done_callback(after_read)
             except BaseException as exc:
                 finish(exc)
 
@@ -166,10 +235,11 @@ class SubgroupPipeline:
         """Waits for `sg`'s fetch and records what it did; returns its error, if any."""
         f = self._fetches.pop(sg)
         f.done.result()
+        if f.victim is not None:
+            del self._evicting[f.victim]
         if f.write is not None:
             self.location[f.victim] = f.victim_tier
             self.transfers.append(f.write)
-            self.placement.observe(f.write)
         if f.write_failed:
             self.cache.admit(f.victim, f.slot, dirty=True)  # the host copy stays the only good one
             return f.error
@@ -178,7 +248,6 @@ class SubgroupPipeline:
             return f.error
         if f.read is not None:
             self.transfers.append(f.read)
-            self.placement.observe(f.read)
         self.cache.admit(sg, f.slot, dirty=False)
         return None
 
@@ -207,7 +276,14 @@ class SubgroupPipeline:
         futs = []
         for sg in sorted(self.cache.dirty):
             tier = self.placement.tier_for(sg)
-            futs.append((sg, tier, self.tiers[tier].write(sg, self.view(self.cache.slot_of[sg], sg))))
+            fut = self.tiers[tier].write(sg, self.view(self.cache.slot_of[sg], sg))
+
+            def learn(done: Future, tier: int = tier) -> None:
+                if done.exception() is None:
+                    self._learn(tier, done.result())
+
+            fut.add_done_callback(learn)
+            futs.append((sg, tier, fut))
         first = None
         for sg, tier, fut in futs:
             try:
@@ -218,6 +294,5 @@ class SubgroupPipeline:
             self.location[sg] = tier
             self.cache.dirty.discard(sg)
             self.transfers.append(t)
-            self.placement.observe(t)
         if first is not None:
             raise first

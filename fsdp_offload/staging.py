@@ -56,14 +56,16 @@ class LowpStaging:
         self.staged[param] = True
 
     def grad_square_sum(self) -> float:
-        """Sum of squares of the staged grads, accumulated in FP32 chunk by chunk (inf/nan if any is)."""
+        """Sum of squares of the staged grads in FP64, chunk by chunk (inf/nan if any grad is).
+
+        FP64 makes the clip factor independent of how params are cut into subgroups and ranks."""
         total = 0.0
         for param, staged in enumerate(self.staged):
             if not staged:
                 continue
             for piece, _ in self._pieces(param):
                 for lo in range(0, piece.numel(), _NORM_CHUNK):
-                    chunk = piece[lo : lo + _NORM_CHUNK].float()
+                    chunk = piece[lo : lo + _NORM_CHUNK].double()
                     total += float(torch.dot(chunk, chunk))
         return total
 

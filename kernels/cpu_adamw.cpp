@@ -63,7 +63,7 @@ struct Segment {
   int64_t n;
 };
 
-// ---- scalar path: the tail of every block, and the whole segment where there is no SIMD ----
+// ---- scalar path: a segment's last few elements, and all of it where there is no SIMD ----
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -131,12 +131,16 @@ void block_scalar(const Segment& s, const Coeffs& c, int64_t lo, int64_t hi, flo
 
 template <Grad G>
 AVX512_TARGET inline __m512 load_grad16(const void* grad, int64_t i) {
-  if constexpr (G == Grad::f32) return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
-  const __m256i h =
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
-  if constexpr (G == Grad::bf16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  return _mm512_cvtph_ps(h);
+  if constexpr (G == Grad::f32) {
+    return _mm512_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const auto* src = reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i);
+    const __m256i h = _mm256_loadu_si256(src);
+    if constexpr (G == Grad::bf16)  // bf16 is the top half of an FP32: widen and shift, exact
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
+  }
 }
 
 template <Out O>
@@ -163,16 +167,19 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Segment& s, 
   const __m512 one_minus_beta2 = _mm512_set1_ps(c.one_minus_beta2);
   const __m512 coeff = _mm512_set1_ps(c.small_w ? c.w : c.w_minus_1);
   const int64_t vec_hi = lo + (hi - lo) / 16 * 16;
+  // 1. moments: reads grad, exp_avg, exp_avg_sq from memory
   for (int64_t i = lo; i < vec_hi; i += 16) {
     const __m512 g = _mm512_mul_ps(load_grad16<G>(s.grad, i), grad_scale);
     const __m512 m = _mm512_loadu_ps(s.exp_avg + i);
     const __m512 v = _mm512_loadu_ps(s.exp_avg_sq + i);
-    _mm512_storeu_ps(s.exp_avg + i, _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), c.small_w ? m : g));
+    const __m512 base = c.small_w ? m : g;
+    _mm512_storeu_ps(s.exp_avg + i, _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), base));
     _mm512_storeu_ps(s.exp_avg_sq + i, _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g,
                                                        _mm512_mul_ps(v, beta2)));
   }
   for (int64_t i = vec_hi; i < hi; ++i) moments_scalar<G>(s, c, i);
 
+  // 2. sqrt of the block's new exp_avg_sq, from cache
   if (!sqrt_mkl(s.exp_avg_sq + lo, root, hi - lo, use_mkl)) {
     for (int64_t i = lo; i < vec_hi; i += 16)
       _mm512_storeu_ps(root + (i - lo), _mm512_sqrt_ps(_mm512_loadu_ps(s.exp_avg_sq + i)));
@@ -181,6 +188,7 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Segment& s, 
 
   const __m512 decay = _mm512_set1_ps(c.decay), bc2_sqrt = _mm512_set1_ps(c.bc2_sqrt);
   const __m512 eps = _mm512_set1_ps(c.eps), neg_step_size = _mm512_set1_ps(c.neg_step_size);
+  // 3. update: reads param from memory, exp_avg and the roots from cache
   for (int64_t i = lo; i < vec_hi; i += 16) {
     const __m512 root_v = _mm512_loadu_ps(root + (i - lo));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(root_v, bc2_sqrt), eps);
@@ -197,12 +205,16 @@ __attribute__((target("avx512f,avx512bw"))) void block_avx512(const Segment& s, 
 
 template <Grad G>
 AVX2_TARGET inline __m256 load_grad8(const void* grad, int64_t i) {
-  if constexpr (G == Grad::f32) return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
-  const __m128i h =
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-  if constexpr (G == Grad::bf16)
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  return _mm256_cvtph_ps(h);
+  if constexpr (G == Grad::f32) {
+    return _mm256_loadu_ps(static_cast<const float*>(grad) + i);
+  } else {
+    const auto* src = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i);
+    const __m128i h = _mm_loadu_si128(src);
+    if constexpr (G == Grad::bf16)
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else
+      return _mm256_cvtph_ps(h);
+  }
 }
 
 template <Out O>
@@ -231,16 +243,19 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Segment& s, const
   const __m256 one_minus_beta2 = _mm256_set1_ps(c.one_minus_beta2);
   const __m256 coeff = _mm256_set1_ps(c.small_w ? c.w : c.w_minus_1);
   const int64_t vec_hi = lo + (hi - lo) / 8 * 8;
+  // 1. moments: reads grad, exp_avg, exp_avg_sq from memory
   for (int64_t i = lo; i < vec_hi; i += 8) {
     const __m256 g = _mm256_mul_ps(load_grad8<G>(s.grad, i), grad_scale);
     const __m256 m = _mm256_loadu_ps(s.exp_avg + i);
     const __m256 v = _mm256_loadu_ps(s.exp_avg_sq + i);
-    _mm256_storeu_ps(s.exp_avg + i, _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), c.small_w ? m : g));
+    const __m256 base = c.small_w ? m : g;
+    _mm256_storeu_ps(s.exp_avg + i, _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), base));
     _mm256_storeu_ps(s.exp_avg_sq + i, _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g,
                                                        _mm256_mul_ps(v, beta2)));
   }
   for (int64_t i = vec_hi; i < hi; ++i) moments_scalar<G>(s, c, i);
 
+  // 2. sqrt of the block's new exp_avg_sq, from cache
   if (!sqrt_mkl(s.exp_avg_sq + lo, root, hi - lo, use_mkl)) {
     for (int64_t i = lo; i < vec_hi; i += 8)
       _mm256_storeu_ps(root + (i - lo), _mm256_sqrt_ps(_mm256_loadu_ps(s.exp_avg_sq + i)));
@@ -249,6 +264,7 @@ __attribute__((target("avx2,fma,f16c"))) void block_avx2(const Segment& s, const
 
   const __m256 decay = _mm256_set1_ps(c.decay), bc2_sqrt = _mm256_set1_ps(c.bc2_sqrt);
   const __m256 eps = _mm256_set1_ps(c.eps), neg_step_size = _mm256_set1_ps(c.neg_step_size);
+  // 3. update: reads param from memory, exp_avg and the roots from cache
   for (int64_t i = lo; i < vec_hi; i += 8) {
     const __m256 root_v = _mm256_loadu_ps(root + (i - lo));
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(root_v, bc2_sqrt), eps);
@@ -312,8 +328,9 @@ void check_state(const at::Tensor& t, const char* name, int64_t n) {
 // The op. Scalars are Python doubles, already combined as torch_adamw_step combines them.
 void adamw_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const at::Tensor& grad, const std::optional<at::Tensor>& param_out,
-                double grad_scale, double decay, double weight, double beta2, double one_minus_beta2, double bc2_sqrt,
-                double eps, double neg_step_size, const std::string& isa_name, bool use_mkl_sqrt) {
+                double grad_scale, double decay, double weight, double beta2,
+                double one_minus_beta2, double bc2_sqrt, double eps, double neg_step_size,
+                const std::string& isa_name, bool use_mkl_sqrt) {
   const int64_t n = param.numel();
   check_state(param, "param", n);
   check_state(exp_avg, "exp_avg", n);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -29,15 +30,29 @@ _extension: ModuleType | None = None
 _build_error: str | None = None  # a failed build is not retried in this process
 
 
-def _build() -> ModuleType:
+def missing_toolchain() -> str | None:
+    """What the build lacks on this machine (compiler, ninja, Python headers), or None."""
     cxx = os.environ.get("CXX", "c++")
     compiler = shlex.split(cxx)[0] if cxx.strip() else ""
     if not compiler or shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler: CXX={cxx!r} is not on PATH (install g++ or set CXX)")
+        return f"no C++ compiler: CXX={cxx!r} is not on PATH (install g++ or set CXX)"
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError("torch.utils.cpp_extension needs ninja to build it: pip install ninja")
+        return "torch.utils.cpp_extension needs ninja to build it: pip install ninja"
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").exists():
+        return f"no Python headers: {include}/Python.h is missing (install python3-dev)"
+    return None
+
+
+def _build() -> ModuleType:
+    missing = missing_toolchain()
+    if missing is not None:
+        raise RuntimeError(missing)
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
     try:
         return cpp_extension.load(
             name=EXTENSION_NAME,

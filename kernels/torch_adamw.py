@@ -40,9 +40,9 @@ def torch_adamw_step(
     for lo in range(0, n, UPCAST_CHUNK):
         hi = min(lo + UPCAST_CHUNK, n)
         p, m, v = param[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi]
-        g = grad[lo:hi].float()
+        g = grad[lo:hi].float()  # for an FP32 grad this is the caller's tensor: scale out of place
         if grad_scale != 1.0:
-            g.mul_(grad_scale)
+            g = g * grad_scale
         if weight_decay != 0:
             p.mul_(1 - lr * weight_decay)
         m.lerp_(g, 1 - beta1)

@@ -16,9 +16,6 @@ What is asserted:
 from __future__ import annotations
 
 import logging
-import os
-import shlex
-import shutil
 
 import pytest
 import torch
@@ -39,23 +36,11 @@ STEPS_PER_CONFIG = 2
 HYPER = dict(lr=1e-3, beta2=0.999, eps=1e-8)
 
 
-def _can_build() -> str | None:
-    """Why the extension can't be built here (no toolchain), or None."""
-    from torch.utils.cpp_extension import is_ninja_available
-
-    cxx = shlex.split(os.environ.get("CXX") or "c++")[0]
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler ({cxx})"
-    if not is_ninja_available():
-        return "no ninja"
-    return None
-
-
 @pytest.fixture(scope="module")
 def extension():
-    reason = _can_build()
-    if reason is not None:
-        pytest.skip(f"fused CPU AdamW cannot be built here: {reason}")
+    missing = cpu_adamw.missing_toolchain()
+    if missing is not None:
+        pytest.skip(f"fused CPU AdamW cannot be built here: {missing}")
     return cpu_adamw.load_extension()  # a build failure with a toolchain present is a test failure
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlencode
 
 from .base import ALIGN, CorruptSubgroupError, Tier, TierError, Transfer
 from .posix import PosixTier
+from .lock import LockedTier, NodeTierLock, access_slots
+from .throttle import THROTTLE_OPTIONS, Limits, ThrottledTier, throttle_limits
 
 TierFactory = Callable[[str, str, dict[str, str]], Tier]
 
@@ -32,7 +35,30 @@ def _posix(spec: str, path: str, opts: dict[str, str]) -> Tier:
     )
 
 
-TIER_SCHEMES: dict[str, TierFactory] = {"posix": _posix}
+def _kvikio(spec: str, path: str, opts: dict[str, str]) -> Tier:
+    from .kvikio import KvikioTier  # that module imports KvikIO only when a tier is built
+
+    known = {"threads", "task_mb"}
+    if set(opts) - known:
+        raise ValueError(f"tier spec {spec!r}: unknown option(s) {sorted(set(opts) - known)}; known: {sorted(known)}")
+    return KvikioTier(
+        spec,
+        path,
+        threads=int(opts.get("threads", 4)),
+        task_bytes=int(float(opts.get("task_mb", 8)) * (1 << 20)),
+    )
+
+
+def _throttle(spec: str, inner_spec: str, opts: dict[str, str]) -> Tier:
+    """`throttle:<tier spec>?read=..&write=..&latency=..`; other options belong to the wrapped tier."""
+    inner_opts = {k: v for k, v in opts.items() if k not in THROTTLE_OPTIONS}
+    limits = throttle_limits(spec, opts)
+    inner = make_tier(inner_spec + (f"?{urlencode(inner_opts)}" if inner_opts else ""))
+    return ThrottledTier(spec, inner, limits)
+
+
+TIER_SCHEMES: dict[str, TierFactory] = {"posix": _posix, "kvikio": _kvikio, "throttle": _throttle}
+WRAPPER_SCHEMES = {"throttle"}  # schemes whose path is another tier's spec
 
 
 def make_tier(spec: str) -> Tier:
@@ -44,14 +70,49 @@ def make_tier(spec: str) -> Tier:
     return factory(spec, path, opts)
 
 
+def tier_dir(spec: str) -> str:
+    """The directory a tier spec stores its files in (through any wrapping schemes)."""
+    scheme, path, _ = split_spec(spec)
+    return tier_dir(path) if scheme in WRAPPER_SCHEMES else path
+
+
+def open_tiers(specs: list[str], access: str | int, lock_dir: str) -> list[Tier]:
+    """Builds the tiers; unless access is "shared", each only does I/O while holding its node lock
+    (one of k slots; "exclusive" is k = 1), kept in `lock_dir`."""
+    slots = access_slots(access)
+    dirs: dict[str, str] = {}
+    for spec in specs:
+        real = os.path.realpath(tier_dir(spec))
+        if real in dirs:
+            raise ValueError(f"offload.tiers {dirs[real]!r} and {spec!r} both store in {real}: give each tier its own directory")
+        dirs[real] = spec
+    tiers: list[Tier] = []
+    try:
+        for spec in specs:
+            tier = make_tier(spec)
+            if slots is not None:
+                tier = LockedTier(tier, NodeTierLock(tier_dir(spec), lock_dir, slots))
+            tiers.append(tier)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers
+
+
 __all__ = [
     "ALIGN",
     "CorruptSubgroupError",
+    "Limits",
     "PosixTier",
     "TIER_SCHEMES",
+    "WRAPPER_SCHEMES",
     "Tier",
+    "ThrottledTier",
     "TierError",
     "Transfer",
     "make_tier",
+    "open_tiers",
     "split_spec",
+    "tier_dir",
 ]

@@ -1,0 +1,213 @@
+"""Node-level tier access: at most k processes of a node do I/O on one tier at a time.
+
+Concurrent processes on one disk lose aggregate bandwidth (DEVICE.md: 4 processes lose a fifth of the
+reads), so by default a process must hold the tier's lock to issue I/O on it. The lock is one of k
+flock()ed files in a node-local dir: the kernel drops a flock when its holder dies, even by SIGKILL.
+A process holds the lock only while it has requests on the tier in flight, so a holder never waits
+for anything else while holding, and processes waiting for one tier keep using the others.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from .base import Tier, TierError
+from .posix import make_private_dir
+
+TIER_ACCESS = ("exclusive", "shared")
+_POLL_S = 0.001  # how often a waiting process retries the lock files
+
+_open_locks: weakref.WeakSet[NodeTierLock] = weakref.WeakSet()
+
+
+def access_slots(access: str | int) -> int | None:
+    """Processes allowed on a tier at once: "exclusive" -> 1, "shared" -> None (no limit), k -> k."""
+    if access == "exclusive":
+        return 1
+    if access == "shared":
+        return None
+    if isinstance(access, str) and access.isdigit():
+        access = int(access)
+    if isinstance(access, int) and not isinstance(access, bool) and access >= 1:
+        return access
+    raise ValueError(f"offload.tier_access={access!r}: choose 'exclusive', 'shared' or a number of processes k >= 1")
+
+
+class NodeTierLock:
+    """`slots` flock()ed files for one tier dir in `lock_root`: holding any one of them is a licence
+    to do I/O on the tier. Keeps a log of its holds (perf_counter times, comparable across processes)."""
+
+    def __init__(self, tier_dir: str, lock_root: str, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"tier lock for {tier_dir}: slots must be >= 1, got {slots}")
+        try:
+            lock_dir = make_private_dir(lock_root, "tier lock")
+        except TierError as exc:
+            raise TierError(f"offload.tier_lock_dir={lock_root!r}: {exc}; set it to a node-local directory") from exc
+        real = os.path.realpath(tier_dir)
+        name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
+        self.tier_dir = real
+        self.paths = [os.path.join(lock_dir, f"{name}.slot{j}.lock") for j in range(slots)]
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            self._fds = [os.open(p, flags, 0o600) for p in self.paths]
+        except OSError as exc:
+            raise TierError(f"cannot open tier lock file in {lock_dir}: {exc.strerror}; set offload.tier_lock_dir to a writable node-local dir") from exc
+        self._held: int | None = None  # index of the slot this process holds
+        self._since = 0.0
+        self.holds: deque[tuple[float, float]] = deque(maxlen=4096)  # (acquired, released)
+        self.wait_s = 0.0  # total time spent waiting for the lock
+        _open_locks.add(self)
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Takes a free slot, waiting up to `timeout` seconds (None: as long as it takes)."""
+        if self._held is not None:
+            raise RuntimeError(f"tier lock for {self.tier_dir} is already held by this process")
+        start = time.perf_counter()
+        while True:
+            for j, fd in enumerate(self._fds):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                self._held, self._since = j, time.perf_counter()
+                self.wait_s += self._since - start
+                return True
+            if timeout is not None and time.perf_counter() - start >= timeout:
+                self.wait_s += time.perf_counter() - start
+                return False
+            time.sleep(_POLL_S)
+
+    def release(self) -> None:
+        if self._held is None:
+            raise RuntimeError(f"tier lock for {self.tier_dir} is not held")
+        self.holds.append((self._since, time.perf_counter()))
+        fcntl.flock(self._fds[self._held], fcntl.LOCK_UN)
+        self._held = None
+
+    def close(self) -> None:
+        if self._held is not None:
+            self.release()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        _open_locks.discard(self)
+
+
+def _drop_inherited_locks() -> None:
+    """A forked child (a data loader worker, say) must not keep its parent's lock files open: a flock
+    lives until the last descriptor of it closes, so the child would hold the tier after the parent died."""
+    for lock in list(_open_locks):
+        for fd in lock._fds:
+            os.close(fd)
+        lock._fds, lock._held = [], None
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+class LockedTier(Tier):
+    """A tier whose requests run only while this process holds the tier's node lock.
+
+    A gate thread takes the lock when requests arrive, issues every request that comes while it holds
+    it, and lets it go as soon as none is in flight; transfers are timed from when they are issued to
+    the wrapped tier, so lock waits never count as I/O time.
+    """
+
+    def __init__(self, inner: Tier, lock: NodeTierLock) -> None:
+        super().__init__(inner.spec)
+        self.inner = inner
+        self.lock = lock
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Future], Future]] = deque()
+        self._in_flight = 0
+        self._closing = False
+        self._gate = threading.Thread(target=self._run, name=f"{inner.spec}-lock", daemon=True)
+
+    @property
+    def path(self) -> str:
+        return self.inner.path
+
+    def _open(self, tag: str, total_bytes: int) -> None:
+        self.inner.attach(tag, self._slot_bytes)
+        self._gate.start()
+
+    def write(self, key: int, buf: torch.Tensor) -> Future:
+        self._check_slot(key, buf)
+        return self._enqueue(lambda: self.inner.write(key, buf))
+
+    def read(self, key: int, buf: torch.Tensor) -> Future:
+        self._check_slot(key, buf)
+        return self._enqueue(lambda: self.inner.read(key, buf))
+
+    def _enqueue(self, issue: Callable[[], Future]) -> Future:
+        out: Future = Future()
+        with self._cv:
+            if self._closing:
+                raise TierError(f"{self.spec}: the tier is closed")
+            self._queue.append((issue, out))
+            self._cv.notify_all()
+        return out
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+            self.lock.acquire()
+            try:
+                while True:
+                    with self._cv:
+                        self._cv.wait_for(lambda: self._queue or self._in_flight == 0)
+                        if not self._queue:
+                            break
+                        batch = list(self._queue)
+                        self._queue.clear()
+                        self._in_flight += len(batch)
+                    for issue, out in batch:
+                        self._issue(issue, out)
+            finally:
+                self.lock.release()
+
+    def _issue(self, issue: Callable[[], Future], out: Future) -> None:
+        try:
+            fut = issue()
+        except BaseException as exc:
+            self._finished(out, None, exc)
+            return
+        fut.add_done_callback(lambda f: self._finished(out, f, f.exception()))
+
+    def _finished(self, out: Future, fut: Future | None, error: BaseException | None) -> None:
+        # The result goes out before the request stops counting: a follow-up request that the caller
+        # queues from its callback then runs under this same hold.
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(fut.result())
+        with self._cv:
+            self._in_flight -= 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._gate.is_alive():
+            self._gate.join()
+        self.inner.close()
+        self.lock.close()

@@ -1,0 +1,133 @@
+"""A tier slowed down to given speeds, to stand in for a slow or remote path on a machine with one disk.
+
+`throttle:posix:/tmp/b?read=1.5GB/s&write=0.8GB/s&latency=2ms` stores subgroups in the wrapped tier
+(`posix:/tmp/b`) and completes each transfer no sooner than a device of those speeds would. Reads and
+writes share the device, as they do on a disk: a read costs latency + bytes / read rate of device
+time, a write latency + bytes / write rate, and requests are served one at a time, reads first.
+Options other than read, write and latency go to the wrapped tier (`...?threads=2&read=1GB/s`).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .base import READ_PRIORITY, WRITE_PRIORITY, IOWorkers, Tier, transfer
+
+_RATE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_rate(spec: str, name: str, text: str) -> float:
+    """'1.5GB/s' -> 1.5e9 bytes/s (also KB, MB, TB, KiB, MiB, GiB, or plain bytes/s)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?i?B)?(?:/s)?\s*", text, re.IGNORECASE)
+    unit = (m.group(2) or "").upper() if m else None
+    if m is None or unit not in _RATE_UNITS:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a rate; write it like {name}=1.5GB/s or {name}=800MiB/s")
+    rate = float(m.group(1)) * _RATE_UNITS[unit]
+    if rate <= 0:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not positive; a tier must move bytes (e.g. {name}=0.5GB/s)")
+    return rate
+
+
+def parse_seconds(spec: str, name: str, text: str) -> float:
+    """'2ms' -> 0.002 (also s, us, or plain seconds)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us)?\s*", text)
+    if m is None:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a duration; write it like {name}=2ms")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A device's speeds; None leaves that direction unlimited."""
+
+    read_bps: float | None
+    write_bps: float | None
+    latency_s: float = 0.0
+
+    def seconds(self, kind: str, nbytes: int) -> float:
+        rate = self.read_bps if kind == "read" else self.write_bps
+        return self.latency_s + (nbytes / rate if rate else 0.0)
+
+
+class DeviceClock:
+    """When a serial device finishes each request: a token bucket of device-seconds with zero depth,
+    so idle time earns no burst and requests queue back to back."""
+
+    def __init__(self) -> None:
+        self._free_at = 0.0
+        self._lock = threading.Lock()
+
+    def reserve(self, cost_s: float) -> float:
+        """Books `cost_s` of device time and returns the perf_counter() time at which it is done."""
+        with self._lock:
+            self._free_at = max(self._free_at, time.perf_counter()) + cost_s
+            return self._free_at
+
+
+class ThrottledTier(Tier):
+    """Another tier, completing each transfer at the pace that `limits` allow."""
+
+    def __init__(self, spec: str, inner: Tier, limits: Limits) -> None:
+        super().__init__(spec)
+        self.inner = inner
+        self.limits = limits
+        self._clock = DeviceClock()
+        self._pacer: IOWorkers | None = None
+
+    @property
+    def path(self) -> str:
+        return self.inner.path
+
+    def set_limits(self, limits: Limits) -> None:
+        """Changes the speeds from the next request on (a shared file system coming under load)."""
+        self.limits = limits
+
+    def _open(self, tag: str, total_bytes: int) -> None:
+        self.inner.attach(tag, self._slot_bytes)
+        self._pacer = IOWorkers(1, self.spec)  # one request at a time: a serial device
+
+    def _paced(self, kind: str, key: int, buf: torch.Tensor) -> object:
+        nbytes = buf.numel() * buf.element_size()
+        start = time.perf_counter()
+        done_at = self._clock.reserve(self.limits.seconds(kind, nbytes))
+        op = self.inner.read if kind == "read" else self.inner.write
+        op(key, buf).result()
+        delay = done_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return transfer(self.spec, kind, key, nbytes, start)
+
+    def write(self, key: int, buf: torch.Tensor) -> Future:
+        self._check_slot(key, buf)
+        return self._pacer.submit(WRITE_PRIORITY, lambda: self._paced("write", key, buf))
+
+    def read(self, key: int, buf: torch.Tensor) -> Future:
+        self._check_slot(key, buf)
+        return self._pacer.submit(READ_PRIORITY, lambda: self._paced("read", key, buf))
+
+    def close(self) -> None:
+        if self._pacer is not None:
+            self._pacer.shutdown()
+            self._pacer = None
+        self.inner.close()
+
+
+THROTTLE_OPTIONS = ("read", "write", "latency")
+
+
+def throttle_limits(spec: str, opts: dict[str, str]) -> Limits:
+    """The Limits that a throttle spec's options give."""
+    if not any(k in opts for k in THROTTLE_OPTIONS):
+        raise ValueError(f"tier spec {spec!r} limits nothing: give read=, write= and/or latency= (e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)")
+    return Limits(
+        read_bps=parse_rate(spec, "read", opts["read"]) if "read" in opts else None,
+        write_bps=parse_rate(spec, "write", opts["write"]) if "write" in opts else None,
+        latency_s=parse_seconds(spec, "latency", opts["latency"]) if "latency" in opts else 0.0,
+    )

@@ -1,0 +1,32 @@
+"""Running a function on N CPU ranks (gloo) from a test."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args) -> None:
+    """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")
