@@ -131,10 +131,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         masters = [t.detach().reshape(-1) for t in locals_]
         self._fill_state(lambda i: masters[i], None, None)
-        del masters
         if model is not None:
             model.to(self.param_dtype)  # FSDP2 re-points its sharded storage (FSDPModule._apply)
-            self._params = [p for g in self.param_groups for p in g["params"]]
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
         else:
             self._root = None

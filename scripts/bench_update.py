@@ -11,27 +11,15 @@ effective I/O = bytes moved / I/O busy time, as a fraction of raw.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
-import time
 
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import measure_raw_bandwidth
+from fsdp_offload.results import git_commit, write_result
 from fsdp_offload.storage import split_spec
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_update(spec: str, args: argparse.Namespace) -> dict:
@@ -95,9 +83,7 @@ def main() -> None:
     result = {
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         "device": args.device_kind,
-        "host": platform.node(),
         "commit": git_commit(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "tier": args.tier,
         "subgroups": args.subgroups,
         "subgroup_numel": args.subgroup_numel,
@@ -111,16 +97,13 @@ def main() -> None:
         **upd,
         "effective_io_fraction": upd["effective_io_gbps"] / raw.read_write_gbps,
     }
-    os.makedirs(args.out, exist_ok=True)
-    name = f"bench_update_{scheme}_{args.device_kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    with open(os.path.join(args.out, name), "w") as f:
-        json.dump(result, f, indent=2)
+    path = write_result(args.out, f"bench_update_{scheme}", args.device_kind, result)
     print(f"\n{'raw r/w GB/s':>14} {'effective GB/s':>15} {'fraction':>9} {'update s':>9} {'Mparam/s':>9}")
     print(
         f"{raw.read_write_gbps:>14.2f} {upd['effective_io_gbps']:>15.2f} {result['effective_io_fraction']:>9.2f} "
         f"{upd['update_s']:>9.2f} {upd['update_mparams_per_s']:>9.0f}"
     )
-    print(f"wrote {os.path.join(args.out, name)}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

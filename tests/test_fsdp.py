@@ -9,6 +9,7 @@ both must track the reference's losses within 1e-3 relative.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,29 @@ def test_fsdp_offload_matches_memory_and_reference(tmp_path, world):
             for step, (a, b) in enumerate(zip(disk_loss, ref_loss)):
                 assert abs(a - b) <= 1e-3 * abs(b), f"{name} rank {rank} step {step}: loss {a} vs reference {b}"
             assert disk_loss[-1] < disk_loss[0], f"{name}: loss did not fall"
+
+
+def bad_input_worker(rank: int, world: int, tmp: str) -> None:
+    plain = Transformer(ARGS)
+    with pytest.raises(TypeError, match="not an FSDP2-sharded model"):
+        OffloadAdamW(plain.parameters(), model=plain)
+    model = build_model(rank)
+    with pytest.raises(ValueError, match="pass model=model"):
+        OffloadAdamW(model.parameters())
+    opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG))
+    with pytest.raises(RuntimeError, match="before any backward"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="cannot be added later"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    loss_of(model, batch(rank, 0)).backward()
+    assert all(p.grad is None for p in model.parameters())  # the hooks took the grads to host
+    opt.step()
+    opt.close()
+    with pytest.raises(ValueError, match="mixed device types"):
+        OffloadAdamW([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, device="meta"))])
+    (Path(tmp) / f"ok{rank}").touch()
+
+
+def test_bad_inputs_fail_clearly(tmp_path):
+    run_ranks(2, bad_input_worker, str(tmp_path))
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()

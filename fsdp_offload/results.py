@@ -1,0 +1,30 @@
+"""Recording benchmark results: one JSON file per run, with the command, machine and commit."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+
+
+def git_commit() -> str:
+    """HEAD of the checkout, with '-dirty' when tracked files have changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+        return head + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(out_dir: str, bench: str, device: str, result: dict) -> str:
+    """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    record = {"host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
+    path = os.path.join(out_dir, f"{bench}_{device}_{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    return path
