@@ -61,7 +61,7 @@ class StepMetrics:
         return d
 
     def log(self) -> None:
-        log.info(json.dumps(self.as_dict()))
+        log.debug(json.dumps(self.as_dict()))
 
 
 def step_metrics(

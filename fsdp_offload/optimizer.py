@@ -28,6 +28,7 @@ from .placement import make_placement
 from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
 from .staging import LowpStaging
 from .storage import Tier, open_tiers
+from .storage.posix import PosixTier
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "and hook its grad shards: OffloadAdamW(model.parameters(), ..., model=model)"
             )
         locals_ = [local_data(p) for p in self._params]
+        self._local_shapes = [t.shape for t in locals_]
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
         pin = any(t.is_cuda for t in locals_)
@@ -100,11 +102,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.staging = LowpStaging(self.layout, self.param_dtype, pin)
         num_slots = self._plan_slots(self.staging.nbytes)
         self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
+        self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         tag = _rank_tag()
         for t in self.tiers:
             t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
-        self.placement = make_placement(cfg, self.layout, self.cache.num_slots)
         self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
         tiers, cache, placement = self.tiers, self.cache, self.placement
 
@@ -197,15 +199,16 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the host staging buffer (hooks call this)."""
-        p = self._params[index]
-        local = local_data(p)
         if grad.dtype != self.param_dtype:
             raise TypeError(
-                f"grad of param {index} (shape {tuple(p.shape)}) is {grad.dtype}; OffloadAdamW expects "
+                f"grad of param {index} (shape {tuple(grad.shape)}) is {grad.dtype}; OffloadAdamW expects "
                 f"{self.param_dtype} grads (the model's params are {self.param_dtype})"
             )
-        if grad.shape != local.shape:
-            raise ValueError(f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is {tuple(local.shape)}")
+        if grad.shape != self._local_shapes[index]:
+            raise ValueError(
+                f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
+                f"{tuple(self._local_shapes[index])}"
+            )
         self.staging.stage(index, grad)
 
     def _stage_param_grads(self) -> None:
@@ -391,7 +394,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             n = len(g["params"])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
             start += n
-        return {"state": state, "param_groups": groups, "offload": {"step_count": self.step_count}}
+        return {"state": state, "param_groups": groups, "offload": self._offload_meta()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores masters, moments, step counts and hyperparameters, and rewrites the model's params
@@ -415,11 +418,86 @@ class OffloadAdamW(torch.optim.Optimizer):
         def flat(key: str) -> Callable[[int], torch.Tensor]:
             return lambda i: state[i][key].reshape(-1).to(torch.float32)
 
-        self.step_count = int(state_dict.get("offload", {}).get("step_count", 0))
+        self._restore_offload_meta(state_dict.get("offload", {}))
         self._steps = [int(state[i]["step"]) for i in range(len(self._params))]
         self.staging.clear()
         self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), [local_data(p) for p in self._params])
         self.staging.clear()
+
+    def _offload_meta(self) -> dict[str, Any]:
+        return {
+            "step_count": self.step_count,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "placement": self.placement.state_dict(),
+        }
+
+    def _restore_offload_meta(self, meta: dict[str, Any]) -> None:
+        self.step_count = int(meta.get("step_count", 0))
+        if self.loss_scaler is not None and meta.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        if meta.get("placement"):
+            self.placement.load_state_dict(meta["placement"])
+
+    # -- streaming checkpoints ------------------------------------------------------------------
+
+    def layout_signature(self) -> dict[str, Any]:
+        """What a streamed checkpoint's subgroups depend on: it only loads into the same layout."""
+        return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
+
+    def save_subgroups(self, root: str, tag: str) -> dict[str, Any]:
+        """Streams every subgroup into one file under `root` (no gathering in memory: one subgroup at a
+        time goes from the cache, or a tier, to the file). Returns what `load_subgroups` needs."""
+        self._require_step_finished()
+        out = PosixTier(f"posix:{root}", root)
+        slot_bytes = [sg.state_bytes for sg in self.layout.subgroups]
+        out.attach(tag, slot_bytes)
+        try:
+            order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+            self.pipeline.run(order, lambda sg, state: out.write(sg, state).result(), dirty=False)
+        finally:
+            self.pipeline.take_transfers()
+            out.release()
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {
+            "layout": self.layout_signature(),
+            "tag": tag,
+            "slot_bytes": slot_bytes,
+            "checksums": {sg: out.checksums(sg) for sg in range(len(self.layout))},
+            "steps": list(self._steps),
+            "param_groups": groups,
+            "offload": self._offload_meta(),
+        }
+
+    def load_subgroups(self, root: str, meta: dict[str, Any]) -> None:
+        """Reads subgroups saved by `save_subgroups` into this optimizer's cache and tiers (which may
+        be other dirs than when it was saved) and rewrites the model's params from the masters."""
+        self._require_step_finished()
+        if meta["layout"] != self.layout_signature():
+            saved, mine = meta["layout"], self.layout_signature()
+            raise ValueError(
+                f"the checkpoint's optimizer state was laid out for {len(saved['numels'])} local params of "
+                f"{sum(saved['numels'])} elements in subgroups of {saved['subgroup_numel']}, this rank has "
+                f"{len(mine['numels'])} params of {sum(mine['numels'])} elements in subgroups of "
+                f"{mine['subgroup_numel']}: resume with the same model, world size and offload.subgroup_numel"
+            )
+        saved = PosixTier.open_saved(root, meta["tag"], meta["slot_bytes"], {int(k): v for k, v in meta["checksums"].items()})
+        params = [local_data(p) for p in self._params]
+
+        def load(sg: int, state: torch.Tensor) -> None:
+            saved.read(sg, state).result()
+            self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(state)[0], params)
+
+        try:
+            order = update_order(len(self.layout), int(meta["offload"]["step_count"]), self.offload.update_order)[::-1]
+            self.pipeline.run(order, load, load=False)
+        finally:
+            self.pipeline.take_transfers()
+            saved.release()
+        self.staging.clear()
+        for mine, g in zip(self.param_groups, meta["param_groups"]):
+            mine.update(g)
+        self._steps = list(meta["steps"])
+        self._restore_offload_meta(meta["offload"])
 
     def close(self) -> None:
         """Deletes this rank's tier files and releases pinned memory."""

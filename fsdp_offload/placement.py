@@ -72,6 +72,13 @@ class BandwidthModel:
                 for s, lat in zip(self._samples, self._latency)
             ]
 
+    def reseed(self, speeds: dict[int, TierSpeed]) -> None:
+        """Starts the given tiers over from these speeds, forgetting their samples."""
+        with self._lock:
+            for i, s in speeds.items():
+                self._latency[i] = s.latency_s
+                self._samples[i] = {"read": deque([s.read_bps], maxlen=self.WINDOW), "write": deque([s.write_bps], maxlen=self.WINDOW)}
+
     def observe(self, tier: int, t: Transfer) -> None:
         """Learns from one finished transfer on `tier` (call it as each transfer finishes)."""
         if t.kind not in ("read", "write"):
@@ -185,17 +192,15 @@ def plan_eq1(speeds: list[TierSpeed], num_subgroups: int) -> list[int]:
 
 
 def plan_makespan(speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffic) -> list[int]:
-    """The learned rule: walks the next step's order and gives each subgroup the tier that keeps the
-    expected update phase (summed over the kinds of step) lowest; ties go to the tier that would finish
-    its share earliest. Walking in order balances every prefix, which is what keeps all tiers busy
-    while the pipeline works through the step. Subgroups the cache keeps cost no step anything; they
-    go where a full flush (a checkpoint) would end soonest."""
+    """The learned rule. Walks the next step's order and gives each subgroup the tier that keeps the
+    expected update phase (summed over the kinds of step) lowest, ties going to the tier that would
+    finish its share earliest; walking in order balances every prefix, which keeps all tiers busy as
+    the pipeline works through a step. Then moves single subgroups to other tiers while that still
+    lowers it (the walk decides early subgroups before it knows the totals). Subgroups the cache keeps
+    cost no step anything: they go where a full flush (a checkpoint) would end soonest."""
     n, kinds = len(speeds), range(len(traffic.orders))
-    load = [[0.0] * n for _ in kinds]
-    flush = [0.0] * n
-    tiers = [0] * len(sizes)
-    for sg in traffic.orders[0]:
-        cost = [
+    cost = {
+        sg: [
             [
                 (speeds[i].seconds("read", sizes[sg]) if sg in traffic.reads[k] else 0.0)
                 + (speeds[i].seconds("write", sizes[sg]) if sg in traffic.writes[k] else 0.0)
@@ -203,19 +208,48 @@ def plan_makespan(speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffi
             ]
             for k in kinds
         ]
+        for sg in traffic.orders[0]
+    }
+    load = [[0.0] * n for _ in kinds]
+    flush = [0.0] * n
+    tiers = [0] * len(sizes)
+
+    def makespan_with(sg: int, i: int, without: int | None = None) -> float:
+        """Summed step makespans if `sg` (now on `without`, or nowhere) were on tier i."""
+        total = 0.0
+        for k in kinds:
+            row = load[k]
+            total += max(row[j] + (cost[sg][k][i] if j == i else 0.0) - (cost[sg][k][j] if j == without else 0.0) for j in range(n))
+        return total
+
+    for sg in traffic.orders[0]:
         flush_cost = [speeds[i].seconds("write", sizes[sg]) for i in range(n)]
 
         def score(i: int) -> tuple[float, float, float]:
-            step = sum(max(load[k][j] + (cost[k][i] if j == i else 0.0) for j in range(n)) for k in kinds)
             full_flush = max(flush[j] + (flush_cost[i] if j == i else 0.0) for j in range(n))
-            finish = max(load[k][i] + cost[k][i] for k in kinds)
-            return step, full_flush, finish
+            finish = max(load[k][i] + cost[sg][k][i] for k in kinds)
+            return makespan_with(sg, i), full_flush, finish
 
         best = min(range(n), key=score)
         for k in kinds:
-            load[k][best] += cost[k][best]
+            load[k][best] += cost[sg][k][best]
         flush[best] += flush_cost[best]
         tiers[sg] = best
+
+    moving = [sg for sg in traffic.orders[0] if sg in traffic.moving]
+    improved = True
+    while improved:
+        improved = False
+        for sg in moving:
+            here = tiers[sg]
+            now = makespan_with(sg, here, without=here)
+            better = min(range(n), key=lambda i: makespan_with(sg, i, without=here))
+            if makespan_with(sg, better, without=here) < now * (1 - 1e-9):
+                for k in kinds:
+                    load[k][here] -= cost[sg][k][here]
+                    load[k][better] += cost[sg][k][better]
+                tiers[sg] = better
+                improved = True
     return tiers
 
 
@@ -230,6 +264,12 @@ class FixedRatioPlacement:
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         """Fixed placement learns nothing from transfers."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: the split follows from the ratios alone."""
 
     def close(self) -> None:
         """Fixed placement has nothing to save."""
@@ -288,6 +328,28 @@ class AdaptivePlacement:
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         self.model.observe(tier, transfer)
+
+    def state_dict(self) -> dict:
+        """The learned speeds by tier, so that a run resumed from a checkpoint starts from them even
+        without a profile. Tiers are named by profile key (resolved path and options)."""
+        return {
+            "rule": self.name,
+            "speeds": {k: [s.read_bps, s.write_bps, s.latency_s] for k, s in zip(self._keys, self.model.speeds())},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Takes the saved speeds of the tiers this optimizer also has (the others keep theirs) and replans."""
+        saved = state.get("speeds", {})
+        restored = {}
+        for i, key in enumerate(self._keys):
+            if key in saved:
+                speed = TierSpeed(*map(float, saved[key]))
+                if not speed.valid:
+                    raise ValueError(f"checkpoint's placement state has an unusable speed for {key}: {saved[key]}")
+                restored[i] = speed
+        if restored:
+            self.model.reseed(restored)
+            self._plan(self.model.speeds())
 
     def _save(self, speeds: list[TierSpeed]) -> None:
         if self._profile is not None:

@@ -27,6 +27,10 @@ class LowpStaging:
         self.buffer = self._raw.view(dtype)
         self._offsets = layout.padded_offsets
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
+        # Each param's destination views, made once: the backward hook runs per param and must be cheap.
+        self._pieces: list[list[tuple[torch.Tensor, Segment]]] = [
+            [(self.view(sg)[seg.offset : seg.offset + seg.numel], seg) for sg, seg in segs] for segs in layout.param_segments
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -37,8 +41,6 @@ class LowpStaging:
         lo = self._offsets[sg]
         return self.buffer[lo : lo + self.layout.subgroups[sg].padded]
 
-    def _pieces(self, param: int) -> list[tuple[torch.Tensor, Segment]]:
-        return [(self.view(sg)[seg.offset : seg.offset + seg.numel], seg) for sg, seg in self.layout.param_segments[param]]
 
     def stage(self, param: int, grad: torch.Tensor) -> None:
         """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer.
@@ -47,7 +49,7 @@ class LowpStaging:
         autograd accumulates .grad of bf16 params).
         """
         flat = grad.reshape(-1)
-        for dst, seg in self._pieces(param):
+        for dst, seg in self._pieces[param]:
             src = flat[seg.param_offset : seg.param_offset + seg.numel]
             if self.staged[param]:
                 dst.add_(src.to("cpu"))
@@ -63,7 +65,7 @@ class LowpStaging:
         for param, staged in enumerate(self.staged):
             if not staged:
                 continue
-            for piece, _ in self._pieces(param):
+            for piece, _ in self._pieces[param]:
                 for lo in range(0, piece.numel(), _NORM_CHUNK):
                     chunk = piece[lo : lo + _NORM_CHUNK].double()
                     total += float(torch.dot(chunk, chunk))

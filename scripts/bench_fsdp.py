@@ -12,6 +12,7 @@ Reports peak GPU memory, forward / backward / update seconds, and backward with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -20,27 +21,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.models import MODEL_PRESETS, Transformer, num_params
+from fsdp_offload.models import MODEL_PRESETS, num_params
+from fsdp_offload.parallelize import build_fsdp_model
 from fsdp_offload.results import git_commit, write_result
 
 
 def build(args: argparse.Namespace, mp: MixedPrecisionPolicy | None) -> torch.nn.Module:
-    margs = MODEL_PRESETS[args.model]
-    margs.activation_checkpointing = True
-    margs.max_seq_len = args.seq
-    with torch.device("meta"):
-        model = Transformer(margs)
-    kw = {"mp_policy": mp} if mp is not None else {}
-    for block in model.layers:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    model.to_empty(device="cuda")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    margs = dataclasses.replace(MODEL_PRESETS[args.model], activation_checkpointing=True, max_seq_len=args.seq)
+    return build_fsdp_model(margs, torch.device("cuda"), mp_policy=mp)
 
 
 def timed(fn) -> float:
@@ -75,6 +66,13 @@ def run_case(name: str, args, make) -> dict:
     model, optimizer = make()
     tokens = torch.randint(0, MODEL_PRESETS[args.model].vocab_size, (args.batch, args.seq + 1), device="cuda")
     res = iterate(model, optimizer, tokens, args.steps + 1)
+    if args.profile_dir:  # one more iteration under the profiler: where the CPU and GPU time goes
+        os.makedirs(args.profile_dir, exist_ok=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+            iterate(model, optimizer, tokens, 2)
+        with open(os.path.join(args.profile_dir, f"{name}.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     res["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if isinstance(optimizer, OffloadAdamW):
         res["offload_metrics"] = optimizer.last_metrics.as_dict()
@@ -94,6 +92,7 @@ def main() -> None:
     ap.add_argument("--tier", default=None, help="tier spec for the offloaded state (default: a temp dir)")
     ap.add_argument("--host-budget-gb", type=float, default=None, help="None keeps all state in host memory")
     ap.add_argument("--device-kind", default="unknown")
+    ap.add_argument("--profile-dir", default=None, help="write a torch.profiler summary of each case here")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 

@@ -46,12 +46,14 @@ def run_update(spec: str, args: argparse.Namespace) -> dict:
             flush=True,
         )
     kernel = opt.kernel_name
+    gds = getattr(opt.tiers[0], "gds", None)  # KvikIO tiers say whether GDS (not compat mode) was used
     opt.close()
     moved = sum(sum(m.bytes_read.values()) + sum(m.bytes_written.values()) for m in rows)
     busy = sum(m.io_busy_s for m in rows)
     update_s = sum(m.update_s for m in rows) / len(rows)
     return {
         "kernel": kernel,
+        "gds": gds,
         "update_s": update_s,
         "update_mparams_per_s": n / update_s / 1e6,
         "effective_io_gbps": moved / busy / 1e9,

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from torch.distributed.fsdp import fully_shard
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.models import LlamaArgs, Transformer
+from fsdp_offload.parallelize import build_fsdp_model
 
 STEPS = 20
 SG = 4096
@@ -34,16 +34,7 @@ LR, WD = 3e-3, 0.1
 
 
 def build_model(rank: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(ARGS)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    return model
+    return build_fsdp_model(ARGS, torch.device("cpu"))
 
 
 def batch(rank: int, micro: int) -> torch.Tensor:

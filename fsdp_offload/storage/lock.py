@@ -123,9 +123,10 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 class LockedTier(Tier):
     """A tier whose requests run only while this process holds the tier's node lock.
 
-    A gate thread takes the lock when requests arrive, issues every request that comes while it holds
-    it, and lets it go as soon as none is in flight; transfers are timed from when they are issued to
-    the wrapped tier, so lock waits never count as I/O time.
+    A gate thread takes the lock when requests arrive and queue up; while the lock is held, new
+    requests are issued at once by whoever makes them; the gate lets the lock go as soon as none is in
+    flight. Transfers are timed from when they are issued to the wrapped tier, so lock waits never
+    count as I/O time.
     """
 
     def __init__(self, inner: Tier, lock: NodeTierLock) -> None:
@@ -135,6 +136,7 @@ class LockedTier(Tier):
         self._cv = threading.Condition()
         self._queue: deque[tuple[Callable[[], Future], Future]] = deque()
         self._in_flight = 0
+        self._holding = False  # the lock is held and the gate is not letting it go
         self._closing = False
         self._gate = threading.Thread(target=self._run, name=f"{inner.spec}-lock", daemon=True)
 
@@ -159,8 +161,14 @@ class LockedTier(Tier):
         with self._cv:
             if self._closing:
                 raise TierError(f"{self.spec}: the tier is closed")
-            self._queue.append((issue, out))
-            self._cv.notify_all()
+            direct = self._holding
+            if direct:
+                self._in_flight += 1  # keeps the gate from letting the lock go before it is issued
+            else:
+                self._queue.append((issue, out))
+                self._cv.notify_all()
+        if direct:
+            self._issue(issue, out)
         return out
 
     def _run(self) -> None:
@@ -171,16 +179,16 @@ class LockedTier(Tier):
                     return
             self.lock.acquire()
             try:
-                while True:
-                    with self._cv:
-                        self._cv.wait_for(lambda: self._queue or self._in_flight == 0)
-                        if not self._queue:
-                            break
-                        batch = list(self._queue)
-                        self._queue.clear()
-                        self._in_flight += len(batch)
-                    for issue, out in batch:
-                        self._issue(issue, out)
+                with self._cv:
+                    batch = list(self._queue)
+                    self._queue.clear()
+                    self._in_flight += len(batch)
+                    self._holding = True
+                for issue, out in batch:
+                    self._issue(issue, out)
+                with self._cv:
+                    self._cv.wait_for(lambda: self._in_flight == 0)
+                    self._holding = False
             finally:
                 self.lock.release()
 
@@ -194,7 +202,7 @@ class LockedTier(Tier):
 
     def _finished(self, out: Future, fut: Future | None, error: BaseException | None) -> None:
         # The result goes out before the request stops counting: a follow-up request that the caller
-        # queues from its callback then runs under this same hold.
+        # makes from its callback then runs under this same hold.
         if error is not None:
             out.set_exception(error)
         else:

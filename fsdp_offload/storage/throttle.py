@@ -57,18 +57,27 @@ class Limits:
 
 
 class DeviceClock:
-    """When a serial device finishes each request: a token bucket of device-seconds with zero depth,
-    so idle time earns no burst and requests queue back to back."""
+    """When a serial device starts and finishes each request: a token bucket of device-seconds with
+    zero depth, so idle time earns no burst and waiting requests follow each other back to back.
+
+    Times are absolute (perf_counter), so a pacing thread that wakes late delays nothing after it.
+    """
 
     def __init__(self) -> None:
         self._free_at = 0.0
         self._lock = threading.Lock()
 
-    def reserve(self, cost_s: float) -> float:
-        """Books `cost_s` of device time and returns the perf_counter() time at which it is done."""
+    def reserve(self, cost_s: float, arrival: float) -> tuple[float, float]:
+        """Books `cost_s` of device time for a request that arrived at `arrival`: (start, end)."""
         with self._lock:
-            self._free_at = max(self._free_at, time.perf_counter()) + cost_s
-            return self._free_at
+            start = max(self._free_at, arrival)
+            self._free_at = start + cost_s
+            return start, self._free_at
+
+    def busy_until(self, t: float) -> None:
+        """The device could not start anything before `t` (the wrapped tier took longer than booked)."""
+        with self._lock:
+            self._free_at = max(self._free_at, t)
 
 
 class ThrottledTier(Tier):
@@ -93,24 +102,27 @@ class ThrottledTier(Tier):
         self.inner.attach(tag, self._slot_bytes)
         self._pacer = IOWorkers(1, self.spec)  # one request at a time: a serial device
 
-    def _paced(self, kind: str, key: int, buf: torch.Tensor) -> object:
+    def _paced(self, kind: str, key: int, buf: torch.Tensor, arrival: float) -> object:
         nbytes = buf.numel() * buf.element_size()
-        start = time.perf_counter()
-        done_at = self._clock.reserve(self.limits.seconds(kind, nbytes))
+        start, done_at = self._clock.reserve(self.limits.seconds(kind, nbytes), arrival)
         op = self.inner.read if kind == "read" else self.inner.write
         op(key, buf).result()
-        delay = done_at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+        now = time.perf_counter()
+        if now > done_at:
+            self._clock.busy_until(now)
+        else:
+            time.sleep(done_at - now)
         return transfer(self.spec, kind, key, nbytes, start)
 
     def write(self, key: int, buf: torch.Tensor) -> Future:
         self._check_slot(key, buf)
-        return self._pacer.submit(WRITE_PRIORITY, lambda: self._paced("write", key, buf))
+        arrival = time.perf_counter()
+        return self._pacer.submit(WRITE_PRIORITY, lambda: self._paced("write", key, buf, arrival))
 
     def read(self, key: int, buf: torch.Tensor) -> Future:
         self._check_slot(key, buf)
-        return self._pacer.submit(READ_PRIORITY, lambda: self._paced("read", key, buf))
+        arrival = time.perf_counter()
+        return self._pacer.submit(READ_PRIORITY, lambda: self._paced("read", key, buf, arrival))
 
     def close(self) -> None:
         if self._pacer is not None:

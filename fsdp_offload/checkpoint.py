@@ -1,0 +1,140 @@
+"""Checkpoints of a training run: atomic, resumable on other tier dirs, never gathering the state.
+
+A checkpoint is a directory `step_<k>`:
+  run.json                  what it fits: model args, world size, optimizer layout; checked first
+  .metadata, __*.distcp     model shards and per-rank trainer state, through torch.distributed.checkpoint
+  optimizer/...             each rank's FP32 subgroups, streamed one at a time from the host cache and
+                            the tiers into one O_DIRECT file per rank (with checksums)
+It is written under `step_<k>.tmp` and renamed once every rank has finished, so a run killed while
+saving leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .optimizer import OffloadAdamW
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: no checkpoints
+    every: int = 0  # save every this many steps (0: only at the end)
+    resume: bool = True  # start from the latest checkpoint in `dir` if there is one
+    keep: int = 2  # checkpoints kept; older ones are deleted
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _pack(obj: Any) -> bytes:
+    """Per-rank state goes to DCP as opaque bytes under a rank-unique key (DCP would dedup
+    equal keys across ranks as replicated)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def latest_checkpoint(directory: str | None) -> str | None:
+    """The newest complete checkpoint under `directory` (never a half-written .tmp one)."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    done = sorted(d for d in os.listdir(directory) if d.startswith("step_") and not d.endswith(".tmp"))
+    return os.path.join(directory, done[-1]) if done else None
+
+
+def save_checkpoint(
+    directory: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    run: dict[str, Any],
+    rank_state: dict[str, Any],
+    keep: int = 2,
+) -> str:
+    """Saves model shards, optimizer state and `rank_state` (data position, RNG, ...) atomically.
+
+    `run` is what the checkpoint must match on resume (model args, world size, ...)."""
+    final = os.path.join(directory, f"step_{step:08d}")
+    tmp = final + ".tmp"
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed while saving
+        os.makedirs(tmp, mode=0o700)
+    _barrier()
+    per_rank: dict[str, Any] = {"state": rank_state}
+    if isinstance(optimizer, OffloadAdamW):
+        per_rank["optimizer"] = optimizer.save_subgroups(os.path.join(tmp, "optimizer"), f"rank{rank}")
+        state = {"model": get_model_state_dict(model)}
+    else:
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state[f"rank{rank}"] = _pack(per_rank)
+    dcp.save(state, checkpoint_id=tmp)
+    _barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, RUN_FILE), "w") as f:
+            json.dump({**run, "step": step}, f, indent=1)
+        os.replace(tmp, final)
+        old = sorted(d for d in os.listdir(directory) if d.startswith("step_") and not d.endswith(".tmp"))
+        for d in old[: max(0, len(old) - keep)]:
+            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def check_checkpoint(path: str, run: dict[str, Any]) -> int:
+    """Raises a one-line error when the checkpoint at `path` was written by an incompatible run;
+    returns its step."""
+    with open(os.path.join(path, RUN_FILE)) as f:
+        saved = json.load(f)
+    for key, value in run.items():
+        if saved.get(key) != value:
+            raise ValueError(
+                f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {key}={value!r}: "
+                f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
+            )
+    return int(saved["step"])
+
+
+def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restores model shards and optimizer state; returns this rank's `rank_state`."""
+    rank = _rank()
+    key = f"rank{rank}"
+    state: dict[str, Any] = {"model": get_model_state_dict(model), key: b""}
+    if not isinstance(optimizer, OffloadAdamW):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    per_rank = _unpack(state[key])
+    if isinstance(optimizer, OffloadAdamW):
+        optimizer.load_subgroups(os.path.join(path, "optimizer"), per_rank["optimizer"])
+    else:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return per_rank["state"]

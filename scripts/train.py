@@ -1,0 +1,266 @@
+"""Train a LLaMA-style model with FSDP2 and the out-of-core OffloadAdamW (Hydra recipes in recipes/).
+
+    python scripts/train.py                                   # tiny model, CPU, state in a temp dir
+    torchrun --nproc-per-node 8 scripts/train.py model=13b offload=multipath train.steps=1000
+    python scripts/train.py offload=none                      # plain FSDP2 + torch AdamW, to compare
+
+Every rank logs per-step metrics as JSONL (rank 0 also to the console, with a progress bar) and
+checkpoints are saved and resumed through fsdp_offload.checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import hydra
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from tqdm import tqdm
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp_offload.data import DataConfig, TokenBatches
+from fsdp_offload.models import LlamaArgs, num_params
+from fsdp_offload.parallelize import build_fsdp_model
+from fsdp_offload.storage import TierError
+
+_TMP_DIRS: list[str] = []
+
+
+def _tmpdir() -> str:
+    """`${tmpdir:}` in a recipe: one private temporary dir per process, removed at exit."""
+    if not _TMP_DIRS:
+        _TMP_DIRS.append(tempfile.mkdtemp(prefix="fsdp-offload-"))
+    return _TMP_DIRS[0]
+
+
+OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = 1.0
+    micro_batches: int = 1  # gradient accumulation
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 1
+    metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
+    progress: bool = True
+    kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+
+
+@dataclass
+class OffloadRecipe:
+    optimizer: str = "offload"  # offload (OffloadAdamW) | torch (plain FSDP2 + torch AdamW)
+    config: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+def to_dataclass(cls, node: DictConfig | dict, option: str):
+    """Builds dataclass `cls` from a config node; an unknown key is an error naming the option."""
+    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{option}: unknown key(s) {unknown}; known: {sorted(names)}")
+    return cls(**raw)
+
+
+def lr_lambda(cfg: TrainConfig):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def init_distributed(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible: use train.device=cpu")
+    if "RANK" not in os.environ:  # plain `python scripts/train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def train(cfg: DictConfig) -> list[dict]:
+    tcfg = to_dataclass(TrainConfig, cfg.train, "train")
+    margs = to_dataclass(LlamaArgs, cfg.model, "model")
+    dcfg = to_dataclass(DataConfig, cfg.data, "data")
+    ocfg = OmegaConf.to_container(cfg.offload, resolve=True)
+    recipe = OffloadRecipe(ocfg.pop("optimizer", "offload"), to_dataclass(OffloadConfig, ocfg, "offload"))
+    if recipe.optimizer not in ("offload", "torch"):
+        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
+    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
+    margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
+
+    device = init_distributed(tcfg.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
+    batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
+    run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
+               "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
+    resume_from = latest_checkpoint(ckcfg.dir) if ckcfg.resume else None
+    if resume_from:
+        check_checkpoint(resume_from, run_key)
+
+    if recipe.optimizer == "offload":
+        recipe.config.max_grad_norm = tcfg.max_grad_norm
+        model = build_fsdp_model(margs, device, seed=tcfg.seed)
+        optimizer = OffloadAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                                 model=model, offload=recipe.config)  # fmt: skip
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                                      fused=device.type == "cuda")  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+
+    start_step = 0
+    if resume_from:
+        rank_state = load_checkpoint(resume_from, model, optimizer)
+        batches.load_state_dict(rank_state["data"])
+        scheduler.load_state_dict(rank_state["scheduler"])
+        set_rng_state(rank_state["rng"])
+        start_step = rank_state["step"]
+
+    out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
+    tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
+    if rank == 0:
+        print(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
+              + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
+                 f"{optimizer.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
+              + (f", resuming from {resume_from}" if resume_from else ""), flush=True)  # fmt: skip
+    bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
+    rows = []
+    with open(metrics_path, "a") as log:
+        for step in range(start_step, tcfg.steps):
+            row = run_step(model, optimizer, batches, tcfg, device)
+            scheduler.step()
+            row.update(step=step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
+                       host_peak_gib=host_peak_gib())  # fmt: skip
+            if device.type == "cuda":
+                row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(row)
+            if step % tcfg.log_every == 0 or step == tcfg.steps - 1:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", update_s=f"{row['update_s']:.2f}")
+            bar.update(1)
+            last = step + 1 == tcfg.steps
+            if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
+                rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
+                save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep)
+            if tcfg.kill_at_step is not None and step + 1 == tcfg.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+    if rank == 0 and rows:
+        tail = rows[len(rows) // 2 :]
+        mean = {k: sum(r[k] for r in tail) / len(tail) for k in ("forward_s", "backward_s", "update_s", "tokens_per_s")}
+        print(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; second half: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()) + f"; metrics in {metrics_path}", flush=True)  # fmt: skip
+    if isinstance(optimizer, OffloadAdamW):
+        optimizer.close()
+    dist.destroy_process_group()
+    return rows
+
+
+def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device: torch.device) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
+    start = time.perf_counter()
+    for _ in range(tcfg.micro_batches):
+        tokens = next(batches).to(device)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / tcfg.micro_batches
+        sync()
+        t1 = time.perf_counter()
+        (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
+        sync()
+        row["forward_s"] += t1 - t0
+        row["backward_s"] += time.perf_counter() - t1
+        row["loss"] += loss.item()
+    t2 = time.perf_counter()
+    if not isinstance(optimizer, OffloadAdamW) and tcfg.max_grad_norm is not None:
+        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad()
+    sync()
+    row["update_s"] = time.perf_counter() - t2
+    row["step_s"] = time.perf_counter() - start
+    loss_sum = torch.tensor([row["loss"]], device=device)
+    dist.all_reduce(loss_sum)
+    row["loss"] = loss_sum.item() / dist.get_world_size()
+    if isinstance(optimizer, OffloadAdamW):
+        m = optimizer.last_metrics
+        row.update(grad_norm=optimizer.last_grad_norm, update_mparams_per_s=m.update_mparams_per_s,
+                   effective_io_gbps=m.effective_io_gbps, bytes_read=m.bytes_read, bytes_written=m.bytes_written,
+                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier)  # fmt: skip
+        if optimizer.loss_scaler is not None:
+            row["loss_scale"] = optimizer.loss_scaler.scale
+    return row
+
+
+@hydra.main(config_path="../recipes", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError, TierError) as exc:  # bad input: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        for d in _TMP_DIRS:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
