@@ -87,7 +87,7 @@ def save_checkpoint(
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed while saving
-        os.makedirs(tmp, mode=0o700)
+        os.makedirs(os.path.join(tmp, "optimizer"), mode=0o700)
     _barrier()
     per_rank: dict[str, Any] = {"state": rank_state}
     if isinstance(optimizer, OffloadAdamW):

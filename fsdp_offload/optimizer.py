@@ -368,6 +368,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "call step() again to finish it before saving or loading state"
             )
 
+    @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """Like torch.optim.AdamW's, plus each param's FP32 'master_param' (all gathered in host memory).
 
@@ -396,6 +397,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             start += n
         return {"state": state, "param_groups": groups, "offload": self._offload_meta()}
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores masters, moments, step counts and hyperparameters, and rewrites the model's params
         from the restored masters."""
@@ -444,6 +446,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """What a streamed checkpoint's subgroups depend on: it only loads into the same layout."""
         return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
 
+    @torch.no_grad()
     def save_subgroups(self, root: str, tag: str) -> dict[str, Any]:
         """Streams every subgroup into one file under `root` (no gathering in memory: one subgroup at a
         time goes from the cache, or a tier, to the file). Returns what `load_subgroups` needs."""
@@ -468,6 +471,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             "offload": self._offload_meta(),
         }
 
+    @torch.no_grad()
     def load_subgroups(self, root: str, meta: dict[str, Any]) -> None:
         """Reads subgroups saved by `save_subgroups` into this optimizer's cache and tiers (which may
         be other dirs than when it was saved) and rewrites the model's params from the masters."""

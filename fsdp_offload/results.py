@@ -10,7 +10,10 @@ import time
 
 
 def git_commit() -> str:
-    """HEAD of the checkout, with '-dirty' when tracked files have changes."""
+    """HEAD of the checkout, with '-dirty' when tracked files have changes; $FSDP_OFFLOAD_COMMIT where
+    the code runs from a copy without .git (the GPU machine)."""
+    if os.environ.get("FSDP_OFFLOAD_COMMIT"):
+        return os.environ["FSDP_OFFLOAD_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout

@@ -13,19 +13,17 @@ benchmarks/results/bench_kernels_<device>_<timestamp>.json and prints a table la
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from fsdp_offload.kernels import get_adamw_kernel, torch_adamw_step
+from fsdp_offload.results import git_commit, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 BYTES_PER_PARAM = 28
@@ -124,14 +122,6 @@ def bench_cuda(numel: int, repeats: int) -> dict[str, float]:
     }
 
 
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    except OSError:
-        return "uncommitted"
-    return out.stdout.strip() if out.returncode == 0 else "uncommitted"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,7 +139,6 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "device": args.device_kind,
         "commit": git_commit(),
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "threads": args.threads,
         "numel": args.numel,
@@ -165,10 +154,7 @@ def main() -> None:
         result["gpu"] = torch.cuda.get_device_name()
         result.update(bench_cuda(args.numel, args.repeats))
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = args.out_dir / f"bench_kernels_{args.device_kind}_{stamp}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(str(args.out_dir), "bench_kernels", args.device_kind, result)
 
     rows = [
         ("fused CPU kernel", result["fused_mparams_per_s"], f"{result['fused_gbps']:.1f} GB/s"),
@@ -180,7 +166,7 @@ def main() -> None:
             ("Triton (GPU)", result["triton_mparams_per_s"], f"{result['triton_gbps']:.0f} GB/s"),
             ("torch fused CUDA + casts", result["torch_cuda_fused_mparams_per_s"], ""),
         ]
-    print(f"wrote {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+    print(f"wrote {path}")
     print(f"{args.numel / 1e6:g}M params, {args.threads} threads, {result['fused_isa']}")
     print(f"{'kernel':<26}{'M params/s':>12}  note")
     for name, rate, note in rows:

@@ -1,0 +1,182 @@
+"""Node-level tier access: k processes at a time per tier, by file locks that die with their holder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.cache import aligned_host_buffer
+from fsdp_offload.storage import TierError, open_tiers
+from fsdp_offload.storage.lock import LockedTier, NodeTierLock, access_slots
+
+HOLD_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from fsdp_offload.storage.lock import NodeTierLock
+    lock = NodeTierLock(sys.argv[1], sys.argv[2], 1)
+    assert lock.acquire(timeout=10)
+    if sys.argv[3] == "fork":
+        child = os.fork()
+        if child == 0:
+            time.sleep(60)  # a data loader worker, say, that outlives its parent
+            os._exit(0)
+        print(child, flush=True)
+    print("held", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def hold_in_subprocess(tier_dir, lock_dir, mode: str) -> tuple[subprocess.Popen, int | None]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_SCRIPT, str(tier_dir), str(lock_dir), mode], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline()) if mode == "fork" else None
+    assert proc.stdout.readline().strip() == "held"
+    return proc, child
+
+
+def test_access_values():
+    assert access_slots("exclusive") == 1
+    assert access_slots("shared") is None
+    assert access_slots(3) == 3 and access_slots("2") == 2
+    for bad in (0, -1, "many", True, 1.5):
+        with pytest.raises(ValueError, match="offload.tier_access"):
+            access_slots(bad)
+
+
+def test_k_processes_at_a_time(tmp_path):
+    holders = [NodeTierLock(str(tmp_path), str(tmp_path), 2) for _ in range(3)]  # separate opens conflict like processes
+    assert holders[0].acquire(timeout=0) and holders[1].acquire(timeout=0)
+    assert not holders[2].acquire(timeout=0.05)
+    holders[0].release()
+    assert holders[2].acquire(timeout=1)
+    for h in holders:
+        h.close()
+
+
+@pytest.mark.parametrize("mode", ["plain", "fork"])
+def test_a_killed_holder_releases_the_tier(tmp_path, mode):
+    """SIGKILL gives no chance to clean up: the kernel drops the flock. With "fork", the holder has a
+    forked child still alive, which must not keep the lock (its inherited lock files are closed)."""
+    lock = NodeTierLock(str(tmp_path), str(tmp_path), 1)
+    proc, child = hold_in_subprocess(tmp_path, tmp_path, mode)
+    try:
+        assert not lock.acquire(timeout=0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert lock.acquire(timeout=5), "the tier stayed locked after its holder was killed"
+    finally:
+        if child is not None:
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        lock.close()
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys, torch
+    from fsdp_offload import OffloadAdamW, OffloadConfig
+    tiers, lock_dir, profile, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    sg, m, c = 65536, 10, 4
+    params = [torch.nn.Parameter(torch.randn(sg)) for _ in range(m)]
+    cfg = OffloadConfig(
+        kernel="torch", tiers=tiers, subgroup_numel=sg, host_budget_gb=(2 * m * sg + c * 12 * sg) / 2**30,
+        tier_access="exclusive", tier_lock_dir=lock_dir, bandwidth_profile=profile, calibration_gb=0.004,
+    )
+    opt = OffloadAdamW(params, offload=cfg)
+    transfers = []
+    take = opt.pipeline.take_transfers
+    def spy():
+        got, hits = take()
+        transfers.extend(got)
+        return got, hits
+    opt.pipeline.take_transfers = spy
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(sg, dtype=torch.bfloat16)
+        opt.step()
+    holds = {t.name: list(t.lock.holds) for t in opt.tiers}
+    waits = {t.name: t.lock.wait_s for t in opt.tiers}
+    opt.close()
+    json.dump({"holds": holds, "waits": waits, "transfers": [[t.tier, t.start, t.end] for t in transfers]}, open(out, "w"))
+    """
+)
+
+
+def test_four_processes_in_exclusive_mode_never_overlap_on_a_tier(tmp_path):
+    """4 processes step optimizers over the same two (throttled, so that I/O takes a while) tiers. Per
+    tier, the lock holds of all of them never overlap, every transfer lies inside one of its own
+    process's holds, and all finish (no deadlock)."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    tiers = [f"throttle:posix:{dirs[0]}?read=60MB/s&write=60MB/s", f"throttle:posix:{dirs[1]}?read=30MB/s&write=30MB/s"]
+    outs = [tmp_path / f"out{i}.json" for i in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(tiers), str(tmp_path), str(tmp_path / "profile.json"), str(o)])
+        for o in outs
+    ]
+    for p in procs:
+        assert p.wait(timeout=150) == 0, "a worker failed or hung"
+    results = [json.loads(o.read_text()) for o in outs]
+    for tier in tiers:
+        holds = sorted((a, b, i) for i, r in enumerate(results) for a, b in r["holds"][tier])
+        assert {i for *_, i in holds} == set(range(4)), f"every process used {tier}"
+        for (a1, b1, i1), (a2, b2, i2) in zip(holds, holds[1:]):
+            assert a2 >= b1, f"{tier}: process {i2} took the tier at {a2} while process {i1} held it until {b1}"
+        for i, r in enumerate(results):
+            mine = [(a, b) for a, b in r["holds"][tier]]
+            for name, start, end in r["transfers"]:
+                if name == tier:
+                    assert any(a <= start and end <= b for a, b in mine), (
+                        f"process {i}: a transfer on {tier} [{start}, {end}] outside its holds "
+                        f"{[h for h in mine if h[1] > start - 0.5 and h[0] < end + 0.5]}"
+                    )
+    assert sum(w for r in results for w in r["waits"].values()) > 0  # they did contend
+
+
+def test_locked_tier_keeps_the_tier_contract(tmp_path):
+    """Through the lock wrapper a tier still stores and returns subgroups, reports errors, and lets
+    the lock go when idle."""
+    (tier,) = open_tiers([f"posix:{tmp_path}"], "exclusive", str(tmp_path))
+    assert isinstance(tier, LockedTier)
+    tier.attach("t", [4096, 8192])
+    data = aligned_host_buffer(8192)
+    data.copy_(torch.arange(8192, dtype=torch.uint8))
+    tier.write(1, data).result()
+    back = aligned_host_buffer(8192)
+    got = tier.read(1, back).result()
+    assert torch.equal(back, data) and got.tier == f"posix:{tmp_path}" and got.nbytes == 8192
+    with pytest.raises(TierError, match="never written"):
+        tier.read(0, aligned_host_buffer(4096))
+    with pytest.raises(ValueError, match="slot is 4096 bytes"):
+        tier.write(0, torch.zeros(10, dtype=torch.uint8))
+    deadline = time.time() + 2
+    while tier.lock.held and time.time() < deadline:
+        time.sleep(0.01)
+    assert not tier.lock.held and len(tier.lock.holds) >= 1
+    path = tier.path
+    tier.close()
+    assert not os.path.exists(path)
+
+
+def test_lock_dir_must_be_usable(tmp_path):
+    with pytest.raises(TierError, match="offload.tier_lock_dir=.*missing.*node-local"):
+        OffloadAdamW(
+            [torch.nn.Parameter(torch.randn(4096))],
+            offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=4096, tier_lock_dir=str(tmp_path / "missing")),
+        )
+    with pytest.raises(ValueError, match="offload.tier_access='sometimes'"):
+        OffloadAdamW(
+            [torch.nn.Parameter(torch.randn(4096))],
+            offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=4096, tier_access="sometimes"),
+        )

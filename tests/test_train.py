@@ -1,0 +1,108 @@
+"""The training script end to end: the README's main command, kill and resume, bad input."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "scripts" / "train.py")
+METRICS = {
+    "step", "loss", "lr", "tokens_per_s", "forward_s", "backward_s", "update_s", "step_s", "update_mparams_per_s",
+    "effective_io_gbps", "bytes_read", "bytes_written", "host_peak_gib", "grad_norm", "cache_hits", "subgroups_per_tier",
+}  # fmt: skip
+
+
+def train(tmp: Path, *overrides: str, ranks: int = 0, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, TRAIN] if ranks == 0 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(29000 + os.getpid() % 500),
+        TRAIN,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        cmd + [f"hydra.run.dir={tmp}", "train.progress=false", *overrides], capture_output=True, text=True, env=env, timeout=300
+    )
+    if check and out.returncode != 0:
+        raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_main_command_trains_the_tiny_model(tmp_path):
+    train(tmp_path / "run")
+    log = rows(tmp_path / "run" / "metrics.jsonl")
+    assert len(log) == 50
+    assert all(METRICS <= set(r) for r in log), METRICS - set(log[0])
+    first, last = np.mean([r["loss"] for r in log[:5]]), np.mean([r["loss"] for r in log[-5:]])
+    assert last < first - 1.0, (first, last)
+    assert sum(sum(r["bytes_read"].values()) for r in log) > 0  # the state really streamed through the tier
+
+
+def final_state(ckpt: str, out: Path) -> dict:
+    dcp_to_torch_save(ckpt, out)
+    model = torch.load(out, weights_only=False)["model"]
+    subgroups = {Path(f).name: Path(f).read_bytes() for f in glob.glob(f"{ckpt}/optimizer/*/*.subgroups")}
+    return {"model": model, "subgroups": subgroups}
+
+
+def test_killed_run_resumes_bit_for_bit(tmp_path):
+    common = ["train.steps=8", "checkpoint.every=4"]
+    train(tmp_path / "a", *common, f"checkpoint.dir={tmp_path}/ck_a", ranks=2)
+    killed = train(tmp_path / "b", *common, f"checkpoint.dir={tmp_path}/ck_b", "train.kill_at_step=4", ranks=2, check=False)
+    assert killed.returncode != 0  # SIGKILLed right after the step-4 checkpoint
+    train(tmp_path / "b2", *common, f"checkpoint.dir={tmp_path}/ck_b", ranks=2)
+    whole = {r["step"]: r["loss"] for r in rows(tmp_path / "a" / "metrics.jsonl")}
+    resumed = {r["step"]: r["loss"] for r in rows(tmp_path / "b2" / "metrics.jsonl")}
+    assert sorted(resumed) == [4, 5, 6, 7]
+    assert all(resumed[s] == whole[s] for s in resumed), (whole, resumed)
+    a = final_state(f"{tmp_path}/ck_a/step_00000008", tmp_path / "a.pt")
+    b = final_state(f"{tmp_path}/ck_b/step_00000008", tmp_path / "b.pt")
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert len(a["subgroups"]) == 2 and a["subgroups"] == b["subgroups"]  # masters and moments, both ranks
+
+    # the same checkpoint into another world size or model shape: refused before any training
+    out = train(tmp_path / "c", *common, f"checkpoint.dir={tmp_path}/ck_b", "train.steps=12", check=False)
+    assert out.returncode == 2 and "world_size=2" in out.stderr, out.stderr[-2000:]
+    out = train(tmp_path / "d", *common, f"checkpoint.dir={tmp_path}/ck_b", "model.dim=128", ranks=2, check=False)
+    assert "checkpoint" in out.stderr and "model=" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model=llama_nope"], "Could not find 'model/llama_nope'"),
+        (["offload=nope"], "Could not find 'offload/nope'"),
+        (["offload.tiers=[posix:/nonexistent/dir]"], "tier dir /nonexistent/dir does not exist"),
+        (["data.kind=memmap", "data.path=/nonexistent.bin"], "/nonexistent.bin"),
+        (["offload.host_budget_gb=0.0001"], "below the pipeline's minimum"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
+    out = train(tmp_path / "run", *overrides, check=False)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_token_files(tmp_path):
+    short = tmp_path / "short.bin"
+    np.arange(10, dtype=np.uint16).tofile(short)
+    out = train(tmp_path / "a", "data.kind=memmap", f"data.path={short}", check=False)
+    assert out.returncode == 2 and "short.bin" in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x02\x03")  # not a whole number of uint16 tokens
+    out = train(tmp_path / "b", "data.kind=memmap", f"data.path={odd}", check=False)
+    assert out.returncode == 2 and "dtype" in out.stderr, out.stderr[-2000:]
