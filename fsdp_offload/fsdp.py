@@ -74,14 +74,20 @@ def install_grad_hooks(
 ) -> list:
     """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it."""
 
+    side = copies.stream
+
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        # Runs once per param in the middle of backward, so it is kept to a few calls.
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            with copies.after_current():
+            if side is None:
                 stage(index, local)
-                if copies.stream is not None:
-                    local.record_stream(copies.stream)  # keep the memory until the D2H copy has run
+            else:
+                side.wait_stream(torch.cuda.current_stream())  # FSDP's post-reduce stream
+                with torch.cuda.stream(side):
+                    stage(index, local)
+                local.record_stream(side)  # keep the memory until the D2H copy has run
             param.grad = None
 
         return hook

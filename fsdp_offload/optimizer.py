@@ -103,18 +103,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         num_slots = self._plan_slots(self.staging.nbytes)
         self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
         self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
-        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
-        tag = _rank_tag()
-        for t in self.tiers:
-            t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
-        self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
+        self.tiers: list[Tier] = []
         tiers, cache, placement = self.tiers, self.cache, self.placement
 
         def shutdown() -> None:
             placement.close()  # saves the learned bandwidths
             _close(tiers, cache)
 
-        self._closer = weakref.finalize(self, shutdown)
+        self._closer = weakref.finalize(self, shutdown)  # also cleans up if building fails from here on
+        self.tiers.extend(open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir))
+        tag = _rank_tag()
+        for t in self.tiers:
+            t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
+        self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order

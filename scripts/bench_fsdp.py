@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -70,6 +72,11 @@ def run_case(name: str, args, make) -> dict:
         os.makedirs(args.profile_dir, exist_ok=True)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             iterate(model, optimizer, tokens, 2)
+        trace = os.path.join(args.profile_dir, f"{name}.trace.json")
+        prof.export_chrome_trace(trace)
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
         with open(os.path.join(args.profile_dir, f"{name}.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
