@@ -116,8 +116,14 @@ def measure_tier(spec: str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 2
         ) from exc
     finally:
         tier.close()
-    total = count * transfer_bytes
-    speed = TierSpeed(total / read_s, total / write_s, statistics.median(latencies))
+    total, latency = count * transfer_bytes, statistics.median(latencies)
+
+    def bandwidth(elapsed: float) -> float:
+        # The model charges latency + bytes / bandwidth per request, so the latency of each transfer
+        # comes off (as on a serial device); the floor keeps a device that overlaps requests finite.
+        return total / max(elapsed - count * latency, 0.1 * elapsed)
+
+    speed = TierSpeed(bandwidth(read_s), bandwidth(write_s), latency)
     if not speed.valid:
         raise TierError(f"calibrating {spec} gave {speed}: not a usable bandwidth; measure again with more bytes")
     return speed
@@ -172,7 +178,9 @@ class BandwidthProfile:
         try:
             with open(self.path) as f:
                 data = json.load(f)
-            if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT or not isinstance(data.get("hosts"), dict):
+            hosts = data.get("hosts") if isinstance(data, dict) else None
+            well_formed = isinstance(hosts, dict) and all(isinstance(h, dict) for h in hosts.values())
+            if not well_formed or data.get("format") != PROFILE_FORMAT:
                 raise ValueError(f"not a {PROFILE_FORMAT} file")
             return data
         except FileNotFoundError:
@@ -192,13 +200,16 @@ class BandwidthProfile:
                 log.info("bandwidth profile %s has no entry for host %s (it has %s)", self.path, self.host, sorted(data["hosts"]))
             return {}
         out = {}
-        for key, entry in (mine.items() if isinstance(mine, dict) else ()):
+        for key, entry in mine.items():
             try:
                 speed = TierSpeed(entry["read_gbps"] * 1e9, entry["write_gbps"] * 1e9, entry["latency_ms"] / 1e3)
             except (TypeError, KeyError):
                 speed = None
             if speed is None or not speed.valid:
-                log.warning("bandwidth profile %s: entry for %s on %s is not usable (%s); it will be measured again", self.path, key, self.host, entry)
+                log.warning(
+                    "bandwidth profile %s: entry for %s on %s is not usable (%s); it will be measured again",
+                    self.path, key, self.host, entry,
+                )  # fmt: skip
                 continue
             out[key] = speed
         return out
@@ -333,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gb > 0 or not args.transfer_mb > 0:
         ap.error(f"--gb={args.gb} and --transfer-mb={args.transfer_mb} must be positive")
     measured: dict[str, TierSpeed] = {}
-    print(f"{'tier':<44} {'read GB/s':>10} {'write GB/s':>11} {'latency ms':>11}")
+    width = max(len("tier"), *map(len, args.tiers))
+    print(f"{'tier':<{width}} {'read GB/s':>10} {'write GB/s':>11} {'latency ms':>11}")
     for spec in args.tiers:
         try:
             speed = measure_tier(spec, int(args.gb * (1 << 30)), int(args.transfer_mb * (1 << 20)))
@@ -341,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         measured[tier_profile_key(spec)] = speed
-        print(f"{spec:<44} {speed.read_bps / 1e9:>10.3f} {speed.write_bps / 1e9:>11.3f} {speed.latency_s * 1e3:>11.3f}", flush=True)
+        print(f"{spec:<{width}} {speed.read_bps / 1e9:>10.3f} {speed.write_bps / 1e9:>11.3f} {speed.latency_s * 1e3:>11.3f}", flush=True)
     if not args.no_save:
         try:
             profile = BandwidthProfile(args.profile)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 GIB = 1 << 30
@@ -58,3 +60,24 @@ def format_bytes(nbytes: float) -> str:
         if nbytes >= size:
             return f"{int(nbytes)} bytes ({nbytes / size:.2f} {unit})"
     return f"{int(nbytes)} bytes"
+
+
+_TMP_DIRS: list[str] = []
+
+
+def _tmpdir() -> str:
+    if not _TMP_DIRS:
+        _TMP_DIRS.append(tempfile.mkdtemp(prefix="fsdp-offload-"))
+    return _TMP_DIRS[0]
+
+
+def register_tmpdir_resolver() -> None:
+    """Makes `${tmpdir:}` in a recipe mean one private temporary dir per process (remove_tmpdirs)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
+
+
+def remove_tmpdirs() -> None:
+    while _TMP_DIRS:
+        shutil.rmtree(_TMP_DIRS.pop(), ignore_errors=True)

@@ -57,7 +57,7 @@ class BandwidthModel:
             if not s.valid:
                 raise ValueError(f"tier {i}: seed {s} must have positive, finite read/write rates and latency >= 0")
         self._latency = [s.latency_s for s in seeds]
-        self._samples = [{"read": deque([s.read_bps], maxlen=self.WINDOW), "write": deque([s.write_bps], maxlen=self.WINDOW)} for s in seeds]
+        self._samples = [self._window(s) for s in seeds]
         self._claimed: list[list[list[float]]] = [[] for _ in seeds]  # per tier: disjoint [start, end], sorted
         self._lock = threading.Lock()
         self.observed = 0  # transfers learned from
@@ -77,7 +77,11 @@ class BandwidthModel:
         with self._lock:
             for i, s in speeds.items():
                 self._latency[i] = s.latency_s
-                self._samples[i] = {"read": deque([s.read_bps], maxlen=self.WINDOW), "write": deque([s.write_bps], maxlen=self.WINDOW)}
+                self._samples[i] = self._window(s)
+
+    def _window(self, seed: TierSpeed) -> dict[str, deque[float]]:
+        """Sample windows that start from the seed's bandwidths."""
+        return {"read": deque([seed.read_bps], maxlen=self.WINDOW), "write": deque([seed.write_bps], maxlen=self.WINDOW)}
 
     def observe(self, tier: int, t: Transfer) -> None:
         """Learns from one finished transfer on `tier` (call it as each transfer finishes)."""
@@ -332,10 +336,7 @@ class AdaptivePlacement:
     def state_dict(self) -> dict:
         """The learned speeds by tier, so that a run resumed from a checkpoint starts from them even
         without a profile. Tiers are named by profile key (resolved path and options)."""
-        return {
-            "rule": self.name,
-            "speeds": {k: [s.read_bps, s.write_bps, s.latency_s] for k, s in zip(self._keys, self.model.speeds())},
-        }
+        return {"speeds": {k: [s.read_bps, s.write_bps, s.latency_s] for k, s in zip(self._keys, self.model.speeds())}}
 
     def load_state_dict(self, state: dict) -> None:
         """Takes the saved speeds of the tiers this optimizer also has (the others keep theirs) and replans."""
@@ -386,7 +387,12 @@ def make_placement(
     if not cfg.calibration_gb > 0:
         raise ValueError(f"offload.calibration_gb={cfg.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
     profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
-    seeds = seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), min(layout.slot_bytes, 64 << 20))
+    try:
+        seeds = seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), min(layout.slot_bytes, 64 << 20))
+    except BaseException:
+        if profile is not None:
+            profile.close()
+        raise
     sizes = [sg.state_bytes for sg in layout.subgroups]
     if cfg.placement == "eq1":
         plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731

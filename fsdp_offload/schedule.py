@@ -82,6 +82,7 @@ class SubgroupPipeline:
         self._visited: set[int] = set()  # this pass
         self.transfers: list[Transfer] = []  # since the last take_transfers()
         self.hits = 0
+        self._read_ahead: set[int] = set()  # fetched and settled before their visit: no cache hit
 
     def view(self, slot: int, sg: int) -> torch.Tensor:
         return self.cache.slots[slot][: self.layout.subgroups[sg].state_bytes]
@@ -249,17 +250,19 @@ class SubgroupPipeline:
         if f.read is not None:
             self.transfers.append(f.read)
         self.cache.admit(sg, f.slot, dirty=False)
+        self._read_ahead.add(sg)
         return None
 
     def _acquire(self, sg: int, load: bool, keep: set[int]) -> torch.Tensor:
         if self.cache.is_resident(sg):
-            self.hits += 1
+            self.hits += sg not in self._read_ahead  # else its fetch was settled early, by another's
         else:
             if not self._start(sg, load, keep):
                 raise RuntimeError(f"no host cache slot free for subgroup {sg}: the cache is below its minimum")
             error = self._settle(sg)
             if error is not None:
                 raise error
+        self._read_ahead.discard(sg)
         self.cache.touch(sg)
         return self.view(self.cache.slot_of[sg], sg)
 

@@ -16,10 +16,8 @@ import math
 import os
 import random
 import resource
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,24 +32,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.config import register_tmpdir_resolver, remove_tmpdirs
 from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_offload.data import DataConfig, TokenBatches
 from fsdp_offload.models import LlamaArgs, num_params
 from fsdp_offload.parallelize import build_fsdp_model
 from fsdp_offload.storage import TierError
-
-_TMP_DIRS: list[str] = []
-
-
-def _tmpdir() -> str:
-    """`${tmpdir:}` in a recipe: one private temporary dir per process, removed at exit."""
-    if not _TMP_DIRS:
-        _TMP_DIRS.append(tempfile.mkdtemp(prefix="fsdp-offload-"))
-    return _TMP_DIRS[0]
-
-
-OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-
 
 @dataclass
 class TrainConfig:
@@ -250,6 +236,9 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device:
     return row
 
 
+register_tmpdir_resolver()
+
+
 @hydra.main(config_path="../recipes", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
@@ -258,8 +247,7 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
-        for d in _TMP_DIRS:
-            shutil.rmtree(d, ignore_errors=True)
+        remove_tmpdirs()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -62,6 +63,25 @@ def test_k_processes_at_a_time(tmp_path):
         h.close()
 
 
+def test_the_last_user_removes_the_lock_files_without_letting_two_in(tmp_path):
+    """A waiter that opened the file before the last holder removed it must not hold the removed file
+    while a newcomer holds a new one at the same path."""
+    first, waiter = NodeTierLock(str(tmp_path), str(tmp_path), 1), NodeTierLock(str(tmp_path), str(tmp_path), 1)
+    assert first.acquire(timeout=0)
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: waiter.acquire() and got.set())
+    thread.start()
+    first.close()  # releases; removes the file unless the waiter took it first
+    assert got.wait(5)
+    newcomer = NodeTierLock(str(tmp_path), str(tmp_path), 1)
+    assert not newcomer.acquire(timeout=0.1), "two holders of one tier"
+    waiter.close()
+    assert newcomer.acquire(timeout=1)
+    newcomer.close()
+    assert not any(os.path.exists(p) for p in newcomer.paths)
+    thread.join()
+
+
 @pytest.mark.parametrize("mode", ["plain", "fork"])
 def test_a_killed_holder_releases_the_tier(tmp_path, mode):
     """SIGKILL gives no chance to clean up: the kernel drops the flock. With "fork", the holder has a
@@ -104,9 +124,9 @@ WORKER = textwrap.dedent(
         for p in params:
             p.grad = torch.randn(sg, dtype=torch.bfloat16)
         opt.step()
+    opt.close()  # the last hold ends once the gate lets the lock go
     holds = {t.name: list(t.lock.holds) for t in opt.tiers}
     waits = {t.name: t.lock.wait_s for t in opt.tiers}
-    opt.close()
     json.dump({"holds": holds, "waits": waits, "transfers": [[t.tier, t.start, t.end] for t in transfers]}, open(out, "w"))
     """
 )
@@ -157,7 +177,7 @@ def test_locked_tier_keeps_the_tier_contract(tmp_path):
     got = tier.read(1, back).result()
     assert torch.equal(back, data) and got.tier == f"posix:{tmp_path}" and got.nbytes == 8192
     with pytest.raises(TierError, match="never written"):
-        tier.read(0, aligned_host_buffer(4096))
+        tier.read(0, aligned_host_buffer(4096)).result()  # the wrapped tier's errors come through the future
     with pytest.raises(ValueError, match="slot is 4096 bytes"):
         tier.write(0, torch.zeros(10, dtype=torch.uint8))
     deadline = time.time() + 2
@@ -166,7 +186,7 @@ def test_locked_tier_keeps_the_tier_contract(tmp_path):
     assert not tier.lock.held and len(tier.lock.holds) >= 1
     path = tier.path
     tier.close()
-    assert not os.path.exists(path)
+    assert not os.path.exists(path) and not any(os.path.exists(p) for p in tier.lock.paths)
 
 
 def test_lock_dir_must_be_usable(tmp_path):

@@ -24,7 +24,6 @@ import torch
 from .base import Tier, TierError
 from .posix import make_private_dir
 
-TIER_ACCESS = ("exclusive", "shared")
 _POLL_S = 0.001  # how often a waiting process retries the lock files
 
 _open_locks: weakref.WeakSet[NodeTierLock] = weakref.WeakSet()
@@ -45,7 +44,13 @@ def access_slots(access: str | int) -> int | None:
 
 class NodeTierLock:
     """`slots` flock()ed files for one tier dir in `lock_root`: holding any one of them is a licence
-    to do I/O on the tier. Keeps a log of its holds (perf_counter times, comparable across processes)."""
+    to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
+    comparable across processes).
+
+    The last user removes the files (tier dirs come and go; their lock files should too). Removing a
+    file that another process has open and waits on would give two holders, one on the removed file:
+    so a lock taken is only good if its file is still the one at the path, else it is opened anew.
+    """
 
     def __init__(self, tier_dir: str, lock_root: str, slots: int) -> None:
         if slots < 1:
@@ -58,16 +63,44 @@ class NodeTierLock:
         name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
         self.tier_dir = real
         self.paths = [os.path.join(lock_dir, f"{name}.slot{j}.lock") for j in range(slots)]
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            self._fds = [os.open(p, flags, 0o600) for p in self.paths]
-        except OSError as exc:
-            raise TierError(f"cannot open tier lock file in {lock_dir}: {exc.strerror}; set offload.tier_lock_dir to a writable node-local dir") from exc
+        self._fds = [self._open(p) for p in self.paths]
         self._held: int | None = None  # index of the slot this process holds
         self._since = 0.0
         self.holds: deque[tuple[float, float]] = deque(maxlen=4096)  # (acquired, released)
         self.wait_s = 0.0  # total time spent waiting for the lock
         _open_locks.add(self)
+
+    @staticmethod
+    def _open(path: str) -> int:
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise TierError(
+                f"cannot open tier lock file {path}: {exc.strerror}; set offload.tier_lock_dir to a writable "
+                "node-local dir"
+            ) from exc
+
+    def _is_current(self, j: int) -> bool:
+        """Whether slot j's open file is still the one at its path (not removed by a last user)."""
+        try:
+            at_path = os.stat(self.paths[j])
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self._fds[j])
+        return (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _try(self, j: int) -> bool:
+        """Takes slot j if it is free."""
+        try:
+            fcntl.flock(self._fds[j], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if self._is_current(j):
+            return True
+        fcntl.flock(self._fds[j], fcntl.LOCK_UN)
+        os.close(self._fds[j])
+        self._fds[j] = self._open(self.paths[j])
+        return self._try(j)
 
     @property
     def held(self) -> bool:
@@ -79,10 +112,8 @@ class NodeTierLock:
             raise RuntimeError(f"tier lock for {self.tier_dir} is already held by this process")
         start = time.perf_counter()
         while True:
-            for j, fd in enumerate(self._fds):
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+            for j in range(len(self._fds)):
+                if not self._try(j):
                     continue
                 self._held, self._since = j, time.perf_counter()
                 self.wait_s += self._since - start
@@ -100,10 +131,14 @@ class NodeTierLock:
         self._held = None
 
     def close(self) -> None:
+        """Lets go, and removes the lock files that no other process holds."""
         if self._held is not None:
             self.release()
-        for fd in self._fds:
-            os.close(fd)
+        for j in range(len(self._fds)):
+            if self._try(j):  # a process waiting on this file finds it removed and opens a new one
+                os.unlink(self.paths[j])
+                fcntl.flock(self._fds[j], fcntl.LOCK_UN)
+            os.close(self._fds[j])
         self._fds = []
         _open_locks.discard(self)
 

@@ -137,7 +137,10 @@ THROTTLE_OPTIONS = ("read", "write", "latency")
 def throttle_limits(spec: str, opts: dict[str, str]) -> Limits:
     """The Limits that a throttle spec's options give."""
     if not any(k in opts for k in THROTTLE_OPTIONS):
-        raise ValueError(f"tier spec {spec!r} limits nothing: give read=, write= and/or latency= (e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)")
+        raise ValueError(
+            f"tier spec {spec!r} limits nothing: give read=, write= and/or latency= "
+            "(e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)"
+        )
     return Limits(
         read_bps=parse_rate(spec, "read", opts["read"]) if "read" in opts else None,
         write_bps=parse_rate(spec, "write", opts["write"]) if "write" in opts else None,

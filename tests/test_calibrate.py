@@ -1,0 +1,184 @@
+"""Calibration and the bandwidth profile: measuring through a tier, the CLI, and bad input (unwritable
+or full file systems, zero bandwidths, corrupt or foreign profiles) failing clearly before training,
+or being measured again, never crashing a step."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
+from fsdp_offload.placement import BandwidthModel
+from fsdp_offload.storage import Limits, TierError, make_tier
+from fsdp_offload.storage import posix as posix_mod
+from fsdp_offload.storage.throttle import ThrottledTier
+
+from test_optimizer import SG, budget_for, make_params
+
+KIB = 1 << 10
+MB = 1e6
+
+
+def two_tiers(tmp_path) -> list[str]:
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir(exist_ok=True)
+    return [f"posix:{d}" for d in dirs]
+
+
+def build(tmp_path, tiers: list[str], profile: str | None, **kw) -> OffloadAdamW:
+    cfg = OffloadConfig(
+        kernel="torch", tiers=tiers, subgroup_numel=SG, host_budget_gb=budget_for(4), bandwidth_profile=profile,
+        **{"calibration_gb": 0.002, **kw},
+    )  # fmt: skip
+    return OffloadAdamW([torch.nn.Parameter(t) for t in make_params()], offload=cfg)
+
+
+def read_only_dir(tmp_path) -> str:
+    """A dir this process cannot create files in; as root, whom modes do not stop, sysfs."""
+    if os.getuid() == 0:
+        return "/sys"
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o500)
+    return str(d)
+
+
+def test_throttle_specs():
+    t = make_tier("throttle:posix:/tmp?read=1.5GB/s&write=800MiB/s&latency=2ms&threads=2")
+    assert isinstance(t, ThrottledTier)
+    assert t.limits == Limits(1.5e9, 800 * 2**20, 0.002)
+    assert t.inner.spec == "posix:/tmp?threads=2" and t.inner.threads == 2
+    with pytest.raises(ValueError, match="read='fast' is not a rate; write it like read=1.5GB/s"):
+        make_tier("throttle:posix:/tmp?read=fast")
+    with pytest.raises(ValueError, match="write='0GB/s' is not positive"):
+        make_tier("throttle:posix:/tmp?write=0GB/s")
+    with pytest.raises(ValueError, match="limits nothing"):
+        make_tier("throttle:posix:/tmp")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['speed'\]"):
+        make_tier("throttle:posix:/tmp?read=1GB/s&speed=3")
+    assert tier_profile_key("throttle:posix:/tmp/../tmp?write=1GB/s&read=2GB/s") == "throttle:posix:/tmp?read=2GB/s&write=1GB/s"
+
+
+def test_measure_tier_sees_the_throttle(tmp_path):
+    speed = measure_tier(f"throttle:posix:{tmp_path}?read=40MB/s&write=20MB/s&latency=3ms", nbytes=2 << 20, transfer_bytes=256 * KIB)
+    assert speed.read_bps == pytest.approx(40 * MB, rel=0.2)
+    assert speed.write_bps == pytest.approx(20 * MB, rel=0.2)
+    assert speed.latency_s == pytest.approx(0.003, abs=0.002)
+    assert os.listdir(os.path.join(tmp_path, f"fsdp-offload-{os.getuid()}")) == []  # its file is gone
+
+
+def test_cli_measures_prints_and_saves(tmp_path, capsys):
+    tiers = [f"throttle:posix:{d}?read=60MB/s&write=30MB/s" for d in (tmp_path / "a", tmp_path / "b")]
+    for d in (tmp_path / "a", tmp_path / "b"):
+        d.mkdir()
+    profile = tmp_path / "p.json"
+    assert main([*tiers, "--gb", "0.002", "--transfer-mb", "0.25", "--profile", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "read GB/s" in out and all(t in out for t in tiers) and f"saved to {profile}" in out
+    saved = BandwidthProfile(str(profile))
+    with saved.locked():
+        got = saved.load()
+    assert set(got) == {tier_profile_key(t) for t in tiers}
+    assert all(s.write_bps == pytest.approx(30 * MB, rel=0.25) for s in got.values())
+    with capsys.disabled():
+        print("\n" + out.rstrip())
+
+
+def test_cli_on_a_read_only_dir_is_a_clear_error(tmp_path, capsys):
+    target = read_only_dir(tmp_path)
+    assert main([f"posix:{target}", "--gb", "0.001", "--no-save"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: posix:{target}: ") and target in err
+
+
+def test_unwritable_tier_fails_before_training(tmp_path):
+    target = read_only_dir(tmp_path)
+    with pytest.raises(TierError, match=f"posix:{target}: .*{target}"):
+        build(tmp_path, [two_tiers(tmp_path)[0], f"posix:{target}"], str(tmp_path / "p.json"))
+
+
+def test_full_file_system_is_a_clear_error(tmp_path, monkeypatch):
+    def full(fd, view, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(posix_mod, "_pwrite_all", full)
+    with pytest.raises(TierError, match=r"calibrating posix:.*: 2 x 65536 bytes failed: No space left on device \(the file system is full"):
+        measure_tier(f"posix:{tmp_path}", nbytes=128 * KIB, transfer_bytes=64 * KIB)
+    with pytest.raises(TierError, match="the file system is full"):
+        build(tmp_path, two_tiers(tmp_path), str(tmp_path / "p.json"))
+
+
+def test_zero_bandwidths_are_refused_or_measured_again(tmp_path, caplog):
+    tiers = two_tiers(tmp_path)
+    path = str(tmp_path / "p.json")
+    profile = BandwidthProfile(path)
+    with profile.locked():
+        profile.store({tier_profile_key(tiers[0]): TierSpeed(1e9, 1e9, 0.0), tier_profile_key(tiers[1]): TierSpeed(1e9, 1e9, 0.0)}, "calibrated")
+    data = json.loads(open(path).read())
+    data["hosts"][profile.host][tier_profile_key(tiers[1])]["write_gbps"] = 0.0  # say, hand-edited
+    open(path, "w").write(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+        opt = build(tmp_path, tiers, path)
+    assert "is not usable" in caplog.text and tier_profile_key(tiers[1]) in caplog.text
+    assert opt.placement.model.speeds()[1].write_bps > 0  # measured again
+    opt.close()
+    with pytest.raises(ValueError, match="positive, finite"):
+        BandwidthModel([TierSpeed(1e9, 0.0, 0.0)])
+    with pytest.raises(ValueError, match="calibration_gb=0"):
+        build(tmp_path, tiers, None, calibration_gb=0)
+
+
+def test_corrupt_profile_is_moved_aside_and_measured_again(tmp_path, caplog):
+    tiers = two_tiers(tmp_path)
+    path = tmp_path / "p.json"
+    path.write_text('{"format": "fsdp-offload-bandwidth-profile/1", "hosts": {')  # cut off mid-write
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+        opt = build(tmp_path, tiers, str(path))
+    assert f"bandwidth profile {path} is unreadable" in caplog.text
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("p.json.corrupt-")]) == 1
+    opt.close()
+    fresh = json.loads(path.read_text())
+    assert set(fresh["hosts"][BandwidthProfile(str(path)).host]) == {tier_profile_key(t) for t in tiers}
+
+
+def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
+    tiers = two_tiers(tmp_path)
+    path = str(tmp_path / "p.json")
+    other = BandwidthProfile(path, host="some-other-node")
+    with other.locked():
+        other.store({tier_profile_key(t): TierSpeed(123e9, 123e9, 0.0) for t in tiers}, "calibrated")
+    opt = build(tmp_path, tiers, path)
+    assert all(s.read_bps < 100e9 for s in opt.placement.model.speeds())  # not the other node's numbers
+    opt.close()
+    hosts = json.loads(open(path).read())["hosts"]
+    assert set(hosts) == {"some-other-node", BandwidthProfile(path).host}
+    assert hosts["some-other-node"][tier_profile_key(tiers[0])]["read_gbps"] == 123
+
+
+def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, caplog):
+    tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(tmp_path)]
+    path = tmp_path / "p.json"
+    profile = BandwidthProfile(str(path))
+    with profile.locked():
+        profile.store({tier_profile_key(t): TierSpeed(40 * MB, 40 * MB, 0.0) for t in tiers}, "calibrated")
+    opt = build(tmp_path, tiers, str(path))
+    os.unlink(path)
+    os.mkdir(path)  # the profile can no longer be replaced
+    tier = opt.tiers[1]
+    while not isinstance(tier, ThrottledTier):
+        tier = tier.inner
+    tier.set_limits(Limits(10 * MB, 10 * MB, 0.0))  # a drift: the placement replans and saves
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+        for step in range(2):
+            for p in opt._params:
+                p.grad = torch.randn(p.shape).bfloat16()
+            opt.step()
+    assert opt.placement.replans >= 1
+    assert f"cannot save learned bandwidths to {path}" in caplog.text
+    opt.close()

@@ -1,0 +1,54 @@
+"""Every recipe composes into the dataclasses the training script builds, and model presets agree."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from fsdp_offload import OffloadConfig
+from fsdp_offload.config import register_tmpdir_resolver, remove_tmpdirs
+from fsdp_offload.data import DataConfig
+from fsdp_offload.models import MODEL_PRESETS, LlamaArgs
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+register_tmpdir_resolver()
+
+
+def names(group: str) -> list[str]:
+    return sorted(p.stem for p in (RECIPES / group).glob("*.yaml"))
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(RECIPES), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("model", names("model"))
+def test_model_recipes_match_presets(model):
+    cfg = composed(f"model={model}")
+    args = LlamaArgs(**OmegaConf.to_container(cfg.model))
+    preset = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing=args.activation_checkpointing)
+    assert args == preset
+
+
+@pytest.mark.parametrize("offload", names("offload"))
+def test_offload_recipes_build(offload):
+    raw = OmegaConf.to_container(composed(f"offload={offload}").offload, resolve=True)
+    remove_tmpdirs()
+    assert raw.pop("optimizer") in ("offload", "torch")
+    OffloadConfig(**raw)
+
+
+@pytest.mark.parametrize("experiment", names("experiment"))
+def test_experiments_compose(experiment):
+    cfg = composed(f"+experiment={experiment}")
+    raw = OmegaConf.to_container(cfg.offload, resolve=True)
+    remove_tmpdirs()
+    raw.pop("optimizer")
+    OffloadConfig(**raw)
+    LlamaArgs(**OmegaConf.to_container(cfg.model))
+    DataConfig(**OmegaConf.to_container(cfg.data))
