@@ -9,6 +9,7 @@ Records both loss curves, their largest relative difference, and the file each r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -87,6 +88,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--host-budget-gb", type=float, default=6.0)
     ap.add_argument("--tier-dir", default=None)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic kernels (math attention, deterministic cuBLAS), and the reference run twice "
+                         "to show the noise floor")  # fmt: skip
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -97,8 +101,16 @@ def main() -> None:
     dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
     margs = dataclasses.replace(MODEL_PRESETS[args.model], activation_checkpointing=True, max_seq_len=args.seq)
     tier_dir = args.tier_dir or tempfile.mkdtemp(prefix="check-ref-")
-    offload, path = run_offload(args, margs, tier_dir)
-    reference = run_reference(args, margs)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        attention = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)
+    else:
+        attention = contextlib.nullcontext()
+    with attention:
+        offload, path = run_offload(args, margs, tier_dir)
+        reference = run_reference(args, margs)
+        repeat = run_reference(args, margs) if args.deterministic else None
     paths = [None] * dist.get_world_size()
     dist.all_gather_object(paths, path)
     if dist.get_rank() == 0:
@@ -112,6 +124,8 @@ def main() -> None:
             "losses_offload": offload,
             "losses_reference": reference,
             "max_rel_loss_diff": max(rel),
+            "deterministic": args.deterministic,
+            "max_rel_loss_diff_reference_repeat": None if repeat is None else max(abs(a - b) / abs(b) for a, b in zip(repeat, reference)),
             "tier_files_per_rank": paths,
             "tier_files_distinct": len(set(paths)) == len(paths),
         }
