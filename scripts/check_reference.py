@@ -1,5 +1,5 @@
 """Multi-rank check on GPUs: FSDP2 + OffloadAdamW (state on disk) against a reference that keeps FP32
-masters in GPU memory and updates them with torch.optim.AdamW. Same model, data and init.
+masters in host memory and updates them with torch.optim.AdamW. Same model, data and init.
 
     torchrun --nproc-per-node 2 scripts/check_reference.py --model 1b --steps 10 --device-kind nvidia-h200-x2
 
@@ -59,7 +59,8 @@ def run_offload(args, margs, tier_dir: str) -> tuple[list[float], str]:
 
 def run_reference(args, margs) -> list[float]:
     model = build_fsdp_model(margs, DEVICE)
-    masters = [torch.nn.Parameter(p.to_local().detach().clone()) for p in model.parameters()]
+    # FP32 masters in host memory, updated by torch.optim.AdamW's single-tensor CPU path
+    masters = [torch.nn.Parameter(p.to_local().detach().cpu().clone()) for p in model.parameters()]
     model.to(torch.bfloat16)
     params = list(model.parameters())
     ref = torch.optim.AdamW(masters, lr=args.lr, weight_decay=1e-2, foreach=False)
@@ -70,7 +71,7 @@ def run_reference(args, margs) -> list[float]:
         dist.all_reduce(sq)
         clip = min(1.0, 1.0 / (sq.sqrt().item() + 1e-6))
         for m, g in zip(masters, grads):
-            m.grad = g * clip
+            m.grad = (g * clip).cpu()
         ref.step()
         with torch.no_grad():
             for p, m in zip(params, masters):
@@ -125,6 +126,7 @@ def main() -> None:
             "losses_reference": reference,
             "max_rel_loss_diff": max(rel),
             "deterministic": args.deterministic,
+            "reference": "FP32 masters in host memory, torch.optim.AdamW(foreach=False) on CPU",
             "max_rel_loss_diff_reference_repeat": None if repeat is None else max(abs(a - b) / abs(b) for a, b in zip(repeat, reference)),
             "tier_files_per_rank": paths,
             "tier_files_distinct": len(set(paths)) == len(paths),
