@@ -26,6 +26,10 @@ class OffloadConfig:
     param_dtype: str = "bfloat16"
     # AdamW kernel: "auto" (fused C++ if it builds, else torch), "fused" or "torch".
     kernel: str = "auto"
+    # Share of subgroups (the last ones of the layout) whose FP32 state stays in GPU memory and is
+    # updated there by the Triton kernel, as ZeRO-Offload++'s ratio: their grads never leave the GPU.
+    # 0: all state off the GPU. Needs CUDA params and the GPU memory for it (checked at construction).
+    gpu_fraction: float = 0.0
     # Clip grads to this global L2 norm (across ranks) before any subgroup is updated; None: no clipping.
     max_grad_norm: float | None = None
     # fp16 only: the dynamic loss scale to start from and how many good steps double it.

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .cache import HostCache
+from .cache import HostCache, aligned_host_buffer
 from .config import OffloadConfig, format_bytes
 from .fsdp import CopyStream, check_sharded_params, install_grad_hooks, local_data, mesh_group, root_fsdp_module
 from .kernels import get_adamw_kernel
@@ -98,8 +98,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
         pin = any(t.is_cuda for t in locals_)
+        self.gpu_state = self._gpu_resident_state(locals_[0].device)
+        if self.gpu_state:
+            from .kernels.triton_adamw import triton_adamw_step
 
-        self.staging = LowpStaging(self.layout, self.param_dtype, pin)
+            self._gpu_kernel = triton_adamw_step
+        self._host_subgroups = [sg for sg in range(len(self.layout)) if sg not in self.gpu_state]
+
+        self.staging = LowpStaging(self.layout, self.param_dtype, pin, frozenset(self.gpu_state), locals_[0].device)
         num_slots = self._plan_slots(self.staging.nbytes)
         self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
         self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
@@ -162,7 +168,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _plan_slots(self, staging_bytes: int) -> int:
         """Host cache slots that the budget allows, or a clear error when it is too small."""
-        cfg, m, slot = self.offload, len(self.layout), self.layout.slot_bytes
+        cfg, m, slot = self.offload, len(self._host_subgroups), self.layout.slot_bytes
         budget = cfg.host_budget_bytes
         if budget is None:
             return m
@@ -184,6 +190,39 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{format_bytes(staging_bytes + m * slot)}"
             )
         return slots
+
+    def _gpu_resident_state(self, device: torch.device) -> dict[int, torch.Tensor]:
+        """FP32 state buffers of the subgroups kept in GPU memory (the last `gpu_fraction` of them)."""
+        fraction = self.offload.gpu_fraction
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"offload.gpu_fraction={fraction} must be between 0 and 1")
+        if fraction == 0.0:
+            return {}
+        if device.type != "cuda":
+            raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
+        m = len(self.layout)
+        chosen = range(m - round(m * fraction), m)
+        need = sum(self.layout.subgroups[sg].state_bytes + 2 * self.layout.subgroups[sg].padded for sg in chosen)
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > 0.9 * free:
+            per_sg = need / max(1, len(chosen))
+            raise ValueError(
+                f"offload.gpu_fraction={fraction} keeps {len(chosen)} of {m} subgroups on the GPU: "
+                f"{format_bytes(need)}, but only {format_bytes(free)} of GPU memory is free; use at most "
+                f"{int(0.9 * free / per_sg) / m:.3f}"
+            )
+        return {sg: torch.zeros(self.layout.subgroups[sg].state_bytes, dtype=torch.uint8, device=device) for sg in chosen}
+
+    def _visit(self, order: list[int], visit: Callable[[int, torch.Tensor], None], **kw: bool) -> None:
+        """Calls `visit(sg, state)` on every subgroup of `order`: GPU-resident ones directly, the rest
+        through the host cache and tiers (see SubgroupPipeline.run for `load` and `dirty`)."""
+        for sg in order:
+            if sg in self.gpu_state:
+                visit(sg, self.gpu_state[sg])
+        try:
+            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], visit, **kw)
+        finally:
+            self.pipeline.take_transfers()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_frozen", False):
@@ -275,8 +314,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                 return loss
             for i, has in enumerate(self.staging.staged):
                 self._steps[i] += has
-            self._pending = update_order(len(self.layout), self.step_count, self.offload.update_order)
             self._pending_scale = scale
+            for sg in self.gpu_state:  # on the GPU at memory speed: no I/O, nothing to resume
+                self._update_subgroup(sg, self.gpu_state[sg], scale)
+                with self._copies.after_current():
+                    self.staging.write_back(sg, [local_data(p) for p in self._params])
+            order = update_order(len(self.layout), self.step_count, self.offload.update_order)
+            self._pending = [sg for sg in order if sg not in self.gpu_state]
         done: list[int] = []
         params = [local_data(p) for p in self._params]
 
@@ -308,6 +352,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         subgroup = self.layout.subgroups[sg]
         p, m, v = subgroup.parts(state)
         g = self.staging.view(sg)
+        kernel = self._gpu_kernel if state.is_cuda else self._kernel
         staged = self.staging.staged
         for seg in subgroup.segments:
             if not staged[seg.param]:
@@ -315,7 +360,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             group = self.param_groups[self._group_of[seg.param]]
             beta1, beta2 = group["betas"]
             piece = slice(seg.offset, seg.offset + seg.numel)
-            self._kernel(
+            kernel(
                 p[piece], m[piece], v[piece], g[piece], g[piece],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), step=self._steps[seg.param], grad_scale=grad_scale,
@@ -359,8 +404,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         # Fill in the reverse of the next step's order, so the cache ends up holding what it needs first.
         order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
-        self.pipeline.run(order, fill, load=False)
-        self.pipeline.take_transfers()
+        self._visit(order, fill, load=False)
 
     def _require_step_finished(self) -> None:
         if self._pending is not None:
@@ -388,8 +432,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     out[seg.param][key].view(-1)[dst].copy_(part[src])
 
         order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
-        self.pipeline.run(order, gather, dirty=False)
-        self.pipeline.take_transfers()
+        self._visit(order, gather, dirty=False)
         state = {i: {"step": torch.tensor(float(self._steps[i])), **out[i]} for i in range(len(self._params))}
         groups, start = [], 0
         for g in self.param_groups:
@@ -447,6 +490,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """What a streamed checkpoint's subgroups depend on: it only loads into the same layout."""
         return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
 
+    def _bounce_buffer(self) -> torch.Tensor | None:
+        """An aligned host buffer for moving GPU-resident subgroups to and from files (None: none)."""
+        return aligned_host_buffer(self.layout.slot_bytes) if self.gpu_state else None
+
     @torch.no_grad()
     def save_subgroups(self, root: str, tag: str) -> dict[str, Any]:
         """Streams every subgroup into one file under `root` (no gathering in memory: one subgroup at a
@@ -455,11 +502,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         out = PosixTier(f"posix:{root}", root)
         slot_bytes = [sg.state_bytes for sg in self.layout.subgroups]
         out.attach(tag, slot_bytes)
+        bounce = self._bounce_buffer()
+
+        def save(sg: int, state: torch.Tensor) -> None:
+            if state.is_cuda:  # GPU-resident: through an aligned host buffer, one subgroup at a time
+                state = bounce[: state.numel()].copy_(state)
+            out.write(sg, state).result()
+
         try:
             order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
-            self.pipeline.run(order, lambda sg, state: out.write(sg, state).result(), dirty=False)
+            self._visit(order, save, dirty=False)
         finally:
-            self.pipeline.take_transfers()
             out.release()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
@@ -488,15 +541,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         saved = PosixTier.open_saved(root, meta["tag"], meta["slot_bytes"], {int(k): v for k, v in meta["checksums"].items()})
         params = [local_data(p) for p in self._params]
 
+        bounce = self._bounce_buffer()
+
         def load(sg: int, state: torch.Tensor) -> None:
-            saved.read(sg, state).result()
+            if state.is_cuda:
+                saved.read(sg, bounce[: state.numel()]).result()
+                state.copy_(bounce[: state.numel()])
+            else:
+                saved.read(sg, state).result()
             self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(state)[0], params)
 
         try:
             order = update_order(len(self.layout), int(meta["offload"]["step_count"]), self.offload.update_order)[::-1]
-            self.pipeline.run(order, load, load=False)
+            self._visit(order, load, load=False)
         finally:
-            self.pipeline.take_transfers()
             saved.release()
         self.staging.clear()
         for mine, g in zip(self.param_groups, meta["param_groups"]):

@@ -17,15 +17,32 @@ _NORM_CHUNK = 1 << 22
 
 
 class LowpStaging:
-    def __init__(self, layout: SubgroupLayout, dtype: torch.dtype, pin: bool) -> None:
+    def __init__(
+        self,
+        layout: SubgroupLayout,
+        dtype: torch.dtype,
+        pin: bool,
+        on_device: frozenset[int] = frozenset(),
+        device: torch.device | None = None,
+    ) -> None:
+        """`on_device`: subgroups whose part of the buffer lives on `device` (GPU-resident state)."""
         if dtype not in LOWP_DTYPES:
             raise ValueError(f"param_dtype must be one of {LOWP_DTYPES}, got {dtype}")
         self.layout = layout
         self.dtype = dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self._raw = host_buffer(layout.padded_numel * itemsize, pin)
+        self._where: list[tuple[bool, int]] = []  # per subgroup: (on device, offset in that buffer)
+        host_numel = device_numel = 0
+        for sg in layout.subgroups:
+            if sg.index in on_device:
+                self._where.append((True, device_numel))
+                device_numel += sg.padded
+            else:
+                self._where.append((False, host_numel))
+                host_numel += sg.padded
+        self._raw = host_buffer(host_numel * itemsize, pin)
         self.buffer = self._raw.view(dtype)
-        self._offsets = layout.padded_offsets
+        self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         # Each param's destination views, made once: the backward hook runs per param and must be cheap.
         self._pieces: list[list[tuple[torch.Tensor, Segment]]] = [
@@ -38,8 +55,8 @@ class LowpStaging:
 
     def view(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part of the buffer (padded length)."""
-        lo = self._offsets[sg]
-        return self.buffer[lo : lo + self.layout.subgroups[sg].padded]
+        on_device, lo = self._where[sg]
+        return (self.device_buffer if on_device else self.buffer)[lo : lo + self.layout.subgroups[sg].padded]
 
 
     def stage(self, param: int, grad: torch.Tensor) -> None:
@@ -52,7 +69,7 @@ class LowpStaging:
         for dst, seg in self._pieces[param]:
             src = flat[seg.param_offset : seg.param_offset + seg.numel]
             if self.staged[param]:
-                dst.add_(src.to("cpu"))
+                dst.add_(src.to(dst.device))
             else:
                 dst.copy_(src, non_blocking=src.is_cuda)
         self.staged[param] = True

@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tier", default=None, help="tier spec for the offloaded state (default: a temp dir)")
     ap.add_argument("--host-budget-gb", type=float, default=None, help="None keeps all state in host memory")
+    ap.add_argument("--gpu-fraction", type=float, default=0.0, help="offload.gpu_fraction of the offload case")
     ap.add_argument("--device-kind", default="unknown")
     ap.add_argument("--profile-dir", default=None, help="write a torch.profiler summary of each case here")
     ap.add_argument("--out", default="benchmarks/results")
@@ -119,7 +120,7 @@ def main() -> None:
 
     def offload():
         model = build(args, None)
-        cfg = OffloadConfig(tiers=tiers, host_budget_gb=args.host_budget_gb)
+        cfg = OffloadConfig(tiers=tiers, host_budget_gb=args.host_budget_gb, gpu_fraction=args.gpu_fraction)
         return model, OffloadAdamW(model.parameters(), lr=1e-4, model=model, offload=cfg)
 
     results = {name: run_case(name, args, make) for name, make in (("plain_fsdp", plain), ("no_hook", no_hook), ("offload", offload))}
@@ -143,6 +144,7 @@ def main() -> None:
             "offload": off,
             "tiers": tiers,
             "host_budget_gb": args.host_budget_gb,
+            "gpu_fraction": args.gpu_fraction,
         }
         path = write_result(args.out, "bench_fsdp", args.device_kind, result)
         print(f"\n{'':12} {'GPU peak GiB':>12} {'forward s':>10} {'backward s':>11} {'update s':>9}")
