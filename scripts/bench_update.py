@@ -46,7 +46,10 @@ def run_update(spec: str, args: argparse.Namespace) -> dict:
             flush=True,
         )
     kernel = opt.kernel_name
-    gds = getattr(opt.tiers[0], "gds", None)  # KvikIO tiers say whether GDS (not compat mode) was used
+    tier = opt.tiers[0]
+    while hasattr(tier, "inner"):  # through the lock / throttle wrappers to the storage tier
+        tier = tier.inner
+    gds = getattr(tier, "gds", None)  # KvikIO tiers say whether GDS (not compat mode) was used
     opt.close()
     moved = sum(sum(m.bytes_read.values()) + sum(m.bytes_written.values()) for m in rows)
     busy = sum(m.io_busy_s for m in rows)
