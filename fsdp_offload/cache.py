@@ -11,12 +11,15 @@ from collections import OrderedDict
 
 import torch
 
+from .config import format_bytes
 from .storage.base import ALIGN
 
 
 def aligned_host_buffer(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` whose address is 4 KiB-aligned (as O_DIRECT needs)."""
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    """A uint8 CPU tensor of `nbytes` that starts on a page and owns every page it touches (O_DIRECT
+    needs the alignment; registering pages with CUDA needs them not shared with another buffer)."""
+    pages = -(-nbytes // ALIGN) * ALIGN
+    raw = torch.empty(pages + ALIGN, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % ALIGN
     return raw[skip : skip + nbytes]
 
@@ -24,16 +27,18 @@ def aligned_host_buffer(nbytes: int) -> torch.Tensor:
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """A 4 KiB-aligned uint8 host tensor of exactly `nbytes`, page-locked when `pin`.
 
-    Pinning registers the exact range with CUDA: the caching host allocator would round the size up
-    to a power of two and break the budget.
+    Pinning registers the buffer's own pages with CUDA: the caching host allocator would round the
+    size up to a power of two and break the budget.
     """
     buf = aligned_host_buffer(nbytes)
-    if pin:
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
-        if int(err) != 0:
+    if pin and nbytes:
+        pages = -(-nbytes // ALIGN) * ALIGN
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), pages, 0))
+        if err != 0:
+            torch.cuda.cudart().cudaGetLastError()  # clear it, so no later CUDA call reports it
             raise RuntimeError(
-                f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error {int(err)}): lower the host "
-                "budget or raise the locked-memory limit (ulimit -l)"
+                f"cudaHostRegister of {format_bytes(pages)} failed (CUDA error {err}): lower "
+                "offload.host_budget_gb or raise the locked-memory limit (ulimit -l)"
             )
     return buf
 
@@ -93,7 +98,7 @@ class HostCache:
         self._free.append(slot)
 
     def close(self) -> None:
-        if self.pinned and self._arena is not None:
+        if self.pinned and self._arena is not None and self.nbytes:
             unpin(self._arena)
         self._arena = None
         self.slots = []

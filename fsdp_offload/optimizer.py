@@ -106,18 +106,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._host_subgroups = [sg for sg in range(len(self.layout)) if sg not in self.gpu_state]
 
         self.staging = LowpStaging(self.layout, self.param_dtype, pin, frozenset(self.gpu_state), locals_[0].device)
-        num_slots = self._plan_slots(self.staging.nbytes)
-        self.cache = HostCache(self.layout.slot_bytes, num_slots, pin)
+        # What close() releases, in reverse: registered here as it is made, so a build that fails part-way
+        # frees pinned memory and deletes tier files too.
+        resources: list = [self.staging]
+        self._closer = weakref.finalize(self, _close_all, resources)
+        self.cache = HostCache(self.layout.slot_bytes, self._plan_slots(self.staging.nbytes), pin)
+        resources.append(self.cache)
         self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
-        self.tiers: list[Tier] = []
-        tiers, cache, placement = self.tiers, self.cache, self.placement
-
-        def shutdown() -> None:
-            placement.close()  # saves the learned bandwidths
-            _close(tiers, cache)
-
-        self._closer = weakref.finalize(self, shutdown)  # also cleans up if building fails from here on
-        self.tiers.extend(open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir))
+        resources.append(self.placement)  # closing it saves the learned bandwidths
+        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
+        resources.extend(self.tiers)
         tag = _rank_tag()
         for t in self.tiers:
             t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
@@ -567,7 +565,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._closer()
 
 
-def _close(tiers: list[Tier], cache: HostCache) -> None:
-    for t in tiers:
-        t.close()
-    cache.close()
+def _close_all(resources: list) -> None:
+    for r in reversed(resources):
+        r.close()

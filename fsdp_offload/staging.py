@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import host_buffer
+from .cache import host_buffer, unpin
 from .subgroups import Segment, SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,6 +41,7 @@ class LowpStaging:
                 self._where.append((False, host_numel))
                 host_numel += sg.padded
         self._raw = host_buffer(host_numel * itemsize, pin)
+        self._pinned = pin and host_numel > 0
         self.buffer = self._raw.view(dtype)
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
@@ -108,3 +109,9 @@ class LowpStaging:
 
     def clear(self) -> None:
         self.staged = [False] * len(self.staged)
+
+    def close(self) -> None:
+        """Unregisters the pinned pages (before the memory can be reused by another buffer)."""
+        if self._pinned:
+            unpin(self._raw)
+            self._pinned = False
