@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import os
 import tempfile
 from dataclasses import dataclass, field
 
@@ -66,22 +66,16 @@ def format_bytes(nbytes: float) -> str:
     return f"{int(nbytes)} bytes"
 
 
-_TMP_DIRS: list[str] = []
-
-
 def _tmpdir() -> str:
-    if not _TMP_DIRS:
-        _TMP_DIRS.append(tempfile.mkdtemp(prefix="fsdp-offload-"))
-    return _TMP_DIRS[0]
+    """One scratch dir per user and node: every rank's tier files there are unique (and removed when
+    its optimizer closes), and one dir keeps node-level exclusive access to the disk under one lock."""
+    path = os.path.join(tempfile.gettempdir(), f"fsdp-offload-scratch-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
 
 
 def register_tmpdir_resolver() -> None:
-    """Makes `${tmpdir:}` in a recipe mean one private temporary dir per process (remove_tmpdirs)."""
+    """Makes `${tmpdir:}` in a recipe mean the node's scratch dir for this user (see _tmpdir)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-
-
-def remove_tmpdirs() -> None:
-    while _TMP_DIRS:
-        shutil.rmtree(_TMP_DIRS.pop(), ignore_errors=True)

@@ -110,7 +110,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         # frees pinned memory and deletes tier files too.
         resources: list = [self.staging]
         self._closer = weakref.finalize(self, _close_all, resources)
-        self.cache = HostCache(self.layout.slot_bytes, self._plan_slots(self.staging.nbytes), pin)
+        # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
+        self.cache = HostCache(self.layout.slot_bytes, self._plan_slots(self.staging.nbytes), pin=False)
         resources.append(self.cache)
         self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
         resources.append(self.placement)  # closing it saves the learned bandwidths
@@ -124,6 +125,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._steps = [0] * len(self._params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order
         self._pending: list[int] | None = None  # subgroups left of a step that raised
+        self._unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
+        self._load_error: str | None = None  # set while a failed load has left the state mixed
         self._pending_scale = 1.0
         self.last_metrics: StepMetrics | None = None
         self.loss_scaler = (
@@ -237,6 +240,11 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the host staging buffer (hooks call this)."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
+                "buffers hold its grads: call step() again to finish it before the next backward"
+            )
         if grad.dtype != self.param_dtype:
             raise TypeError(
                 f"grad of param {index} (shape {tuple(grad.shape)}) is {grad.dtype}; OffloadAdamW expects "
@@ -301,6 +309,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         start = time.perf_counter()
+        self._require_loaded()
         if self._pending is None:
             self._stage_param_grads()
             if not any(self.staging.staged):
@@ -309,29 +318,36 @@ class OffloadAdamW(torch.optim.Optimizer):
             if scale is None:  # fp16 overflow: no state is touched
                 self.skipped_steps += 1
                 self.staging.clear()
+                self.last_metrics = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
+                self.last_metrics.skipped = True
                 return loss
             for i, has in enumerate(self.staging.staged):
                 self._steps[i] += has
             self._pending_scale = scale
-            for sg in self.gpu_state:  # on the GPU at memory speed: no I/O, nothing to resume
-                self._update_subgroup(sg, self.gpu_state[sg], scale)
-                with self._copies.after_current():
-                    self.staging.write_back(sg, [local_data(p) for p in self._params])
             order = update_order(len(self.layout), self.step_count, self.offload.update_order)
-            self._pending = [sg for sg in order if sg not in self.gpu_state]
-        done: list[int] = []
+            # GPU-resident subgroups first (no I/O), then the others through the host cache and tiers
+            self._pending = [sg for sg in order if sg in self.gpu_state] + [sg for sg in order if sg not in self.gpu_state]
         params = [local_data(p) for p in self._params]
+        updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:
             self._update_subgroup(sg, state, self._pending_scale)
+            updated.add(sg)  # its state is new now: a retry must not update it again
+            self._unwritten.add(sg)
             with self._copies.after_current():
                 self.staging.write_back(sg, params)
-            done.append(sg)
+            self._unwritten.discard(sg)
 
         try:
-            self.pipeline.run(self._pending, update)
+            for sg in sorted(self._unwritten):  # params a failed try updated but did not copy back
+                with self._copies.after_current():
+                    self.staging.write_back(sg, params)
+                self._unwritten.discard(sg)
+            for sg in [sg for sg in self._pending if sg in self.gpu_state]:
+                update(sg, self.gpu_state[sg])
+            self.pipeline.run([sg for sg in self._pending if sg not in self.gpu_state], update)
         finally:
-            self._pending = self._pending[len(done):] or None
+            self._pending = [sg for sg in self._pending if sg not in updated] or None
             self._params_written()
         self._finish_step(start)
         return loss
@@ -404,7 +420,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
         self._visit(order, fill, load=False)
 
+    def _require_loaded(self) -> None:
+        if self._load_error is not None:
+            raise RuntimeError(f"{self._load_error}; load a state again (load_state_dict or a checkpoint) before using it")
+
     def _require_step_finished(self) -> None:
+        self._require_loaded()
+        self._check_no_pending_step()
+
+    def _check_no_pending_step(self) -> None:
         if self._pending is not None:
             raise RuntimeError(
                 f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left); "
@@ -443,30 +467,50 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores masters, moments, step counts and hyperparameters, and rewrites the model's params
         from the restored masters."""
-        self._require_step_finished()
+        self._check_no_pending_step()
         groups, state = state_dict["param_groups"], state_dict["state"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                f"state_dict has param groups of sizes {[len(g['params']) for g in groups]}, this optimizer "
-                f"{[len(g['params']) for g in self.param_groups]}: it was saved from another model"
-            )
+        self._check_groups([len(g["params"]) for g in groups])
         for i, p in enumerate(self._params):
             want = tuple(local_data(p).shape)
             for key in ("master_param", "exp_avg", "exp_avg_sq"):
                 got = tuple(state[i][key].shape) if i in state and key in state[i] else None
                 if got != want:
                     raise ValueError(f"state_dict param {i} {key}: shape {got}, expected {want} (another model or sharding?)")
-        for mine, saved in zip(self.param_groups, groups):
-            mine.update({k: v for k, v in saved.items() if k != "params"})
 
         def flat(key: str) -> Callable[[int], torch.Tensor]:
             return lambda i: state[i][key].reshape(-1).to(torch.float32)
 
-        self._restore_offload_meta(state_dict.get("offload", {}))
-        self._steps = [int(state[i]["step"]) for i in range(len(self._params))]
+        params = [local_data(p) for p in self._params]
+        self._load(
+            lambda: self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), params),
+            [{k: v for k, v in g.items() if k != "params"} for g in groups],
+            [int(state[i]["step"]) for i in range(len(self._params))],
+            state_dict.get("offload", {}),
+        )
+
+    def _check_groups(self, sizes: list[int]) -> None:
+        mine = [len(g["params"]) for g in self.param_groups]
+        if sizes != mine:
+            raise ValueError(
+                f"the saved state has param groups of sizes {sizes}, this optimizer {mine}: it was saved from "
+                "another model or another split of params into groups"
+            )
+
+    def _load(self, fill: Callable[[], None], groups: list[dict], steps: list[int], meta: dict[str, Any]) -> None:
+        """Runs `fill` (which rewrites every subgroup and the model's params), then takes the saved
+        hyperparameters and counters. A fill that fails leaves the optimizer refusing to step."""
+        self._copies.wait_host()  # the last step's copies to the model still read the staging buffer
         self.staging.clear()
-        self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), [local_data(p) for p in self._params])
+        self._load_error = "loading optimizer state failed part-way, so its subgroups are a mix of old and new"
+        with self._copies.after_current():
+            fill()
+        self._load_error = None
         self.staging.clear()
+        self._params_written()
+        for mine, g in zip(self.param_groups, groups):
+            mine.update(g)
+        self._steps = list(steps)
+        self._restore_offload_meta(meta)
 
     def _offload_meta(self) -> dict[str, Any]:
         return {
@@ -520,6 +564,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             "checksums": {sg: out.checksums(sg) for sg in range(len(self.layout))},
             "steps": list(self._steps),
             "param_groups": groups,
+            "group_sizes": [len(g["params"]) for g in self.param_groups],
             "offload": self._offload_meta(),
         }
 
@@ -527,7 +572,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_subgroups(self, root: str, meta: dict[str, Any]) -> None:
         """Reads subgroups saved by `save_subgroups` into this optimizer's cache and tiers (which may
         be other dirs than when it was saved) and rewrites the model's params from the masters."""
-        self._require_step_finished()
+        self._check_no_pending_step()
         if meta["layout"] != self.layout_signature():
             saved, mine = meta["layout"], self.layout_signature()
             raise ValueError(
@@ -536,9 +581,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{len(mine['numels'])} params of {sum(mine['numels'])} elements in subgroups of "
                 f"{mine['subgroup_numel']}: resume with the same model, world size and offload.subgroup_numel"
             )
+        self._check_groups(meta["group_sizes"])
         saved = PosixTier.open_saved(root, meta["tag"], meta["slot_bytes"], {int(k): v for k, v in meta["checksums"].items()})
         params = [local_data(p) for p in self._params]
-
         bounce = self._bounce_buffer()
 
         def load(sg: int, state: torch.Tensor) -> None:
@@ -549,16 +594,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 saved.read(sg, state).result()
             self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(state)[0], params)
 
-        try:
+        def fill() -> None:
             order = update_order(len(self.layout), int(meta["offload"]["step_count"]), self.offload.update_order)[::-1]
             self._visit(order, load, load=False)
+
+        try:
+            self._load(fill, meta["param_groups"], meta["steps"], meta["offload"])
         finally:
             saved.release()
-        self.staging.clear()
-        for mine, g in zip(self.param_groups, meta["param_groups"]):
-            mine.update(g)
-        self._steps = list(meta["steps"])
-        self._restore_offload_meta(meta["offload"])
 
     def close(self) -> None:
         """Deletes this rank's tier files and releases pinned memory."""

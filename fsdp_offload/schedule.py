@@ -125,10 +125,10 @@ class SubgroupPipeline:
                     order.insert(i, order.pop(i + ready))
                 sg = order[i]
                 state = self._acquire(sg, load, keep)
+                if dirty:  # before the visit: one that raises part-way may have changed the state
+                    self.cache.dirty.add(sg)
                 visit(sg, state)
                 self._visited.add(sg)
-                if dirty:
-                    self.cache.dirty.add(sg)
         except BaseException:
             self.drain()
             raise
@@ -164,16 +164,16 @@ class SubgroupPipeline:
                 return True
         if load and sg not in self.location:
             raise RuntimeError(f"subgroup {sg} is neither in host memory nor stored on any tier")
-        slot, victim = self.cache.take_free(), None
+        slot, victim, victim_tier = self.cache.take_free(), None, None
         if slot is None:
-            victim = self._victim(keep)
-            if victim is None:
+            chosen = self._victim(keep)
+            if chosen is None:
                 return False
-            was_dirty = victim in self.cache.dirty
-            slot = self.cache.remove(victim)
-            if not was_dirty:
-                victim = None  # its stored copy is current: the slot is simply reused
-        fetch = _Fetch(sg, slot, victim, None if victim is None else self.placement.tier_for(victim))
+            if chosen in self.cache.dirty:  # written out first; a clean one's stored copy is current
+                # its tier is chosen before it leaves residency, so a failing choice loses nothing
+                victim, victim_tier = chosen, self.placement.tier_for(chosen)
+            slot = self.cache.remove(chosen)
+        fetch = _Fetch(sg, slot, victim, victim_tier)
         self._fetches[sg] = fetch
         if victim is not None:
             self._evicting[victim] = sg

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.config import register_tmpdir_resolver, remove_tmpdirs
+from fsdp_offload.config import register_tmpdir_resolver
 from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp_offload.data import DataConfig, TokenBatches
 from fsdp_offload.models import LlamaArgs, num_params
@@ -138,6 +138,11 @@ def train(cfg: DictConfig) -> list[dict]:
         check_checkpoint(resume_from, run_key)
 
     if recipe.optimizer == "offload":
+        if recipe.config.max_grad_norm not in (None, tcfg.max_grad_norm):
+            raise ValueError(
+                f"offload.max_grad_norm={recipe.config.max_grad_norm} and train.max_grad_norm={tcfg.max_grad_norm} "
+                "disagree: set train.max_grad_norm only (it drives both optimizers)"
+            )
         recipe.config.max_grad_norm = tcfg.max_grad_norm
         model = build_fsdp_model(margs, device, seed=tcfg.seed)
         optimizer = OffloadAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
@@ -230,7 +235,7 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device:
         m = optimizer.last_metrics
         row.update(grad_norm=optimizer.last_grad_norm, update_mparams_per_s=m.update_mparams_per_s,
                    effective_io_gbps=m.effective_io_gbps, bytes_read=m.bytes_read, bytes_written=m.bytes_written,
-                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier)  # fmt: skip
+                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped)  # fmt: skip
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale
     return row
@@ -246,8 +251,6 @@ def main(cfg: DictConfig) -> None:
     except (ValueError, FileNotFoundError, TierError) as exc:  # bad input: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    finally:
-        remove_tmpdirs()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fsdp_offload import OffloadConfig
-from fsdp_offload.config import register_tmpdir_resolver, remove_tmpdirs
+from fsdp_offload.config import register_tmpdir_resolver
 from fsdp_offload.data import DataConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs
 
@@ -38,7 +38,6 @@ def test_model_recipes_match_presets(model):
 @pytest.mark.parametrize("offload", names("offload"))
 def test_offload_recipes_build(offload):
     raw = OmegaConf.to_container(composed(f"offload={offload}").offload, resolve=True)
-    remove_tmpdirs()
     assert raw.pop("optimizer") in ("offload", "torch")
     OffloadConfig(**raw)
 
@@ -47,7 +46,6 @@ def test_offload_recipes_build(offload):
 def test_experiments_compose(experiment):
     cfg = composed(f"+experiment={experiment}")
     raw = OmegaConf.to_container(cfg.offload, resolve=True)
-    remove_tmpdirs()
     raw.pop("optimizer")
     OffloadConfig(**raw)
     LlamaArgs(**OmegaConf.to_container(cfg.model))

@@ -99,6 +99,7 @@ class NodeTierLock:
             return True
         fcntl.flock(self._fds[j], fcntl.LOCK_UN)
         os.close(self._fds[j])
+        self._fds[j] = -1  # never leave a closed (and maybe reused) fd number behind
         self._fds[j] = self._open(self.paths[j])
         return self._try(j)
 
@@ -207,6 +208,18 @@ class LockedTier(Tier):
         return out
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # no request may wait forever on a gate that has stopped
+            with self._cv:
+                self._closing = True
+                failed, self._queue = list(self._queue), type(self._queue)()
+            error = TierError(f"{self.spec}: the node-level tier lock failed ({exc}); the tier is unusable")
+            for _, out in failed:
+                if not out.done():
+                    out.set_exception(error)
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._closing)

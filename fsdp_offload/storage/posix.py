@@ -8,6 +8,7 @@ is caught on read and reported with its path.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -81,28 +82,39 @@ def make_private_dir(root: str, spec: str) -> str:
 
 
 def open_private_file(path: str) -> tuple[int, bool]:
-    """Creates `path` 0600 (never through a symlink) and opens it O_DIRECT if the file system takes
-    an aligned O_DIRECT write, else buffered. Returns (fd, direct)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    if _O_DIRECT:
-        try:
-            fd = os.open(path, flags | _O_DIRECT, 0o600)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-        else:
-            probe = mmap.mmap(-1, ALIGN)  # page-aligned by construction
-            try:
-                os.pwrite(fd, probe, 0)
-                return fd, True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                os.close(fd)
-                os.unlink(path)
-            finally:
-                probe.close()
-    return os.open(path, flags, 0o600), False
+    """Creates `path` 0600 (never through a symlink), then switches it to O_DIRECT if the file system
+    takes an aligned O_DIRECT write, else keeps buffered I/O. Returns (fd, direct); on any error the
+    file is removed again."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        return fd, _try_direct(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
+def _try_direct(fd: int) -> bool:
+    if not _O_DIRECT:
+        return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    probe = mmap.mmap(-1, ALIGN)  # page-aligned by construction
+    try:
+        os.pwrite(fd, probe, 0)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        return False
+    finally:
+        probe.close()
 
 
 class PosixTier(Tier):
@@ -154,7 +166,16 @@ class PosixTier(Tier):
         def write_chunk(i: int, lo: int) -> None:
             part = view[lo : lo + self.request_bytes]
             crcs[i] = zlib.crc32(part)
-            _pwrite_all(fd, part, offset + lo)
+            try:
+                _pwrite_all(fd, part, offset + lo)
+            except OSError as exc:  # keeps the errno; says where and what to do
+                raise OSError(
+                    exc.errno,
+                    f"writing subgroup {key} ({len(part)} bytes at offset {offset + lo}) failed: {exc.strerror}; "
+                    f"free space on {self.root} or point offload.tiers elsewhere (nothing is lost: the subgroup "
+                    "stays in host memory and the next step() retries)",
+                    self._path,
+                ) from exc
 
         def done() -> object:
             self._crcs[key] = crcs
