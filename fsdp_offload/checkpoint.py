@@ -62,6 +62,14 @@ def _unpack(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(directory: str | None) -> str | None:
     """The newest complete checkpoint under `directory` (never a half-written .tmp one)."""
     if not directory or not os.path.isdir(directory):
@@ -101,7 +109,10 @@ def save_checkpoint(
     if rank == 0:
         with open(os.path.join(tmp, RUN_FILE), "w") as f:
             json.dump({**run, "step": step}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, final)
+        _fsync_dir(directory)  # the rename itself survives a power loss
         old = sorted(d for d in os.listdir(directory) if d.startswith("step_") and not d.endswith(".tmp"))
         for d in old[: max(0, len(old) - keep)]:
             shutil.rmtree(os.path.join(directory, d), ignore_errors=True)

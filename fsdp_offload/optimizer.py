@@ -373,7 +373,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 continue
             group = self.param_groups[self._group_of[seg.param]]
             beta1, beta2 = group["betas"]
-            piece = slice(seg.offset, seg.offset + seg.numel)
+            piece = seg.in_subgroup
             kernel(
                 p[piece], m[piece], v[piece], g[piece], g[piece],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
@@ -408,8 +408,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             state.zero_()
             parts = self.layout.subgroups[sg].parts(state)
             for seg in self.layout.subgroups[sg].segments:
-                src = slice(seg.param_offset, seg.param_offset + seg.numel)
-                dst = slice(seg.offset, seg.offset + seg.numel)
+                src = seg.in_param
+                dst = seg.in_subgroup
                 for part, source in zip(parts, (master, exp_avg, exp_avg_sq)):
                     if source is not None:
                         part[dst].copy_(source(seg.param)[src])
@@ -448,8 +448,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         def gather(sg: int, state: torch.Tensor) -> None:
             parts = self.layout.subgroups[sg].parts(state)
             for seg in self.layout.subgroups[sg].segments:
-                dst = slice(seg.param_offset, seg.param_offset + seg.numel)
-                src = slice(seg.offset, seg.offset + seg.numel)
+                dst = seg.in_param
+                src = seg.in_subgroup
                 for key, part in zip(("master_param", "exp_avg", "exp_avg_sq"), parts):
                     out[seg.param][key].view(-1)[dst].copy_(part[src])
 
@@ -554,6 +554,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
             self._visit(order, save, dirty=False)
+            out.sync()
         finally:
             out.release()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]

@@ -47,7 +47,7 @@ class LowpStaging:
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         # Each param's destination views, made once: the backward hook runs per param and must be cheap.
         self._pieces: list[list[tuple[torch.Tensor, Segment]]] = [
-            [(self.view(sg)[seg.offset : seg.offset + seg.numel], seg) for sg, seg in segs] for segs in layout.param_segments
+            [(self.view(sg)[seg.in_subgroup], seg) for sg, seg in segs] for segs in layout.param_segments
         ]
 
     @property
@@ -68,7 +68,7 @@ class LowpStaging:
         """
         flat = grad.reshape(-1)
         for dst, seg in self._pieces[param]:
-            src = flat[seg.param_offset : seg.param_offset + seg.numel]
+            src = flat[seg.in_param]
             if self.staged[param]:
                 dst.add_(src.to(dst.device))
             else:
@@ -95,16 +95,16 @@ class LowpStaging:
         for seg in self.layout.subgroups[sg].segments:
             if not self.staged[seg.param]:
                 continue  # a param without a grad was not updated
-            dst = params[seg.param].view(-1)[seg.param_offset : seg.param_offset + seg.numel]
-            dst.copy_(src_all[seg.offset : seg.offset + seg.numel], non_blocking=dst.is_cuda)
+            dst = params[seg.param].view(-1)[seg.in_param]
+            dst.copy_(src_all[seg.in_subgroup], non_blocking=dst.is_cuda)
 
     def fill_from_master(self, sg: int, master: torch.Tensor, params: list[torch.Tensor]) -> None:
         """Rounds `sg`'s FP32 masters into the buffer and writes them to the model (after a load)."""
         lowp = self.view(sg)
         for seg in self.layout.subgroups[sg].segments:
-            piece = slice(seg.offset, seg.offset + seg.numel)
+            piece = seg.in_subgroup
             lowp[piece].copy_(master[piece])
-            dst = params[seg.param].view(-1)[seg.param_offset : seg.param_offset + seg.numel]
+            dst = params[seg.param].view(-1)[seg.in_param]
             dst.copy_(lowp[piece], non_blocking=dst.is_cuda)
 
     def clear(self) -> None:

@@ -25,6 +25,16 @@ class Segment:
     offset: int  # first element, within the subgroup
     numel: int
 
+    @property
+    def in_param(self) -> slice:
+        """Its elements within the param's flattened local data."""
+        return slice(self.param_offset, self.param_offset + self.numel)
+
+    @property
+    def in_subgroup(self) -> slice:
+        """Its elements within the subgroup (and within each part of the subgroup's state)."""
+        return slice(self.offset, self.offset + self.numel)
+
 
 @dataclass(frozen=True)
 class Subgroup:

@@ -305,3 +305,63 @@ def test_random_layouts_caches_and_orders_match_torch(tmp_path, seed):
         assert torch.equal(state[i]["master_param"], r.data)
         assert torch.equal(mine[i].data, r.data.bfloat16())
     opt.close()
+
+
+def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_path, monkeypatch):
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
+    opt = OffloadAdamW(groups(mine), offload=cfg)
+    real = opt.staging.write_back
+    calls = {"n": 0}
+
+    def flaky(sg, params):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected copy failure")
+        real(sg, params)
+
+    for s in range(3):
+        for p, r, g in zip(mine, ref, grads_for(s)):
+            p.grad, r.grad = g, g.float()
+        if s == 1:
+            monkeypatch.setattr(opt.staging, "write_back", flaky)
+            with pytest.raises(RuntimeError, match="injected"):
+                opt.step()
+            with pytest.raises(RuntimeError, match="call step\\(\\) again to finish it before the next backward"):
+                opt.stage_grad(0, grads_for(s)[0])
+        opt.step()
+        ref_opt.step()
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_a_failed_load_refuses_to_step_until_a_good_one(tmp_path):
+    cfg = lambda d: OffloadConfig(kernel="torch", tiers=[f"posix:{d}"], subgroup_numel=SG, host_budget_gb=budget_for(3))  # noqa: E731
+    for d in ("a", "b", "ck"):
+        (tmp_path / d).mkdir()
+    params = [torch.nn.Parameter(t) for t in make_params()]
+    opt = OffloadAdamW(groups(params), offload=cfg(tmp_path / "a"))
+    for p, g in zip(params, grads_for(0)):
+        p.grad = g
+    opt.step()
+    good = opt.state_dict()
+    meta = opt.save_subgroups(str(tmp_path / "ck"), "rank0")
+    path = next((tmp_path / "ck").glob("*/rank0.subgroups"))
+    with open(path, "r+b") as f:
+        f.seek(SLOT * 5 + 100)
+        f.write(b"\xff" * 64)
+    fresh = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    other = OffloadAdamW(groups(fresh), offload=cfg(tmp_path / "b"))
+    with pytest.raises(CorruptSubgroupError, match=str(path)):
+        other.load_subgroups(str(tmp_path / "ck"), meta)
+    for p, g in zip(fresh, grads_for(1)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="load a state again"):
+        other.step()
+    other.load_state_dict(good)
+    other.step()
+    opt.close()
+    other.close()

@@ -232,6 +232,15 @@ class PosixTier(Tier):
         tier._workers = IOWorkers(tier.threads, tier.spec)
         return tier
 
+    def sync(self) -> None:
+        """Makes the file and its directory entry durable (checkpoints; scratch tiers never need it)."""
+        os.fsync(self._fd)
+        dir_fd = os.open(self._dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
     def release(self) -> None:
         """Stops the workers and closes the file, keeping it (a checkpoint's file outlives the tier)."""
         if self._workers is not None:
