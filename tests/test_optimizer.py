@@ -159,13 +159,17 @@ def test_state_dict_round_trip_into_fresh_optimizer_on_other_dirs(tmp_path):
     opt.close()
 
 
-def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
+def fresh_pair(tmp_path):
+    """OffloadAdamW with most state on disk, and torch AdamW, on the same initial params."""
     cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     init = make_params()
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     mine = [torch.nn.Parameter(t.clone()) for t in init]
-    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
-    opt = OffloadAdamW(groups(mine), offload=cfg)
+    return OffloadAdamW(groups(mine), offload=cfg), torch.optim.AdamW(groups(ref), foreach=False), mine, ref
+
+
+def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
+    opt, ref_opt, mine, ref = fresh_pair(tmp_path)
     real_write = posix_mod._pwrite_all
     for s in range(5):
         for p, r, g in zip(mine, ref, grads_for(s)):
@@ -308,12 +312,7 @@ def test_random_layouts_caches_and_orders_match_torch(tmp_path, seed):
 
 
 def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_path, monkeypatch):
-    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
-    init = make_params()
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    mine = [torch.nn.Parameter(t.clone()) for t in init]
-    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
-    opt = OffloadAdamW(groups(mine), offload=cfg)
+    opt, ref_opt, mine, ref = fresh_pair(tmp_path)
     real = opt.staging.write_back
     calls = {"n": 0}
 
