@@ -30,6 +30,9 @@ class OffloadConfig:
     # updated there by the Triton kernel, as ZeRO-Offload++'s ratio: their grads never leave the GPU.
     # 0: all state off the GPU. Needs CUDA params and the GPU memory for it (checked at construction).
     gpu_fraction: float = 0.0
+    # "host_bf16": grads stay bf16 in host memory and are upcast in flight (MLP-Offload). "tier_fp32":
+    # upcast to FP32, written to the tiers and read back for the update, as DeepSpeed does (ablation).
+    grad_path: str = "host_bf16"
     # Clip grads to this global L2 norm (across ranks) before any subgroup is updated; None: no clipping.
     max_grad_norm: float | None = None
     # fp16 only: the dynamic loss scale to start from and how many good steps double it.

@@ -20,6 +20,7 @@ import torch
 
 from .cache import HostCache, aligned_host_buffer
 from .config import OffloadConfig, format_bytes
+from .grad_flush import GRAD_PATHS, FP32GradFlush, grad_slot_bytes
 from .fsdp import CopyStream, check_sharded_params, install_grad_hooks, local_data, mesh_group, root_fsdp_module
 from .kernels import get_adamw_kernel
 from .loss_scale import DynamicLossScaler
@@ -117,10 +118,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         resources.extend(self.tiers)
+        if cfg.grad_path not in GRAD_PATHS:
+            raise ValueError(f"offload.grad_path={cfg.grad_path!r}: choose one of {GRAD_PATHS}")
+        if cfg.grad_path == "tier_fp32" and not self.tiers:
+            raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
+        slots = [sg.state_bytes for sg in self.layout.subgroups]
+        if cfg.grad_path == "tier_fp32":
+            slots += grad_slot_bytes(self.layout)
         tag = _rank_tag()
         for t in self.tiers:
-            t.attach(tag, [sg.state_bytes for sg in self.layout.subgroups])
+            t.attach(tag, slots)
         self.pipeline = SubgroupPipeline(self.layout, self.cache, self.tiers, self.placement, cfg.prefetch)
+        self._grad_flush = FP32GradFlush(self.layout, self.tiers, self.placement) if cfg.grad_path == "tier_fp32" else None
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order
@@ -324,6 +333,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             for i, has in enumerate(self.staging.staged):
                 self._steps[i] += has
             self._pending_scale = scale
+            if self._grad_flush is not None:
+                self.pipeline.transfers += self._grad_flush.write(self._host_subgroups, self.staging)
             order = update_order(len(self.layout), self.step_count, self.offload.update_order)
             # GPU-resident subgroups first (no I/O), then the others through the host cache and tiers
             self._pending = [sg for sg in order if sg in self.gpu_state] + [sg for sg in order if sg not in self.gpu_state]
@@ -365,7 +376,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
         subgroup = self.layout.subgroups[sg]
         p, m, v = subgroup.parts(state)
-        g = self.staging.view(sg)
+        out = g = self.staging.view(sg)  # the kernel writes the new low-precision params over the grads
+        if self._grad_flush is not None and not state.is_cuda:
+            g, transfer = self._grad_flush.read(sg)
+            self.pipeline.transfers.append(transfer)
         kernel = self._gpu_kernel if state.is_cuda else self._kernel
         staged = self.staging.staged
         for seg in subgroup.segments:
@@ -375,7 +389,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             piece = seg.in_subgroup
             kernel(
-                p[piece], m[piece], v[piece], g[piece], g[piece],
+                p[piece], m[piece], v[piece], g[piece], out[piece],
                 lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]), step=self._steps[seg.param], grad_scale=grad_scale,
             )  # fmt: skip

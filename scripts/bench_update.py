@@ -29,7 +29,7 @@ def run_update(spec: str, args: argparse.Namespace) -> dict:
     budget = (2 * n + (args.prefetch + 1) * slot) / 2**30
     cfg = OffloadConfig(
         tiers=[spec], subgroup_numel=args.subgroup_numel, prefetch=args.prefetch, update_order="fixed",
-        host_budget_gb=budget, kernel=args.kernel,
+        host_budget_gb=budget, kernel=args.kernel, grad_path=args.grad_path,
     )  # fmt: skip
     opt = OffloadAdamW(params, lr=1e-4, offload=cfg)
     rows = []
@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--kernel", default="auto")
+    ap.add_argument("--grad-path", default="host_bf16", help="host_bf16 (default) or tier_fp32 (DeepSpeed-style)")
     ap.add_argument("--device-kind", default="cpu", help="machine kind for the record (e.g. nvidia-h100-x1)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -90,6 +91,7 @@ def main() -> None:
         "device": args.device_kind,
         "commit": git_commit(),
         "tier": args.tier,
+        "grad_path": args.grad_path,
         "subgroups": args.subgroups,
         "subgroup_numel": args.subgroup_numel,
         "threads": threads,

@@ -80,7 +80,7 @@ def assert_same_as_reference(opt, ref_opt, mine, ref) -> None:
 
 @pytest.mark.parametrize(
     "where",
-    ["all_in_cache", "all_on_disk", "mixed", "fixed_order"],
+    ["all_in_cache", "all_on_disk", "mixed", "fixed_order", "fp32_grads_on_tier"],
 )
 def test_bit_exact_with_torch_adamw(tmp_path, where):
     cfg = {
@@ -88,11 +88,16 @@ def test_bit_exact_with_torch_adamw(tmp_path, where):
         "all_on_disk": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=1, host_budget_gb=budget_for(2)),
         "mixed": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=2, host_budget_gb=budget_for(6)),
         "fixed_order": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, update_order="fixed", host_budget_gb=budget_for(4)),
+        "fp32_grads_on_tier": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, grad_path="tier_fp32", host_budget_gb=budget_for(4)),
     }[where]
     opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
     assert_same_as_reference(opt, ref_opt, mine, ref)
     if cfg.tiers:
         assert opt.last_metrics.bytes_read[cfg.tiers[0]] > 0  # state really went through the disk
+    if cfg.grad_path == "tier_fp32":  # and so did every FP32 grad, both ways
+        fp32_grads = 4 * opt.layout.padded_numel
+        assert opt.last_metrics.bytes_written[cfg.tiers[0]] > fp32_grads
+        assert opt.last_metrics.bytes_read[cfg.tiers[0]] > fp32_grads
     opt.close()
 
 
@@ -222,6 +227,10 @@ def test_bad_inputs_fail_clearly(tmp_path):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(2)))
     with pytest.raises(ValueError, match="add a tier"):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb=budget_for(4)))
+    with pytest.raises(ValueError, match="grad_path='tier_fp32' writes grads to a tier"):
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, grad_path="tier_fp32"))
+    with pytest.raises(ValueError, match="grad_path='fp8'"):
+        OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, grad_path="fp8"))
     with pytest.raises(ValueError, match="multiple of 1024"):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=1000))
     with pytest.raises(ValueError, match="is torch.bfloat16, not float32"):
