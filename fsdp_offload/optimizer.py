@@ -81,6 +81,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError(f"offload.param_dtype={cfg.param_dtype!r}: choose one of {sorted(_DTYPES)}")
         if cfg.prefetch < 0:
             raise ValueError(f"offload.prefetch={cfg.prefetch} must be >= 0")
+        if cfg.grad_path not in GRAD_PATHS:
+            raise ValueError(f"offload.grad_path={cfg.grad_path!r}: choose one of {GRAD_PATHS}")
+        if cfg.grad_path == "tier_fp32" and not cfg.tiers:
+            raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
         self.param_dtype = _DTYPES[cfg.param_dtype]
 
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -118,10 +122,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         resources.extend(self.tiers)
-        if cfg.grad_path not in GRAD_PATHS:
-            raise ValueError(f"offload.grad_path={cfg.grad_path!r}: choose one of {GRAD_PATHS}")
-        if cfg.grad_path == "tier_fp32" and not self.tiers:
-            raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
         slots = [sg.state_bytes for sg in self.layout.subgroups]
         if cfg.grad_path == "tier_fp32":
             slots += grad_slot_bytes(self.layout)
@@ -323,6 +323,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._stage_param_grads()
             if not any(self.staging.staged):
                 raise RuntimeError("step() called before any backward: no param has a grad")
+            if self._grad_flush is not None:  # first: if it fails, the step has changed nothing yet
+                self.pipeline.transfers += self._grad_flush.write(self._host_subgroups, self.staging)
             scale = self._grad_scale()
             if scale is None:  # fp16 overflow: no state is touched
                 self.skipped_steps += 1
@@ -333,8 +335,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             for i, has in enumerate(self.staging.staged):
                 self._steps[i] += has
             self._pending_scale = scale
-            if self._grad_flush is not None:
-                self.pipeline.transfers += self._grad_flush.write(self._host_subgroups, self.staging)
             order = update_order(len(self.layout), self.step_count, self.offload.update_order)
             # GPU-resident subgroups first (no I/O), then the others through the host cache and tiers
             self._pending = [sg for sg in order if sg in self.gpu_state] + [sg for sg in order if sg not in self.gpu_state]
