@@ -45,6 +45,7 @@ class StepMetrics:
     io_busy_s: float = 0.0
     subgroups_per_tier: dict[str, int] = field(default_factory=dict)  # where stored copies live
     skipped: bool = False  # fp16 overflow: the step changed nothing
+    lock_wait_s: dict[str, float] = field(default_factory=dict)  # time waiting for node-level tier locks
 
     @property
     def update_mparams_per_s(self) -> float:

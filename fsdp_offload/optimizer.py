@@ -137,6 +137,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
         self._load_error: str | None = None  # set while a failed load has left the state mixed
         self._pending_scale = 1.0
+        self._lock_wait_seen: dict[str, float] = {}
         self.last_metrics: StepMetrics | None = None
         self.loss_scaler = (
             DynamicLossScaler(cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval)
@@ -363,6 +364,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._finish_step(start)
         return loss
 
+    def _lock_waits(self) -> dict[str, float]:
+        """Seconds spent waiting for each locked tier's node lock since the last call."""
+        out = {}
+        for t in self.tiers:
+            lock = getattr(t, "lock", None)  # LockedTier (tier_access exclusive or k)
+            if lock is not None:
+                out[t.name] = lock.wait_s - self._lock_wait_seen.get(t.name, 0.0)
+                self._lock_wait_seen[t.name] = lock.wait_s
+        return out
+
     def _params_written(self) -> None:
         """Makes the next forward wait for the params copied back so far."""
         event = self._copies.record()
@@ -401,6 +412,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_metrics = step_metrics(
             self.step_count, time.perf_counter() - start, updated, len(self.layout), hits, transfers, location
         )
+        self.last_metrics.lock_wait_s = self._lock_waits()
         self.last_metrics.log()
         self.step_count += 1
         self.staging.clear()

@@ -235,7 +235,8 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device:
         m = optimizer.last_metrics
         row.update(grad_norm=optimizer.last_grad_norm, update_mparams_per_s=m.update_mparams_per_s,
                    effective_io_gbps=m.effective_io_gbps, bytes_read=m.bytes_read, bytes_written=m.bytes_written,
-                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped)  # fmt: skip
+                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped,
+                   lock_wait_s=m.lock_wait_s)  # fmt: skip
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale
     return row
