@@ -224,6 +224,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         return {sg: torch.zeros(self.layout.subgroups[sg].state_bytes, dtype=torch.uint8, device=device) for sg in chosen}
 
+    def _order_ending_with_next_step(self, step_count: int) -> list[int]:
+        """The reverse of the next step's update order: a pass over all subgroups in it leaves the
+        host cache holding what that step needs first."""
+        return update_order(len(self.layout), step_count, self.offload.update_order)[::-1]
+
     def _visit(self, order: list[int], visit: Callable[[int, torch.Tensor], None], **kw: bool) -> None:
         """Calls `visit(sg, state)` on every subgroup of `order`: GPU-resident ones directly, the rest
         through the host cache and tiers (see SubgroupPipeline.run for `load` and `dirty`)."""
@@ -442,8 +447,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if params is not None:
                 self.staging.fill_from_master(sg, parts[0], params)
 
-        # Fill in the reverse of the next step's order, so the cache ends up holding what it needs first.
-        order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+        order = self._order_ending_with_next_step(self.step_count)
         self._visit(order, fill, load=False)
 
     def _require_loaded(self) -> None:
@@ -479,7 +483,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 for key, part in zip(("master_param", "exp_avg", "exp_avg_sq"), parts):
                     out[seg.param][key].view(-1)[dst].copy_(part[src])
 
-        order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+        order = self._order_ending_with_next_step(self.step_count)
         self._visit(order, gather, dirty=False)
         state = {i: {"step": torch.tensor(float(self._steps[i])), **out[i]} for i in range(len(self._params))}
         groups, start = [], 0
@@ -578,7 +582,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             out.write(sg, state).result()
 
         try:
-            order = update_order(len(self.layout), self.step_count, self.offload.update_order)[::-1]
+            order = self._order_ending_with_next_step(self.step_count)
             self._visit(order, save, dirty=False)
             out.sync()
         finally:
@@ -622,7 +626,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(state)[0], params)
 
         def fill() -> None:
-            order = update_order(len(self.layout), int(meta["offload"]["step_count"]), self.offload.update_order)[::-1]
+            order = self._order_ending_with_next_step(int(meta["offload"]["step_count"]))
             self._visit(order, load, load=False)
 
         try:

@@ -273,29 +273,3 @@ class SubgroupPipeline:
             err = self._settle(sg)
             first = first or err
         return first
-
-    def flush(self) -> None:
-        """Writes every dirty resident subgroup to its tier (the host copies stay resident, clean)."""
-        futs = []
-        for sg in sorted(self.cache.dirty):
-            tier = self.placement.tier_for(sg)
-            fut = self.tiers[tier].write(sg, self.view(self.cache.slot_of[sg], sg))
-
-            def learn(done: Future, tier: int = tier) -> None:
-                if done.exception() is None:
-                    self._learn(tier, done.result())
-
-            fut.add_done_callback(learn)
-            futs.append((sg, tier, fut))
-        first = None
-        for sg, tier, fut in futs:
-            try:
-                t = fut.result()
-            except BaseException as exc:
-                first = first or exc
-                continue
-            self.location[sg] = tier
-            self.cache.dirty.discard(sg)
-            self.transfers.append(t)
-        if first is not None:
-            raise first

@@ -73,7 +73,6 @@ class SubgroupLayout:
         for n in numels:
             starts.append(acc)
             acc += n
-        self.param_starts = starts
 
         subgroups = []
         for index, lo in enumerate(range(0, total, subgroup_numel)):

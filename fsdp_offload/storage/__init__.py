@@ -23,30 +23,27 @@ def split_spec(spec: str) -> tuple[str, str, dict[str, str]]:
     return scheme, path, dict(parse_qsl(query, strict_parsing=bool(query)))
 
 
-def _posix(spec: str, path: str, opts: dict[str, str]) -> Tier:
-    known = {"threads", "request_mb"}
+def _io_options(spec: str, opts: dict[str, str], size_key: str) -> tuple[int, int]:
+    """(threads, request bytes) from a tier spec's `threads=N&<size_key>=MiB`; anything else is an error."""
+    known = {"threads", size_key}
     if set(opts) - known:
         raise ValueError(f"tier spec {spec!r}: unknown option(s) {sorted(set(opts) - known)}; known: {sorted(known)}")
-    return PosixTier(
-        spec,
-        path,
-        threads=int(opts.get("threads", 4)),
-        request_bytes=int(float(opts.get("request_mb", 8)) * (1 << 20)),
-    )
+    try:
+        return int(opts.get("threads", 4)), int(float(opts.get(size_key, 8)) * (1 << 20))
+    except ValueError:
+        raise ValueError(f"tier spec {spec!r}: threads must be a whole number and {size_key} a number of MiB") from None
+
+
+def _posix(spec: str, path: str, opts: dict[str, str]) -> Tier:
+    threads, request_bytes = _io_options(spec, opts, "request_mb")
+    return PosixTier(spec, path, threads=threads, request_bytes=request_bytes)
 
 
 def _kvikio(spec: str, path: str, opts: dict[str, str]) -> Tier:
     from .kvikio import KvikioTier  # that module imports KvikIO only when a tier is built
 
-    known = {"threads", "task_mb"}
-    if set(opts) - known:
-        raise ValueError(f"tier spec {spec!r}: unknown option(s) {sorted(set(opts) - known)}; known: {sorted(known)}")
-    return KvikioTier(
-        spec,
-        path,
-        threads=int(opts.get("threads", 4)),
-        task_bytes=int(float(opts.get("task_mb", 8)) * (1 << 20)),
-    )
+    threads, task_bytes = _io_options(spec, opts, "task_mb")
+    return KvikioTier(spec, path, threads=threads, task_bytes=task_bytes)
 
 
 def _throttle(spec: str, inner_spec: str, opts: dict[str, str]) -> Tier:

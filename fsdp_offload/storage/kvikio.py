@@ -37,7 +37,7 @@ from .base import (
     gather,
     transfer,
 )
-from .posix import make_private_dir
+from .posix import create_private_file, make_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,8 @@ class KvikioTier(Tier):
 
     def _open(self, tag: str, total_bytes: int) -> None:
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
-            fd = os.open(self._path, flags, 0o600)
+            fd = create_private_file(self._path)
         except OSError as exc:
             raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
         try:

@@ -81,11 +81,16 @@ def make_private_dir(root: str, spec: str) -> str:
     return path
 
 
+def create_private_file(path: str) -> int:
+    """Creates `path` 0600 for reading and writing: never an existing file, never through a symlink."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+
 def open_private_file(path: str) -> tuple[int, bool]:
-    """Creates `path` 0600 (never through a symlink), then switches it to O_DIRECT if the file system
-    takes an aligned O_DIRECT write, else keeps buffered I/O. Returns (fd, direct); on any error the
-    file is removed again."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    """Creates `path` (create_private_file), then switches it to O_DIRECT if the file system takes an
+    aligned O_DIRECT write, else keeps buffered I/O. Returns (fd, direct); on any error the file is
+    removed again."""
+    fd = create_private_file(path)
     try:
         return fd, _try_direct(fd)
     except BaseException:
