@@ -65,17 +65,17 @@ def test_throttle_specs():
     assert tier_profile_key("throttle:posix:/tmp/../tmp?write=1GB/s&read=2GB/s") == "throttle:posix:/tmp?read=2GB/s&write=1GB/s"
 
 
-def test_measure_tier_sees_the_throttle(tmp_path):
-    speed = measure_tier(f"throttle:posix:{tmp_path}?read=40MB/s&write=20MB/s&latency=3ms", nbytes=2 << 20, transfer_bytes=256 * KIB)
+def test_measure_tier_sees_the_throttle(ram_dir):
+    speed = measure_tier(f"throttle:posix:{ram_dir}?read=40MB/s&write=20MB/s&latency=3ms", nbytes=2 << 20, transfer_bytes=256 * KIB)
     assert speed.read_bps == pytest.approx(40 * MB, rel=0.2)
     assert speed.write_bps == pytest.approx(20 * MB, rel=0.2)
     assert speed.latency_s == pytest.approx(0.003, abs=0.002)
-    assert os.listdir(os.path.join(tmp_path, f"fsdp-offload-{os.getuid()}")) == []  # its file is gone
+    assert os.listdir(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}")) == []  # its file is gone
 
 
-def test_cli_measures_prints_and_saves(tmp_path, capsys):
-    tiers = [f"throttle:posix:{d}?read=60MB/s&write=30MB/s" for d in (tmp_path / "a", tmp_path / "b")]
-    for d in (tmp_path / "a", tmp_path / "b"):
+def test_cli_measures_prints_and_saves(tmp_path, ram_dir, capsys):
+    tiers = [f"throttle:posix:{d}?read=60MB/s&write=30MB/s" for d in (ram_dir / "a", ram_dir / "b")]
+    for d in (ram_dir / "a", ram_dir / "b"):
         d.mkdir()
     profile = tmp_path / "p.json"
     assert main([*tiers, "--gb", "0.002", "--transfer-mb", "0.25", "--profile", str(profile)]) == 0
@@ -161,8 +161,8 @@ def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
     assert hosts["some-other-node"][tier_profile_key(tiers[0])]["read_gbps"] == 123
 
 
-def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, caplog):
-    tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(tmp_path)]
+def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_dir, caplog):
+    tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(ram_dir)]
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))
     with profile.locked():

@@ -132,11 +132,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def test_four_processes_in_exclusive_mode_never_overlap_on_a_tier(tmp_path):
+def test_four_processes_in_exclusive_mode_never_overlap_on_a_tier(tmp_path, ram_dir):
     """4 processes step optimizers over the same two (throttled, so that I/O takes a while) tiers. Per
     tier, the lock holds of all of them never overlap, every transfer lies inside one of its own
     process's holds, and all finish (no deadlock)."""
-    dirs = [tmp_path / "a", tmp_path / "b"]
+    dirs = [ram_dir / "a", ram_dir / "b"]
     for d in dirs:
         d.mkdir()
     tiers = [f"throttle:posix:{dirs[0]}?read=60MB/s&write=60MB/s", f"throttle:posix:{dirs[1]}?read=30MB/s&write=30MB/s"]

@@ -52,8 +52,8 @@ def write_profile(path: str, speeds: dict[str, TierSpeed]) -> str:
     return path
 
 
-def throttled(tmp_path, name: str, read_mbps: float, write_mbps: float) -> str:
-    d = tmp_path / name
+def throttled(root, name: str, read_mbps: float, write_mbps: float) -> str:
+    d = root / name
     d.mkdir()
     return f"throttle:posix:{d}?read={read_mbps}MB/s&write={write_mbps}MB/s"
 
@@ -138,14 +138,14 @@ def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
     opt.close()
 
 
-def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, capsys):
+def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, ram_dir, capsys):
     """Tier A reads fast and writes slowly, tier B is even. Eq. 1 weighs A by its write bandwidth
     alone; the learned rule prices A's reads and writes separately."""
     speeds = {"a": (96, 24), "b": (36, 36)}  # MB/s read, write
     m, c = 24, 6
     results = {}
     for rule in ("eq1", "learned"):
-        tiers = [throttled(tmp_path, f"{rule}-{n}", r, w) for n, (r, w) in speeds.items()]
+        tiers = [throttled(ram_dir, f"{rule}-{n}", r, w) for n, (r, w) in speeds.items()]
         seeds = {t: TierSpeed(r * MB, w * MB, 0.0) for t, (r, w) in zip(tiers, speeds.values())}
         run = Run(tiers, write_profile(str(tmp_path / f"{rule}.json"), seeds), m, c, placement=rule)
         times = [run.step().update_s for _ in range(6)][1:]
@@ -164,10 +164,10 @@ def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, capsys):
     assert results["learned"][0] < results["eq1"][0]
 
 
-def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, capsys):
+def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir, capsys):
     """Both tiers start believed equal; the model learns A is twice B and the split follows."""
     m, c = 24, 6
-    tiers = [throttled(tmp_path, "a", 48, 48), throttled(tmp_path, "b", 24, 24)]
+    tiers = [throttled(ram_dir, "a", 48, 48), throttled(ram_dir, "b", 24, 24)]
     profile = write_profile(str(tmp_path / "p.json"), {t: TierSpeed(30 * MB, 30 * MB, 0.0) for t in tiers})
     run = Run(tiers, profile, m, c)
     steps = [run.step() for _ in range(7)]
@@ -185,9 +185,9 @@ def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, capsys):
     run.opt.close()
 
 
-def test_split_follows_a_tier_that_slows_to_a_quarter(tmp_path, capsys):
+def test_split_follows_a_tier_that_slows_to_a_quarter(tmp_path, ram_dir, capsys):
     m, c = 24, 6
-    tiers = [throttled(tmp_path, "a", 48, 48), throttled(tmp_path, "b", 24, 24)]
+    tiers = [throttled(ram_dir, "a", 48, 48), throttled(ram_dir, "b", 24, 24)]
     profile = write_profile(str(tmp_path / "p.json"), {tiers[0]: TierSpeed(48 * MB, 48 * MB, 0.0), tiers[1]: TierSpeed(24 * MB, 24 * MB, 0.0)})
     run = Run(tiers, profile, m, c)
     for _ in range(2):
