@@ -1,10 +1,11 @@
 """Checkpoints of a training run: atomic, resumable on other tier dirs, never gathering the state.
 
-A checkpoint is a directory `step_<k>`:
-  run.json                  what it fits: model args, world size, optimizer layout; checked first
-  .metadata, __*.distcp     model shards and per-rank trainer state, through torch.distributed.checkpoint
-  optimizer/...             each rank's FP32 subgroups, streamed one at a time from the host cache and
-                            the tiers into one O_DIRECT file per rank (with checksums)
+A checkpoint is a directory `step_<k>` of two torch.distributed.checkpoint checkpoints and a note:
+  run.json      what it fits: model args, world size, optimizer layout; checked first
+  model/        the model's shards and each rank's trainer state: a plain DCP checkpoint, which any
+                DCP tool reads (dcp_to_torch_save, ...)
+  optimizer/    the optimizer: an OffloadAdamW as a Stateful whose subgroups stream one at a time from
+                the host cache and tiers (see dcp_state.py)
 It is written under `step_<k>.tmp` and renamed once every rank has finished, so a run killed while
 saving leaves the previous checkpoint as the latest.
 """
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"
@@ -95,16 +97,11 @@ def save_checkpoint(
     rank = _rank()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed while saving
-        os.makedirs(os.path.join(tmp, "optimizer"), mode=0o700)
+        os.makedirs(tmp, mode=0o700)
     _barrier()
-    per_rank: dict[str, Any] = {"state": rank_state}
-    if isinstance(optimizer, OffloadAdamW):
-        per_rank["optimizer"] = optimizer.save_subgroups(os.path.join(tmp, "optimizer"), f"rank{rank}")
-        state = {"model": get_model_state_dict(model)}
-    else:
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    state[f"rank{rank}"] = _pack(per_rank)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save({"model": get_model_state_dict(model), f"rank{rank}": _pack(rank_state)}, checkpoint_id=os.path.join(tmp, "model"))
+    optim = {"optimizer": _optimizer_state(model, optimizer)}
+    dcp.save(optim, checkpoint_id=os.path.join(tmp, "optimizer"), planner=StreamingSavePlanner())
     _barrier()
     if rank == 0:
         with open(os.path.join(tmp, RUN_FILE), "w") as f:
@@ -136,16 +133,19 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restores model shards and optimizer state; returns this rank's `rank_state`."""
-    rank = _rank()
-    key = f"rank{rank}"
-    state: dict[str, Any] = {"model": get_model_state_dict(model), key: b""}
-    if not isinstance(optimizer, OffloadAdamW):
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    key = f"rank{_rank()}"
+    state = {"model": get_model_state_dict(model), key: b""}
+    dcp.load(state, checkpoint_id=os.path.join(path, "model"))
     set_model_state_dict(model, state["model"])
-    per_rank = _unpack(state[key])
+    optim = {"optimizer": _optimizer_state(model, optimizer)}
+    dcp.load(optim, checkpoint_id=os.path.join(path, "optimizer"), planner=StreamingLoadPlanner())
+    if not isinstance(optimizer, OffloadAdamW):
+        set_optimizer_state_dict(model, optimizer, optim["optimizer"])
+    return _unpack(state[key])
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """OffloadAdamW streams itself (a Stateful); a plain optimizer (offload=none) goes whole."""
     if isinstance(optimizer, OffloadAdamW):
-        optimizer.load_subgroups(os.path.join(path, "optimizer"), per_rank["optimizer"])
-    else:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return per_rank["state"]
+        return OffloadOptimizerState(optimizer)
+    return get_optimizer_state_dict(model, optimizer)

@@ -29,7 +29,6 @@ from .placement import make_placement
 from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
 from .staging import LowpStaging
 from .storage import Tier, open_tiers
-from .storage.posix import PosixTier
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -511,8 +510,10 @@ class OffloadAdamW(torch.optim.Optimizer):
             return lambda i: state[i][key].reshape(-1).to(torch.float32)
 
         params = [local_data(p) for p in self._params]
-        self._load(
-            lambda: self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), params),
+        self._begin_load()
+        with self._copies.after_current():
+            self._fill_state(flat("master_param"), flat("exp_avg"), flat("exp_avg_sq"), params)
+        self._end_load(
             [{k: v for k, v in g.items() if k != "params"} for g in groups],
             [int(state[i]["step"]) for i in range(len(self._params))],
             state_dict.get("offload", {}),
@@ -526,14 +527,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "another model or another split of params into groups"
             )
 
-    def _load(self, fill: Callable[[], None], groups: list[dict], steps: list[int], meta: dict[str, Any]) -> None:
-        """Runs `fill` (which rewrites every subgroup and the model's params), then takes the saved
-        hyperparameters and counters. A fill that fails leaves the optimizer refusing to step."""
+    def _begin_load(self) -> None:
+        """Before subgroups are overwritten: until `_end_load`, the optimizer refuses to step."""
+        self._check_no_pending_step()
         self._copies.wait_host()  # the last step's copies to the model still read the staging buffer
         self.staging.clear()
         self._load_error = "loading optimizer state failed part-way, so its subgroups are a mix of old and new"
-        with self._copies.after_current():
-            fill()
+
+    def _end_load(self, groups: list[dict], steps: list[int], meta: dict[str, Any]) -> None:
+        """After every subgroup (and the model's params) was rewritten: takes the saved hyperparameters
+        and counters."""
         self._load_error = None
         self.staging.clear()
         self._params_written()
@@ -556,56 +559,71 @@ class OffloadAdamW(torch.optim.Optimizer):
         if meta.get("placement"):
             self.placement.load_state_dict(meta["placement"])
 
-    # -- streaming checkpoints ------------------------------------------------------------------
+    # -- one subgroup at a time (checkpoints through DCP, see dcp_state.py) ------------------------
 
-    def layout_signature(self) -> dict[str, Any]:
-        """What a streamed checkpoint's subgroups depend on: it only loads into the same layout."""
-        return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
-
-    def _bounce_buffer(self) -> torch.Tensor | None:
-        """An aligned host buffer for moving GPU-resident subgroups to and from files (None: none)."""
-        return aligned_host_buffer(self.layout.slot_bytes) if self.gpu_state else None
-
-    @torch.no_grad()
-    def save_subgroups(self, root: str, tag: str) -> dict[str, Any]:
-        """Streams every subgroup into one file under `root` (no gathering in memory: one subgroup at a
-        time goes from the cache, or a tier, to the file). Returns what `load_subgroups` needs."""
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """Everything but the subgroups: what `load_checkpoint_meta` restores after they are written."""
         self._require_step_finished()
-        out = PosixTier(f"posix:{root}", root)
-        slot_bytes = [sg.state_bytes for sg in self.layout.subgroups]
-        out.attach(tag, slot_bytes)
-        bounce = self._bounce_buffer()
-
-        def save(sg: int, state: torch.Tensor) -> None:
-            if state.is_cuda:  # GPU-resident: through an aligned host buffer, one subgroup at a time
-                state = bounce[: state.numel()].copy_(state)
-            out.write(sg, state).result()
-
-        try:
-            order = self._order_ending_with_next_step(self.step_count)
-            self._visit(order, save, dirty=False)
-            out.sync()
-        finally:
-            out.release()
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {
-            "layout": self.layout_signature(),
-            "tag": tag,
-            "slot_bytes": slot_bytes,
-            "checksums": {sg: out.checksums(sg) for sg in range(len(self.layout))},
+            "layout": self._layout_signature(),
             "steps": list(self._steps),
-            "param_groups": groups,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "group_sizes": [len(g["params"]) for g in self.param_groups],
             "offload": self._offload_meta(),
         }
 
+    def _layout_signature(self) -> dict[str, Any]:
+        return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
+
     @torch.no_grad()
-    def load_subgroups(self, root: str, meta: dict[str, Any]) -> None:
-        """Reads subgroups saved by `save_subgroups` into this optimizer's cache and tiers (which may
-        be other dirs than when it was saved) and rewrites the model's params from the masters."""
-        self._check_no_pending_step()
-        if meta["layout"] != self.layout_signature():
-            saved, mine = meta["layout"], self.layout_signature()
+    def read_subgroup(self, sg: int) -> torch.Tensor:
+        """A new aligned host copy of subgroup `sg`'s FP32 state ([params | exp_avg | exp_avg_sq]),
+        from the GPU, the host cache or its tier. The cache is left as it is: the next step finds
+        what it would have found."""
+        self._require_step_finished()
+        out = aligned_host_buffer(self.layout.subgroups[sg].state_bytes)
+        held = self.gpu_state.get(sg)
+        if held is None:
+            held = self.pipeline.resident_state(sg)
+        if held is not None:
+            out.copy_(held)
+        else:
+            self.pipeline.read_stored(sg, out)
+        return out
+
+    @torch.no_grad()
+    def write_subgroup(self, sg: int, state: torch.Tensor) -> None:
+        """Overwrites subgroup `sg`'s FP32 state with `state` (host bytes laid out as `read_subgroup`
+        gives them) and the model's params in it with the new masters rounded. Between
+        `_begin_load` and `_end_load` (dcp_state's load planner calls them)."""
+        if self._load_error is None:
+            raise RuntimeError("write_subgroup outside a load: use OffloadOptimizerState with dcp.load")
+        want = self.layout.subgroups[sg].state_bytes
+        if state.dtype != torch.uint8 or state.numel() != want:
+            raise ValueError(
+                f"subgroup {sg}: the checkpoint holds {state.numel() * state.element_size()} bytes, its state is "
+                f"{want}: the checkpoint is truncated, or was written for another model, world size or "
+                "offload.subgroup_numel"
+            )
+        dest = self.gpu_state.get(sg)
+        if dest is None:
+            dest = self.pipeline.resident_state(sg)
+            if dest is not None:
+                self.cache.dirty.add(sg)  # newer than its stored copy now
+        if dest is not None:
+            dest.copy_(state)
+        else:
+            dest = aligned_host_buffer(want)  # O_DIRECT wants page-aligned memory
+            dest.copy_(state)
+            self.pipeline.store(sg, dest)
+        with self._copies.after_current():
+            self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(dest)[0], [local_data(p) for p in self._params])
+
+    def load_checkpoint_meta(self, meta: dict[str, Any]) -> None:
+        """Ends a load whose subgroups were all written: checks the layout they were saved in and takes
+        the saved step counts, hyperparameters and offload state."""
+        if meta["layout"] != self._layout_signature():
+            saved, mine = meta["layout"], self._layout_signature()
             raise ValueError(
                 f"the checkpoint's optimizer state was laid out for {len(saved['numels'])} local params of "
                 f"{sum(saved['numels'])} elements in subgroups of {saved['subgroup_numel']}, this rank has "
@@ -613,26 +631,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"{mine['subgroup_numel']}: resume with the same model, world size and offload.subgroup_numel"
             )
         self._check_groups(meta["group_sizes"])
-        saved = PosixTier.open_saved(root, meta["tag"], meta["slot_bytes"], {int(k): v for k, v in meta["checksums"].items()})
-        params = [local_data(p) for p in self._params]
-        bounce = self._bounce_buffer()
-
-        def load(sg: int, state: torch.Tensor) -> None:
-            if state.is_cuda:
-                saved.read(sg, bounce[: state.numel()]).result()
-                state.copy_(bounce[: state.numel()])
-            else:
-                saved.read(sg, state).result()
-            self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(state)[0], params)
-
-        def fill() -> None:
-            order = self._order_ending_with_next_step(int(meta["offload"]["step_count"]))
-            self._visit(order, load, load=False)
-
-        try:
-            self._load(fill, meta["param_groups"], meta["steps"], meta["offload"])
-        finally:
-            saved.release()
+        self._end_load(meta["param_groups"], meta["steps"], meta["offload"])
 
     def close(self) -> None:
         """Deletes this rank's tier files and releases pinned memory."""

@@ -266,6 +266,32 @@ class SubgroupPipeline:
         self.cache.touch(sg)
         return self.view(self.cache.slot_of[sg], sg)
 
+    # -- one subgroup at a time, between passes (checkpoints) -----------------------------------
+
+    def resident_state(self, sg: int) -> torch.Tensor | None:
+        """`sg`'s state in its cache slot, or None when it is only stored."""
+        slot = self.cache.slot_of.get(sg)
+        return None if slot is None else self.view(slot, sg)
+
+    def read_stored(self, sg: int, out: torch.Tensor) -> None:
+        """Reads `sg`'s stored copy into `out` (an aligned host buffer), leaving the cache as it is."""
+        self._check_idle()
+        self.tiers[self.location[sg]].read(sg, out).result()
+
+    def store(self, sg: int, state: torch.Tensor) -> None:
+        """Writes `state` (an aligned host buffer) as `sg`'s stored copy, on the tier its placement picks
+        (a resident subgroup is overwritten in its slot instead: see resident_state)."""
+        self._check_idle()
+        if self.cache.is_resident(sg):
+            raise RuntimeError(f"subgroup {sg} is in host memory: its stored copy is not the one to replace")
+        tier = self.placement.tier_for(sg)
+        self.tiers[tier].write(sg, state).result()
+        self.location[sg] = tier
+
+    def _check_idle(self) -> None:
+        if self._fetches:
+            raise RuntimeError(f"subgroups {sorted(self._fetches)} are still being fetched: finish the pass first")
+
     def drain(self) -> BaseException | None:
         """Settles every fetch in flight; returns the first error among them."""
         first = None

@@ -156,7 +156,10 @@ def train(cfg: DictConfig) -> list[dict]:
 
     start_step = 0
     if resume_from:
+        t0 = time.perf_counter()
         rank_state = load_checkpoint(resume_from, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {resume_from} in {time.perf_counter() - t0:.1f} s", flush=True)
         batches.load_state_dict(rank_state["data"])
         scheduler.load_state_dict(rank_state["scheduler"])
         set_rng_state(rank_state["rng"])
@@ -189,7 +192,10 @@ def train(cfg: DictConfig) -> list[dict]:
             last = step + 1 == tcfg.steps
             if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
                 rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
-                save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep)
+                t0 = time.perf_counter()
+                path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep)
+                if rank == 0:
+                    bar.write(f"saved {path} in {time.perf_counter() - t0:.1f} s")
             if tcfg.kill_at_step is not None and step + 1 == tcfg.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
     bar.close()

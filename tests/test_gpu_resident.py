@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 
 SG = 4096
 SHAPES = [(300, 37), (513,), (1000, 29), (2500,)]  # 43_113 elements: 11 subgroups
@@ -69,7 +71,7 @@ def test_gpu_resident_subgroups_track_torch_adamw(tmp_path):
 
 
 @needs_cuda
-def test_gpu_resident_state_survives_a_streamed_checkpoint(tmp_path):
+def test_gpu_resident_state_survives_a_dcp_checkpoint(tmp_path):
     def run(split: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(s).cuda()) for s in SHAPES]
@@ -77,13 +79,13 @@ def test_gpu_resident_state_survives_a_streamed_checkpoint(tmp_path):
         opt = OffloadAdamW(params, lr=LR, offload=config(tmp_path / "a"))
         for s in range(STEPS):
             if split and s == 2:
-                (tmp_path / "ck").mkdir(exist_ok=True)
-                meta = opt.save_subgroups(str(tmp_path / "ck"), "rank0")
+                ck = str(tmp_path / "ck")
+                dcp.save({"optim": OffloadOptimizerState(opt)}, checkpoint_id=ck, planner=StreamingSavePlanner())
                 opt.close()
                 params = [torch.nn.Parameter(torch.zeros(sh).cuda()) for sh in SHAPES]
                 (tmp_path / "b").mkdir(exist_ok=True)
                 opt = OffloadAdamW(params, lr=LR, offload=config(tmp_path / "b"))
-                opt.load_subgroups(str(tmp_path / "ck"), meta)
+                dcp.load({"optim": OffloadOptimizerState(opt)}, checkpoint_id=ck, planner=StreamingLoadPlanner())
             for p, g in zip(params, grads(s)):
                 p.grad = g.cuda()
             opt.step()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload import OffloadConfig
 from fsdp_offload.cache import aligned_host_buffer, host_buffer, unpin
 from fsdp_offload.storage import CorruptSubgroupError, TierError, Transfer, make_tier
 from fsdp_offload.storage import kvikio as kvikio_tier

@@ -228,12 +228,11 @@ class LockedTier(Tier):
             self.lock.acquire()
             try:
                 with self._cv:
-                    batch = list(self._queue)
-                    self._queue.clear()
+                    batch, self._queue = self._queue, type(self._queue)()
                     self._in_flight += len(batch)
                     self._holding = True
-                for issue, out in batch:
-                    self._issue(issue, out)
+                while batch:  # popped as issued: the gate holds on to no request, nor to its buffer
+                    self._issue(*batch.popleft())
                 with self._cv:
                     self._cv.wait_for(lambda: self._in_flight == 0)
                     self._holding = False

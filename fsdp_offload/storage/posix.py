@@ -213,52 +213,13 @@ class PosixTier(Tier):
         futs = [self._workers.submit(READ_PRIORITY, lambda i=i, lo=lo: read_chunk(i, lo)) for i, lo in enumerate(range(0, nbytes, self.request_bytes))]
         return gather(futs, lambda: transfer(self.spec, "read", key, nbytes, start))
 
-    def checksums(self, key: int) -> list[int] | None:
-        return self._crcs.get(key)
-
-    @classmethod
-    def open_saved(cls, root: str, tag: str, slot_bytes: list[int], checksums: dict[int, list[int]]) -> "PosixTier":
-        """Opens, read-only, the subgroup file that `attach(tag, ...)` wrote under `root` earlier (a
-        checkpoint), with the checksums recorded when it was written."""
-        tier = cls(f"posix:{root}", root)
-        need = tier._set_slots(slot_bytes)
-        tier._path = os.path.join(tier._dir, f"{tag}.subgroups")
-        if not os.path.isfile(tier._path) or os.path.islink(tier._path):
-            raise TierError(f"subgroup file {tier._path} is missing (or a symlink): was the checkpoint copied whole?")
-        size = os.stat(tier._path).st_size
-        if size < need:
-            raise CorruptSubgroupError(f"{tier._path} is truncated: {size} bytes, it should hold {need}")
-        flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        try:
-            tier._fd, tier.direct = os.open(tier._path, flags | _O_DIRECT), _O_DIRECT != 0
-        except OSError:
-            tier._fd, tier.direct = os.open(tier._path, flags), False
-        tier._crcs = dict(checksums)
-        tier._workers = IOWorkers(tier.threads, tier.spec)
-        return tier
-
-    def sync(self) -> None:
-        """Makes the file and its directory entry durable (checkpoints; scratch tiers never need it)."""
-        os.fsync(self._fd)
-        dir_fd = os.open(self._dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-    def release(self) -> None:
-        """Stops the workers and closes the file, keeping it (a checkpoint's file outlives the tier)."""
+    def close(self) -> None:
         if self._workers is not None:
             self._workers.shutdown()
             self._workers = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def close(self) -> None:
-        had_file = self._fd >= 0
-        self.release()
-        if had_file:
             try:
                 os.unlink(self._path)
             except FileNotFoundError:

@@ -1,0 +1,137 @@
+"""OffloadAdamW through torch.distributed.checkpoint: streamed one subgroup at a time, checked before
+anything changes, and a load that fails part-way never trained on. (Round trips into other tier dirs:
+test_optimizer.py; two ranks, kill and resume: test_train.py; GPU-resident state: test_gpu_resident.py.)"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+
+from test_optimizer import SG, SHAPES, budget_for, grads_for, groups, make_params
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def build(tier_dir, subgroup_numel: int = SG, lr: float = 1e-3) -> tuple[OffloadAdamW, list[torch.nn.Parameter]]:
+    tier_dir.mkdir(exist_ok=True)
+    params = [torch.nn.Parameter(t) for t in make_params()]
+    budget = budget_for(3) * subgroup_numel / SG  # 3 slots (and about the same staging) at any subgroup size
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tier_dir}"], subgroup_numel=subgroup_numel, host_budget_gb=budget)
+    return OffloadAdamW(groups(params), lr=lr, offload=cfg), params
+
+
+def train(opt: OffloadAdamW, params, steps: range) -> None:
+    for s in steps:
+        for p, g in zip(params, grads_for(s)):
+            p.grad = g
+        opt.step()
+
+
+def save(opt: OffloadAdamW, path) -> None:
+    dcp.save({"optim": OffloadOptimizerState(opt)}, checkpoint_id=str(path), planner=StreamingSavePlanner())
+
+
+def load(opt: OffloadAdamW, path) -> None:
+    dcp.load({"optim": OffloadOptimizerState(opt)}, checkpoint_id=str(path), planner=StreamingLoadPlanner())
+
+
+def states(opt: OffloadAdamW) -> list[torch.Tensor]:
+    sd = opt.state_dict()["state"]
+    return [sd[i][k] for i in sorted(sd) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+
+
+def test_save_streams_one_subgroup_at_a_time_and_leaves_the_cache(tmp_path, monkeypatch):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(3))
+    resident, dirty = dict(opt.cache.slot_of), set(opt.cache.dirty)
+    alive: list[weakref.ref] = []
+    most = 0
+    read = opt.read_subgroup
+
+    def spy(sg: int) -> torch.Tensor:
+        nonlocal most
+        most = max(most, sum(r() is not None for r in alive))  # copies still held when the next is read
+        out = read(sg)
+        alive.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(opt, "read_subgroup", spy)
+    save(opt, tmp_path / "ck")
+    assert len(alive) == len(opt.layout) and most <= 1  # the one being written, never the whole state
+    assert opt.cache.slot_of == resident and opt.cache.dirty == dirty  # the next step finds what it would have
+    opt.close()
+
+
+def test_another_layout_is_refused_before_anything_changes(tmp_path):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(2))
+    save(opt, tmp_path / "ck")
+    opt.close()
+    other, other_params = build(tmp_path / "b", subgroup_numel=2 * SG)
+    before = states(other)
+    with pytest.raises(CheckpointException, match=r"rank0: the checkpoint has 11 subgroups, this optimizer 6.*offload.subgroup_numel"):
+        load(other, tmp_path / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(before, states(other)))
+    train(other, other_params, range(1))  # still usable
+    other.close()
+
+
+def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, monkeypatch):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(3))
+    save(opt, tmp_path / "ck")
+    other, other_params = build(tmp_path / "b", lr=0.5)
+    write, calls = other.write_subgroup, []
+
+    def failing(sg: int, state: torch.Tensor) -> None:
+        calls.append(sg)
+        if len(calls) == 4:
+            raise OSError(5, "Input/output error")
+        write(sg, state)
+
+    monkeypatch.setattr(other, "write_subgroup", failing)
+    with pytest.raises(CheckpointException, match="Input/output error"):
+        load(other, tmp_path / "ck")
+    with pytest.raises(RuntimeError, match="load a state again"):
+        train(other, other_params, range(3, 4))
+    monkeypatch.setattr(other, "write_subgroup", write)
+    load(other, tmp_path / "ck")
+    assert other.param_groups[0]["lr"] == 1e-2  # hyperparameters come back with the subgroups
+    train(opt, params, range(3, 5))
+    train(other, other_params, range(3, 5))
+    assert all(torch.equal(a, b) for a, b in zip(states(opt), states(other)))
+    assert all(torch.equal(a.data, b.data) for a, b in zip(params, other_params))
+    opt.close()
+    other.close()
+
+
+def test_a_truncated_checkpoint_is_reported(tmp_path):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(2))
+    save(opt, tmp_path / "ck")
+    (data,) = [f for f in os.listdir(tmp_path / "ck") if f.endswith(".distcp")]
+    path = tmp_path / "ck" / data
+    os.truncate(path, os.path.getsize(path) // 2)
+    other, _ = build(tmp_path / "b")
+    with pytest.raises(CheckpointException, match=r"subgroup \d+: the checkpoint holds \d+ bytes, its state is \d+"):
+        load(other, tmp_path / "ck")
+    other.close()
+    opt.close()
+
+
+def test_without_the_streaming_planners_is_a_clear_error(tmp_path):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(1))
+    with pytest.raises(CheckpointException, match="planner=StreamingSavePlanner"):
+        dcp.save({"optim": OffloadOptimizerState(opt)}, checkpoint_id=str(tmp_path / "ck"))
+    with pytest.raises(TypeError, match="wraps an OffloadAdamW"):
+        OffloadOptimizerState(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(SHAPES[0]))]))
+    opt.close()
