@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,6 +42,11 @@ class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only at the end)
     resume: bool = True  # start from the latest checkpoint in `dir` if there is one
     keep: int = 2  # checkpoints kept; older ones are deleted
+    io_threads: int = 2  # writers of optimizer subgroups per rank: each holds one subgroup in host memory
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise ValueError(f"checkpoint.io_threads={self.io_threads}: at least 1 writer is needed")
 
 
 def _rank() -> int:
@@ -88,10 +94,12 @@ def save_checkpoint(
     run: dict[str, Any],
     rank_state: dict[str, Any],
     keep: int = 2,
+    io_threads: int = 2,
 ) -> str:
     """Saves model shards, optimizer state and `rank_state` (data position, RNG, ...) atomically.
 
-    `run` is what the checkpoint must match on resume (model args, world size, ...)."""
+    `run` is what the checkpoint must match on resume (model args, world size, ...). `io_threads`
+    subgroups are read from the tiers and written at once (each thread writes its own file)."""
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
     rank = _rank()
@@ -101,7 +109,8 @@ def save_checkpoint(
     _barrier()
     dcp.save({"model": get_model_state_dict(model), f"rank{rank}": _pack(rank_state)}, checkpoint_id=os.path.join(tmp, "model"))
     optim = {"optimizer": _optimizer_state(model, optimizer)}
-    dcp.save(optim, checkpoint_id=os.path.join(tmp, "optimizer"), planner=StreamingSavePlanner())
+    writer = FileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)
+    dcp.save(optim, storage_writer=writer, planner=StreamingSavePlanner())
     _barrier()
     if rank == 0:
         with open(os.path.join(tmp, RUN_FILE), "w") as f:

@@ -193,7 +193,8 @@ def train(cfg: DictConfig) -> list[dict]:
             if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
                 rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
                 t0 = time.perf_counter()
-                path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep)
+                path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,
+                                       io_threads=ckcfg.io_threads)
                 if rank == 0:
                     bar.write(f"saved {path} in {time.perf_counter() - t0:.1f} s")
             if tcfg.kill_at_step is not None and step + 1 == tcfg.kill_at_step:
