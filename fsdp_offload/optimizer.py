@@ -117,7 +117,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
         self.cache = HostCache(self.layout.slot_bytes, self._plan_slots(self.staging.nbytes), pin=False)
         resources.append(self.cache)
-        self.placement = make_placement(cfg, self.layout, self.cache.num_slots)  # may measure the tiers first
+        # GPU-resident subgroups are the last ones: the placement plans for the ones before them
+        assert self._host_subgroups == list(range(len(self._host_subgroups)))
+        self.placement = make_placement(cfg, self.layout, self.cache.num_slots, len(self._host_subgroups))  # may measure the tiers
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         resources.extend(self.tiers)

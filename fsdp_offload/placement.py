@@ -367,10 +367,11 @@ class AdaptivePlacement:
 
 
 def make_placement(
-    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int
+    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int
 ) -> FixedRatioPlacement | AdaptivePlacement:
-    """The placement that `cfg.placement` names. With 2+ tiers and a bandwidth rule, its model starts
-    from the bandwidth profile, measuring (and saving) the tiers the profile lacks."""
+    """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
+    stay in GPU memory and never move). With 2+ tiers and a bandwidth rule, its model starts from the
+    bandwidth profile, measuring (and saving) the tiers the profile lacks."""
     if cfg.placement not in PLACEMENTS:
         raise ValueError(f"offload.placement={cfg.placement!r}: choose one of {PLACEMENTS}")
     if cfg.tier_ratios is not None and cfg.placement != "fixed":
@@ -378,8 +379,8 @@ def make_placement(
             f"offload.tier_ratios={cfg.tier_ratios} only applies to placement='fixed', not {cfg.placement!r}: "
             "drop tier_ratios or set offload.placement='fixed'"
         )
-    num_tiers, m = len(cfg.tiers), len(layout)
-    if cfg.placement == "fixed" or num_tiers < 2:
+    num_tiers, m = len(cfg.tiers), streamed
+    if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
         ratios = cfg.tier_ratios or [1.0] * max(1, num_tiers)
         if num_tiers and len(ratios) != num_tiers:
             raise ValueError(f"offload.tier_ratios has {len(ratios)} entries for {num_tiers} tiers")
@@ -393,7 +394,7 @@ def make_placement(
         if profile is not None:
             profile.close()
         raise
-    sizes = [sg.state_bytes for sg in layout.subgroups]
+    sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
     if cfg.placement == "eq1":
         plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731
     else:

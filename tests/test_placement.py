@@ -20,11 +20,13 @@ from fsdp_offload.placement import (
     BandwidthModel,
     eq1_counts,
     expected_step_seconds,
+    make_placement,
     plan_eq1,
     plan_makespan,
     steady_traffic,
 )
 from fsdp_offload.storage import Limits, ThrottledTier, Transfer
+from fsdp_offload.subgroups import SubgroupLayout
 
 from test_optimizer import SG as SMALL_SG
 from test_optimizer import assert_same_as_reference, budget_for, run_pair
@@ -299,3 +301,20 @@ def test_placement_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="both store in"):
         OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SMALL_SG, tiers=[f"posix:{dirs[0]}", f"throttle:posix:{dirs[0]}?read=1GB/s"], placement="fixed"))
     assert os.listdir(dirs[0]) == []
+
+
+def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
+    """With offload.gpu_fraction, the last subgroups stay on the GPU: the rules plan (and price the
+    traffic of) only the ones before them."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    tiers = [f"posix:{d}" for d in dirs]
+    profile = write_profile(str(tmp_path / "p.json"), {tiers[0]: TierSpeed(2e9, 2e9, 0.0), tiers[1]: TierSpeed(1e9, 1e9, 0.0)})
+    for rule in ("learned", "eq1"):
+        cfg = OffloadConfig(tiers=tiers, placement=rule, bandwidth_profile=profile)
+        with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 2, streamed=6)
+        host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 2, streamed=6)
+        assert len(with_gpu.tiers) == 6 and with_gpu.tiers == host_only.tiers, rule  # as if the 4 were not there
+        with_gpu.close()
+        host_only.close()
