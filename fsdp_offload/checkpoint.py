@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from .dcp_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"
@@ -42,7 +41,7 @@ class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only at the end)
     resume: bool = True  # start from the latest checkpoint in `dir` if there is one
     keep: int = 2  # checkpoints kept; older ones are deleted
-    io_threads: int = 2  # writers of optimizer subgroups per rank: each holds one subgroup in host memory
+    io_threads: int = 2  # writers of optimizer subgroups per rank: each holds one subgroup in host memory at a time
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -109,7 +108,7 @@ def save_checkpoint(
     _barrier()
     dcp.save({"model": get_model_state_dict(model), f"rank{rank}": _pack(rank_state)}, checkpoint_id=os.path.join(tmp, "model"))
     optim = {"optimizer": _optimizer_state(model, optimizer)}
-    writer = FileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)
+    writer = CheckedFileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)
     dcp.save(optim, storage_writer=writer, planner=StreamingSavePlanner())
     _barrier()
     if rank == 0:
@@ -129,6 +128,13 @@ def save_checkpoint(
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:
     """Raises a one-line error when the checkpoint at `path` was written by an incompatible run;
     returns its step."""
+    for part in ("model", "optimizer"):
+        if not os.path.isfile(os.path.join(path, part, ".metadata")):
+            raise ValueError(
+                f"checkpoint {path} has no {part}/.metadata: it was written by an older fsdp-offload (before "
+                "checkpoints went through DCP as model/ and optimizer/) or copied in part; point checkpoint.dir "
+                "elsewhere to start afresh"
+            )
     with open(os.path.join(path, RUN_FILE)) as f:
         saved = json.load(f)
     for key, value in run.items():

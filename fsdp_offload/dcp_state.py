@@ -4,28 +4,55 @@ The optimizer's state never fits in memory all at once, so its DCP state dict ho
 per subgroup and one for the rest (step counts, hyperparameters, loss scale, learned bandwidths). The
 planners below resolve a placeholder only when DCP writes or reads that entry: a save reads the
 subgroup from the GPU, the host cache or its tier into a buffer that is gone once written; a load
-writes each subgroup into the cache or a tier as it arrives (the tiers may be other dirs than when it
-was saved). Each subgroup is one entry of raw bytes under a rank-unique key.
+checks each subgroup as it arrives and writes it into the cache or a tier (the tiers may be other dirs
+than when it was saved). Each subgroup is one entry of raw bytes under a rank's own key, followed by
+CRC32s of its 8 MiB chunks, so a damaged checkpoint is refused rather than trained on.
 
     state = {"model": get_model_state_dict(model), "optim": OffloadOptimizerState(optimizer)}
     dcp.save(state, checkpoint_id=path, planner=StreamingSavePlanner())
     dcp.load(state, checkpoint_id=path, planner=StreamingLoadPlanner())
+
+With more than one writer thread, save through `CheckedFileSystemWriter`.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem
 
+from .cache import aligned_host_buffer
 from .optimizer import OffloadAdamW
 
-_PLANNER_HINT = "save and load OffloadOptimizerState with planner=StreamingSavePlanner() / StreamingLoadPlanner()"
+_HINT = (
+    "save and load OffloadOptimizerState with dcp.save / dcp.load and planner=StreamingSavePlanner() / "
+    "StreamingLoadPlanner() (dcp.async_save is not supported: it would copy the whole state into memory)"
+)
+CHUNK_BYTES = 8 << 20  # one CRC32 per chunk
+_MAGIC = b"FOSG"
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _chunk_crcs(data: memoryview) -> list[int]:
+    """CRC32 of each CHUNK_BYTES of `data`, in parallel (zlib lets the GIL go)."""
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="fsdp-offload-crc")
+    return list(_crc_pool.map(lambda lo: zlib.crc32(data[lo : lo + CHUNK_BYTES]), range(0, len(data), CHUNK_BYTES)))
+
+
+def trailer_bytes(state_bytes: int) -> int:
+    """Size of what follows a subgroup's state in its entry: magic, chunk count, one CRC32 per chunk."""
+    return 8 + 4 * -(-state_bytes // CHUNK_BYTES)
 
 
 class _Placeholder(io.BytesIO):
@@ -37,19 +64,23 @@ class _Placeholder(io.BytesIO):
         self.optimizer = optimizer
 
     def __reduce__(self):
-        raise TypeError(f"{self!r} is a placeholder for offloaded optimizer state: {_PLANNER_HINT}")
+        raise TypeError(f"{self!r} is a placeholder for offloaded optimizer state: {_HINT}")
 
 
 class SubgroupEntry(_Placeholder):
-    """Subgroup `index`'s FP32 state: [params | exp_avg | exp_avg_sq] as raw bytes."""
+    """Subgroup `index`'s FP32 state ([params | exp_avg | exp_avg_sq]) and its chunks' CRC32s."""
 
     def __init__(self, optimizer: OffloadAdamW, index: int) -> None:
         super().__init__(optimizer)
         self.index = index
 
     @property
-    def nbytes(self) -> int:
+    def state_bytes(self) -> int:
         return self.optimizer.layout.subgroups[self.index].state_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.state_bytes + trailer_bytes(self.state_bytes)
 
     def __repr__(self) -> str:
         return f"SubgroupEntry({self.index}, {self.nbytes} bytes)"
@@ -63,37 +94,44 @@ class MetaEntry(_Placeholder):
 
 
 class OffloadOptimizerState:
-    """OffloadAdamW as a DCP Stateful. Its entries sit under `key` (default `rank<r>`): every rank's
-    subgroups are its own, never deduplicated as replicated."""
+    """OffloadAdamW as a DCP Stateful. Its entries sit under `rank<r>` (taken when DCP asks for them):
+    every rank's subgroups are its own, never deduplicated as replicated."""
 
-    def __init__(self, optimizer: OffloadAdamW, key: str | None = None) -> None:
+    def __init__(self, optimizer: OffloadAdamW) -> None:
         if not isinstance(optimizer, OffloadAdamW):
             raise TypeError(f"OffloadOptimizerState wraps an OffloadAdamW, got {type(optimizer).__name__}")
         self.optimizer = optimizer
-        self.key = key or f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    @staticmethod
+    def _key() -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
 
     def state_dict(self) -> dict[str, Any]:
         opt = self.optimizer
         entries: dict[str, Any] = {"meta": MetaEntry(opt)}
         entries.update({f"subgroup_{sg:06d}": SubgroupEntry(opt, sg) for sg in range(len(opt.layout))})
-        return {self.key: entries}
+        return {self._key(): entries}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        meta = state_dict[self.key]["meta"]
+        meta = state_dict[self._key()]["meta"]
         if isinstance(meta, MetaEntry):
-            raise RuntimeError(f"the optimizer's subgroups were loaded but not its meta entry: {_PLANNER_HINT}")
+            raise RuntimeError(f"the optimizer's subgroups were loaded but not its meta entry: {_HINT}")
         self.optimizer.load_checkpoint_meta(meta)
 
 
 class _TensorBytes(io.BytesIO):
-    """A BYTE_IO payload over a tensor's memory, not a copy of it (DCP writes `getbuffer()`)."""
+    """A BYTE_IO payload over a tensor's memory, not a copy of it. DCP writes `getbuffer()` once; the
+    tensor is let go then, so the writer's hold on this object keeps no subgroup alive."""
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__()
-        self._data = data
+        self._data: torch.Tensor | None = data
 
     def getbuffer(self) -> memoryview:
-        return memoryview(self._data.numpy()).cast("B")
+        data, self._data = self._data, None
+        if data is None:
+            raise RuntimeError("a subgroup's payload was already handed out")
+        return memoryview(data.numpy()).cast("B")
 
 
 def _optimizers(entries: dict[str, Any]) -> list[OffloadAdamW]:
@@ -111,37 +149,71 @@ class StreamingSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         for opt in _optimizers(self.state_dict):
             opt.checkpoint_meta()  # fails here, before any file is written, if a step is half done
+            if opt.gpu_state:  # DCP's writer threads copy them on their own streams: the step must be done
+                torch.cuda.synchronize()
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if isinstance(object, SubgroupEntry):
-            return _TensorBytes(object.optimizer.read_subgroup(object.index))
+            n = object.state_bytes
+            payload = aligned_host_buffer(object.nbytes)
+            object.optimizer.read_subgroup(object.index, payload[:n])
+            crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
+            trailer = bytearray(struct.pack(f"<4sI{len(crcs)}I", _MAGIC, len(crcs), *crcs))
+            payload[n:].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
+            return _TensorBytes(payload)
         if isinstance(object, MetaEntry):
             object = object.optimizer.checkpoint_meta()
         return super().transform_object(write_item, object)
 
 
 class StreamingLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, writing each subgroup into the optimizer as it is read.
-
-    Before anything is read, the checkpoint must hold exactly this optimizer's subgroups at their
-    sizes; else a ValueError says what differs and nothing is changed."""
+    """DCP's default load planner, checking each subgroup and writing it into the optimizer as it is
+    read. The checkpoint must hold exactly this optimizer's subgroups at their sizes; else a
+    ValueError says what differs before any rank changes anything."""
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        entries = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, SubgroupEntry)}
         if metadata is not None:
-            _check_subgroups(entries, metadata)
+            _check_subgroups({fqn: v for fqn, v in self.state_dict.items() if isinstance(v, SubgroupEntry)}, metadata)
+
+    def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
+        # Every rank planned without error: from here on the optimizers are being overwritten.
         for opt in _optimizers(self.state_dict):
             opt._begin_load()
+        return super().finish_plan(new_plan)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         entry = self.state_dict.get(read_item.dest_index.fqn)
         if not isinstance(entry, SubgroupEntry):
             return super().load_bytes(read_item, value)
-        with value.getbuffer() as view:
-            data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-            entry.optimizer.write_subgroup(entry.index, data)
-            del data
+        where = self._where(read_item)
+        size = value.seek(0, io.SEEK_END)
+        value.seek(0)
+        if size != entry.nbytes:
+            raise ValueError(
+                f"{where}: subgroup {entry.index} holds {size} bytes, {entry.nbytes} expected: the checkpoint is "
+                "truncated, or was written for another model, world size or offload.subgroup_numel"
+            )
+        payload = aligned_host_buffer(entry.nbytes)
+        value.readinto(memoryview(payload.numpy()))
+        n = entry.state_bytes
+        magic, count = struct.unpack_from("<4sI", payload[n:].numpy())
+        saved = list(struct.unpack_from(f"<{count}I", payload[n:].numpy(), 8)) if magic == _MAGIC else None
+        crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
+        if saved != crcs:
+            bad = next((i for i, (a, b) in enumerate(zip(crcs, saved or [])) if a != b), 0)
+            raise ValueError(
+                f"{where}: subgroup {entry.index} is corrupted (checksum mismatch in its {CHUNK_BYTES}-byte "
+                f"chunk at offset {bad * CHUNK_BYTES}): restore the checkpoint from a good copy or resume from an "
+                "older one"
+            )
+        entry.optimizer.write_subgroup(entry.index, payload[:n])
+
+    def _where(self, read_item: ReadItem) -> str:
+        """'<file> at offset <o> (<key>)' of an entry, for messages."""
+        info = getattr(self.metadata, "storage_data", {}).get(read_item.storage_index)
+        path = getattr(info, "relative_path", "?")
+        return f"checkpoint file {path} at offset {getattr(info, 'offset', '?')} ({read_item.dest_index.fqn})"
 
 
 def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> None:
@@ -149,9 +221,8 @@ def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> N
     saved = metadata.state_dict_metadata
     sizes = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
     saved_len = {index.fqn: info.length for index, info in sizes.items() if hasattr(info, "length")}
-    prefixes = {fqn.rsplit(".", 1)[0] for fqn in entries}
     problems = []
-    for prefix in sorted(prefixes):
+    for prefix in sorted({fqn.rsplit(".", 1)[0] for fqn in entries}):
         mine = {fqn for fqn in entries if fqn.rsplit(".", 1)[0] == prefix}
         theirs = {fqn for fqn in saved if fqn.startswith(prefix + ".subgroup_")}
         if mine != theirs:
@@ -166,3 +237,19 @@ def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> N
             "the checkpoint's optimizer state does not fit this optimizer (" + "; ".join(problems) + "): "
             "resume with the same model, world size and offload.subgroup_numel"
         )
+
+
+class CheckedFileSystemWriter(FileSystemWriter):
+    """FileSystemWriter that fails the save when one of its writer threads failed. torch 2.13's drops
+    such an error (pytorch/pytorch#191391) and would commit metadata for entries never written."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        future = super().write_data(plan, planner)
+        written = {r.index for r in future.wait()}
+        missing = [item.index.fqn for item in plan.items if item.index not in written]
+        if missing:
+            raise RuntimeError(
+                f"checkpoint {self.path}: {len(missing)} of {len(plan.items)} entries were not written (a writer "
+                f"thread failed; its traceback is above), e.g. {missing[:3]}; nothing was committed"
+            )
+        return future

@@ -29,6 +29,7 @@ from .placement import make_placement
 from .schedule import UPDATE_ORDERS, SubgroupPipeline, update_order
 from .staging import LowpStaging
 from .storage import Tier, open_tiers
+from .storage.base import ALIGN
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -578,12 +579,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
 
     @torch.no_grad()
-    def read_subgroup(self, sg: int) -> torch.Tensor:
-        """A new aligned host copy of subgroup `sg`'s FP32 state ([params | exp_avg | exp_avg_sq]),
-        from the GPU, the host cache or its tier. The cache is left as it is: the next step finds
-        what it would have found."""
+    def read_subgroup(self, sg: int, out: torch.Tensor) -> None:
+        """Copies subgroup `sg`'s FP32 state ([params | exp_avg | exp_avg_sq]) into `out`, a page-aligned
+        host buffer of its size, from the GPU, the host cache or its tier. The cache is left as it is:
+        the next step finds what it would have found."""
         self._require_step_finished()
-        out = aligned_host_buffer(self.layout.subgroups[sg].state_bytes)
         held = self.gpu_state.get(sg)
         if held is None:
             held = self.pipeline.resident_state(sg)
@@ -591,7 +591,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             out.copy_(held)
         else:
             self.pipeline.read_stored(sg, out)
-        return out
 
     @torch.no_grad()
     def write_subgroup(self, sg: int, state: torch.Tensor) -> None:
@@ -615,8 +614,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if dest is not None:
             dest.copy_(state)
         else:
-            dest = aligned_host_buffer(want)  # O_DIRECT wants page-aligned memory
-            dest.copy_(state)
+            dest = state
+            if state.is_cuda or state.data_ptr() % ALIGN:  # O_DIRECT wants page-aligned host memory
+                dest = aligned_host_buffer(want).copy_(state)
             self.pipeline.store(sg, dest)
         with self._copies.after_current():
             self.staging.fill_from_master(sg, self.layout.subgroups[sg].parts(dest)[0], [local_data(p) for p in self._params])

@@ -5,15 +5,17 @@ test_optimizer.py; two ranks, kill and resume: test_train.py; GPU-resident state
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from fsdp_offload.dcp_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 
 from test_optimizer import SG, SHAPES, budget_for, grads_for, groups, make_params
 
@@ -56,16 +58,15 @@ def test_save_streams_one_subgroup_at_a_time_and_leaves_the_cache(tmp_path, monk
     most = 0
     read = opt.read_subgroup
 
-    def spy(sg: int) -> torch.Tensor:
+    def spy(sg: int, out: torch.Tensor) -> None:
         nonlocal most
-        most = max(most, sum(r() is not None for r in alive))  # copies still held when the next is read
-        out = read(sg)
+        most = max(most, sum(r() is not None for r in alive))  # buffers still held when the next is read
+        read(sg, out)
         alive.append(weakref.ref(out))
-        return out
 
     monkeypatch.setattr(opt, "read_subgroup", spy)
     save(opt, tmp_path / "ck")
-    assert len(alive) == len(opt.layout) and most <= 1  # the one being written, never the whole state
+    assert len(alive) == len(opt.layout) and most == 0  # each is let go once written: never the whole state
     assert opt.cache.slot_of == resident and opt.cache.dirty == dirty  # the next step finds what it would have
     opt.close()
 
@@ -121,7 +122,7 @@ def test_a_truncated_checkpoint_is_reported(tmp_path):
     path = tmp_path / "ck" / data
     os.truncate(path, os.path.getsize(path) // 2)
     other, _ = build(tmp_path / "b")
-    with pytest.raises(CheckpointException, match=r"subgroup \d+: the checkpoint holds \d+ bytes, its state is \d+"):
+    with pytest.raises(CheckpointException, match=r"checkpoint file __0_0.distcp at offset \d+ \(optim.rank0.subgroup_\d+\): subgroup \d+ holds \d+ bytes, \d+ expected: the checkpoint is truncated"):
         load(other, tmp_path / "ck")
     other.close()
     opt.close()
@@ -135,3 +136,73 @@ def test_without_the_streaming_planners_is_a_clear_error(tmp_path):
     with pytest.raises(TypeError, match="wraps an OffloadAdamW"):
         OffloadOptimizerState(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(SHAPES[0]))]))
     opt.close()
+
+
+def test_a_corrupted_subgroup_is_refused_and_never_trained_on(tmp_path):
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(2))
+    save(opt, tmp_path / "ck")
+    storage = FileSystemReader(str(tmp_path / "ck")).read_metadata().storage_data
+    where = next(info for index, info in storage.items() if index.fqn == "optim.rank0.subgroup_000003")
+    with open(tmp_path / "ck" / where.relative_path, "r+b") as f:
+        f.seek(where.offset + 1000)
+        f.write(b"\xff" * 64)
+    other, other_params = build(tmp_path / "b")
+    with pytest.raises(CheckpointException, match=r"subgroup_000003\): subgroup 3 is corrupted \(checksum mismatch in its \d+-byte chunk at offset 0\)"):
+        load(other, tmp_path / "ck")
+    with pytest.raises(RuntimeError, match="load a state again"):
+        train(other, other_params, range(2, 3))
+    opt.close()
+    other.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer thread's own
+def test_a_failed_writer_thread_fails_the_save(tmp_path, monkeypatch):
+    """torch 2.13's FileSystemWriter drops the errors of its extra writer threads and would commit a
+    checkpoint without their entries; CheckedFileSystemWriter fails the save instead."""
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(1))
+    read = opt.read_subgroup
+
+    def failing_off_main(sg: int, out: torch.Tensor) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(5, "Input/output error")
+        read(sg, out)
+
+    monkeypatch.setattr(opt, "read_subgroup", failing_off_main)
+    writer = CheckedFileSystemWriter(str(tmp_path / "ck"), thread_count=3)
+    with pytest.raises(CheckpointException, match=r"entries were not written \(a writer thread failed"):
+        dcp.save({"optim": OffloadOptimizerState(opt)}, storage_writer=writer, planner=StreamingSavePlanner())
+    assert not os.path.exists(tmp_path / "ck" / ".metadata")  # nothing committed
+    opt.close()
+
+
+def _ranks_with_one_mismatch(rank: int, world_size: int, root: str) -> None:
+    """Each rank saves its own state; then rank 1 loads into another layout. Both ranks get the error
+    before anything is read, and rank 0's optimizer (whose layout fits) is left as it was, usable."""
+    from pathlib import Path
+
+    root = Path(root)
+    opt, params = build(root / f"tier{rank}")
+    train(opt, params, range(2))
+    save(opt, root / "ck")
+    fresh, fresh_params = build(root / f"fresh{rank}", subgroup_numel=SG if rank == 0 else 2 * SG)
+    before = states(fresh)
+    with pytest.raises(CheckpointException, match=r"rank1: the checkpoint has 11 subgroups, this optimizer 6"):
+        load(fresh, root / "ck")
+    assert all(torch.equal(a, b) for a, b in zip(before, states(fresh)))
+    train(fresh, fresh_params, range(1))  # not left refusing to step
+    if rank == 0:
+        again, again_params = build(root / "again0")
+        dcp.load({"optim": OffloadOptimizerState(again)}, checkpoint_id=str(root / "ck"), planner=StreamingLoadPlanner(),
+                 no_dist=True)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(states(opt), states(again)))  # rank 0's own subgroups
+        again.close()
+    for o in (opt, fresh):
+        o.close()
+
+
+def test_ranks_keep_their_own_state_and_a_mismatch_on_one_rank_changes_nothing(tmp_path):
+    from dist_utils import run_ranks
+
+    run_ranks(2, _ranks_with_one_mismatch, str(tmp_path))

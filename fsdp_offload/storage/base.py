@@ -136,10 +136,6 @@ class Tier(abc.ABC):
 
         `tag` makes the file unique per process and rank (e.g. "rank3-<run id>").
         """
-        self._open(tag, self._set_slots(slot_bytes))
-
-    def _set_slots(self, slot_bytes: list[int]) -> int:
-        """Lays the slots out back to back; returns the file size they need."""
         offsets, off = [], 0
         for n in slot_bytes:
             if n % ALIGN:
@@ -147,7 +143,7 @@ class Tier(abc.ABC):
             offsets.append(off)
             off += n
         self._slot_offsets, self._slot_bytes = offsets, list(slot_bytes)
-        return off
+        self._open(tag, off)
 
     def _check_slot(self, key: int, buf: torch.Tensor) -> int:
         nbytes = buf.numel() * buf.element_size()
@@ -180,7 +176,7 @@ class Tier(abc.ABC):
     @property
     @abc.abstractmethod
     def path(self) -> str:
-        """The file this rank's subgroups live in (for messages and checkpoints)."""
+        """The file this rank's subgroups live in (for messages)."""
 
 
 def transfer(tier: str, kind: str, key: int, nbytes: int, start: float) -> Transfer:
