@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -120,12 +121,17 @@ class OffloadOptimizerState:
 
 
 class _TensorBytes(io.BytesIO):
-    """A BYTE_IO payload over a tensor's memory, not a copy of it. DCP writes `getbuffer()` once; the
-    tensor is let go then, so the writer's hold on this object keeps no subgroup alive."""
+    """A BYTE_IO payload over a tensor's memory, not a copy of it. DCP's writer calls `getbuffer()`
+    once and writes what it gives before it takes the next entry; the tensor is let go then."""
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__()
         self._data: torch.Tensor | None = data
+
+    @property
+    def pending(self) -> bool:
+        """Not handed out yet: its memory may not be reused."""
+        return self._data is not None
 
     def getbuffer(self) -> memoryview:
         data, self._data = self._data, None
@@ -147,20 +153,33 @@ class StreamingSavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        entries = [v for v in self.state_dict.values() if isinstance(v, SubgroupEntry)]
+        self._payload_bytes = max((e.nbytes for e in entries), default=0)
+        self._payloads = threading.local()
         for opt in _optimizers(self.state_dict):
             opt.checkpoint_meta()  # fails here, before any file is written, if a step is half done
             if opt.gpu_state:  # DCP's writer threads copy them on their own streams: the step must be done
                 torch.cuda.synchronize()
 
+    def _payload(self, nbytes: int) -> torch.Tensor:
+        """This writer thread's buffer, reused once its last payload was handed to the file (a fresh
+        buffer per subgroup would cost its page faults each time); a new one if it was not."""
+        local = self._payloads
+        last = getattr(local, "last", None)
+        if getattr(local, "buffer", None) is None or (last is not None and last.pending):
+            local.buffer = aligned_host_buffer(self._payload_bytes)
+        return local.buffer[:nbytes]
+
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if isinstance(object, SubgroupEntry):
             n = object.state_bytes
-            payload = aligned_host_buffer(object.nbytes)
+            payload = self._payload(object.nbytes)
             object.optimizer.read_subgroup(object.index, payload[:n])
             crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
             trailer = bytearray(struct.pack(f"<4sI{len(crcs)}I", _MAGIC, len(crcs), *crcs))
             payload[n:].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
-            return _TensorBytes(payload)
+            self._payloads.last = _TensorBytes(payload)
+            return self._payloads.last
         if isinstance(object, MetaEntry):
             object = object.optimizer.checkpoint_meta()
         return super().transform_object(write_item, object)
@@ -173,8 +192,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        entries = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, SubgroupEntry)}
         if metadata is not None:
-            _check_subgroups({fqn: v for fqn, v in self.state_dict.items() if isinstance(v, SubgroupEntry)}, metadata)
+            _check_subgroups(entries, metadata)
+        # One payload buffer per reading thread, reused: a fresh one per subgroup would cost its page
+        # faults each time (DCP hands each entry over, and is done with it, before reading the next).
+        self._payload_bytes = max((e.nbytes for e in entries.values()), default=0)
+        self._payloads = threading.local()
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         # Every rank planned without error: from here on the optimizers are being overwritten.
@@ -194,7 +218,10 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 f"{where}: subgroup {entry.index} holds {size} bytes, {entry.nbytes} expected: the checkpoint is "
                 "truncated, or was written for another model, world size or offload.subgroup_numel"
             )
-        payload = aligned_host_buffer(entry.nbytes)
+        buffer = getattr(self._payloads, "buffer", None)
+        if buffer is None:
+            buffer = self._payloads.buffer = aligned_host_buffer(self._payload_bytes)
+        payload = buffer[: entry.nbytes]
         value.readinto(memoryview(payload.numpy()))
         n = entry.state_bytes
         magic, count = struct.unpack_from("<4sI", payload[n:].numpy())
