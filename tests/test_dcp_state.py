@@ -44,6 +44,14 @@ def load(opt: OffloadAdamW, path) -> None:
     dcp.load({"optim": OffloadOptimizerState(opt)}, checkpoint_id=str(path), planner=StreamingLoadPlanner())
 
 
+def saved(tmp_path, steps: int) -> tuple[OffloadAdamW, list[torch.nn.Parameter]]:
+    """An optimizer trained `steps` steps on tier dir a/ and saved to ck/."""
+    opt, params = build(tmp_path / "a")
+    train(opt, params, range(steps))
+    save(opt, tmp_path / "ck")
+    return opt, params
+
+
 def states(opt: OffloadAdamW) -> list[torch.Tensor]:
     sd = opt.state_dict()["state"]
     return [sd[i][k] for i in sorted(sd) for k in ("master_param", "exp_avg", "exp_avg_sq")]
@@ -72,9 +80,7 @@ def test_save_streams_one_subgroup_at_a_time_and_leaves_the_cache(tmp_path, monk
 
 
 def test_another_layout_is_refused_before_anything_changes(tmp_path):
-    opt, params = build(tmp_path / "a")
-    train(opt, params, range(2))
-    save(opt, tmp_path / "ck")
+    opt, params = saved(tmp_path, 2)
     opt.close()
     other, other_params = build(tmp_path / "b", subgroup_numel=2 * SG)
     before = states(other)
@@ -86,9 +92,7 @@ def test_another_layout_is_refused_before_anything_changes(tmp_path):
 
 
 def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, monkeypatch):
-    opt, params = build(tmp_path / "a")
-    train(opt, params, range(3))
-    save(opt, tmp_path / "ck")
+    opt, params = saved(tmp_path, 3)
     other, other_params = build(tmp_path / "b", lr=0.5)
     write, calls = other.write_subgroup, []
 
@@ -115,9 +119,7 @@ def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, m
 
 
 def test_a_truncated_checkpoint_is_reported(tmp_path):
-    opt, params = build(tmp_path / "a")
-    train(opt, params, range(2))
-    save(opt, tmp_path / "ck")
+    opt, params = saved(tmp_path, 2)
     (data,) = [f for f in os.listdir(tmp_path / "ck") if f.endswith(".distcp")]
     path = tmp_path / "ck" / data
     os.truncate(path, os.path.getsize(path) // 2)
@@ -139,9 +141,7 @@ def test_without_the_streaming_planners_is_a_clear_error(tmp_path):
 
 
 def test_a_corrupted_subgroup_is_refused_and_never_trained_on(tmp_path):
-    opt, params = build(tmp_path / "a")
-    train(opt, params, range(2))
-    save(opt, tmp_path / "ck")
+    opt, params = saved(tmp_path, 2)
     storage = FileSystemReader(str(tmp_path / "ck")).read_metadata().storage_data
     where = next(info for index, info in storage.items() if index.fqn == "optim.rank0.subgroup_000003")
     with open(tmp_path / "ck" / where.relative_path, "r+b") as f:
