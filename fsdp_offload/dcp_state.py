@@ -224,15 +224,18 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         payload = buffer[: entry.nbytes]
         value.readinto(memoryview(payload.numpy()))
         n = entry.state_bytes
-        magic, count = struct.unpack_from("<4sI", payload[n:].numpy())
-        saved = list(struct.unpack_from(f"<{count}I", payload[n:].numpy(), 8)) if magic == _MAGIC else None
         crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
-        if saved != crcs:
-            bad = next((i for i, (a, b) in enumerate(zip(crcs, saved or [])) if a != b), 0)
+        magic, count = struct.unpack_from("<4sI", payload[n:].numpy())
+        if magic != _MAGIC or count != len(crcs):
+            problem = "its checksums are damaged"
+        else:
+            saved = struct.unpack_from(f"<{count}I", payload[n:].numpy(), 8)
+            bad = [i for i, (a, b) in enumerate(zip(crcs, saved)) if a != b]
+            problem = f"checksum mismatch in its {CHUNK_BYTES}-byte chunk at offset {bad[0] * CHUNK_BYTES}" if bad else ""
+        if problem:
             raise ValueError(
-                f"{where}: subgroup {entry.index} is corrupted (checksum mismatch in its {CHUNK_BYTES}-byte "
-                f"chunk at offset {bad * CHUNK_BYTES}): restore the checkpoint from a good copy or resume from an "
-                "older one"
+                f"{where}: subgroup {entry.index} is corrupted ({problem}): restore the checkpoint from a good "
+                "copy or resume from an older one"
             )
         entry.optimizer.write_subgroup(entry.index, payload[:n])
 
