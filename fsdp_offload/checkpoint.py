@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -150,13 +151,25 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     """Restores model shards and optimizer state; returns this rank's `rank_state`."""
     key = f"rank{_rank()}"
     state = {"model": get_model_state_dict(model), key: b""}
-    dcp.load(state, checkpoint_id=os.path.join(path, "model"))
+    _load(state, os.path.join(path, "model"), None)
     set_model_state_dict(model, state["model"])
     optim = {"optimizer": _optimizer_state(model, optimizer)}
-    dcp.load(optim, checkpoint_id=os.path.join(path, "optimizer"), planner=StreamingLoadPlanner())
+    _load(optim, os.path.join(path, "optimizer"), StreamingLoadPlanner())
     if not isinstance(optimizer, OffloadAdamW):
         set_optimizer_state_dict(model, optimizer, optim["optimizer"])
     return _unpack(state[key])
+
+
+def _load(state: dict[str, Any], path: str, planner: Any) -> None:
+    """dcp.load, with a damaged or mismatched checkpoint (a ValueError on some rank) raised as that
+    one-line error, named by its path, rather than DCP's gathered tracebacks."""
+    try:
+        dcp.load(state, checkpoint_id=path, planner=planner)
+    except CheckpointException as exc:
+        bad = [e for e, _ in exc.failures.values() if isinstance(e, ValueError)]
+        if bad:
+            raise ValueError(f"{path}: {bad[0]}") from exc
+        raise
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:

@@ -93,6 +93,17 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     shutil.rmtree(f"{tmp_path}/ck_old/step_00000008/optimizer")
     out = train(tmp_path / "e", *common, f"checkpoint.dir={tmp_path}/ck_old", check=False)
     assert out.returncode == 2 and "has no optimizer/.metadata" in out.stderr, out.stderr[-2000:]
+    # a damaged one: refused in one line that names the checkpoint, the entry and the fix
+    shutil.copytree(f"{tmp_path}/ck_b/step_00000008", f"{tmp_path}/ck_bad/step_00000008")
+    where = next(info for index, info in FileSystemReader(f"{tmp_path}/ck_bad/step_00000008/optimizer").read_metadata()
+                 .storage_data.items() if index.fqn == "optimizer.rank0.subgroup_000000")  # fmt: skip
+    with open(f"{tmp_path}/ck_bad/step_00000008/optimizer/{where.relative_path}", "r+b") as f:
+        f.seek(where.offset + 4096)
+        f.write(b"\xff" * 64)
+    out = train(tmp_path / "f", *common, f"checkpoint.dir={tmp_path}/ck_bad", "train.steps=12", ranks=2, check=False)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and errors and "ck_bad/step_00000008/optimizer" in errors[0], out.stderr[-3000:]
+    assert "optimizer.rank0.subgroup_000000): subgroup 0 is corrupted" in errors[0] and "restore the checkpoint" in errors[0]
 
 
 @pytest.mark.parametrize(
