@@ -18,13 +18,13 @@ from types import ModuleType
 
 import torch
 
+from .contract import adamw_scalars, check_adamw_args
+
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 EXTENSION_NAME = "fsdp_offload_cpu_adamw"
 ISAS = ("avx512", "avx2", "scalar")
 # No -ffast-math, and no FMA contraction: the C++ writes each FMA that torch's kernels have, no other.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
-GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 _extension: ModuleType | None = None
 _build_error: str | None = None  # a failed build is not retried in this process
@@ -107,12 +107,9 @@ class FusedCpuAdamW:
         step: int,
         grad_scale: float = 1.0,
     ) -> None:
-        _check_args(param, exp_avg, exp_avg_sq, grad, param_out)
+        check_adamw_args(param, exp_avg, exp_avg_sq, grad, param_out, "cpu")
         # The same double arithmetic as torch_adamw_step; the C++ casts each result to float.
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = bias_correction2**0.5
+        step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
         self._extension.adamw_step(
             param, exp_avg, exp_avg_sq, grad, param_out,
             float(grad_scale), 1 - lr * weight_decay, 1 - beta1, float(beta2), 1 - beta2,
@@ -138,62 +135,3 @@ def load_fused_adamw(isa: str | None = None, mkl_sqrt: bool | None = None) -> Fu
     if mkl_sqrt and not has_mkl:
         raise RuntimeError("this torch build has no MKL (libtorch_cpu exports no vmsSqrt)")
     return FusedCpuAdamW(extension, isa, has_mkl if mkl_sqrt is None else mkl_sqrt)
-
-
-def _check_args(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    param_out: torch.Tensor | None,
-) -> None:
-    n = param.numel()
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype != torch.float32 or not _is_flat_cpu(t):
-            raise ValueError(
-                f"{name} must be a 1-D contiguous FP32 CPU tensor, got {t.dtype} {tuple(t.shape)} "
-                f"on {t.device} (contiguous={t.is_contiguous()})"
-            )
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-    if grad.dtype not in GRAD_DTYPES or not _is_flat_cpu(grad):
-        raise ValueError(
-            f"grad must be a 1-D contiguous bf16/fp16/fp32 CPU tensor, got {grad.dtype} "
-            f"{tuple(grad.shape)} on {grad.device} (contiguous={grad.is_contiguous()})"
-        )
-    if grad.numel() != n:
-        raise ValueError(f"grad has {grad.numel()} elements, param has {n}")
-    if param_out is None:
-        return
-    out = param_out
-    if out.dtype not in OUT_DTYPES or not _is_flat_cpu(out):
-        raise ValueError(
-            f"param_out must be a 1-D contiguous bf16/fp16 CPU tensor, got {out.dtype} "
-            f"{tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})"
-        )
-    if param_out.numel() != n:
-        raise ValueError(f"param_out has {param_out.numel()} elements, param has {n}")
-    check_param_out_overlap(param_out, grad, (param, exp_avg, exp_avg_sq))
-
-
-def check_param_out_overlap(
-    param_out: torch.Tensor, grad: torch.Tensor, state: tuple[torch.Tensor, ...]
-) -> None:
-    """param_out may alias grad element for element; any other overlap would let one thread (or
-    GPU block) overwrite grads or state that another has yet to read."""
-    if _overlap(param_out, grad) and (
-        param_out.data_ptr() != grad.data_ptr() or param_out.element_size() != grad.element_size()
-    ):
-        raise ValueError("param_out overlaps grad without aliasing it element for element")
-    for name, t in zip(("param", "exp_avg", "exp_avg_sq"), state):
-        if _overlap(param_out, t):
-            raise ValueError(f"param_out overlaps {name}")
-
-
-def _is_flat_cpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()

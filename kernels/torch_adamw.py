@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .contract import adamw_scalars
+
 # Upcast at most this many grad elements at a time: the FP32 grad only ever exists in flight.
 UPCAST_CHUNK = 1 << 22
 
@@ -32,10 +34,7 @@ def torch_adamw_step(
     `grad` is multiplied by `grad_scale` after the upcast (clip factor / inverse loss scale).
     `param_out`, when given, receives the updated params in its own (low-precision) dtype.
     """
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
+    step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
     n = param.numel()
     for lo in range(0, n, UPCAST_CHUNK):
         hi = min(lo + UPCAST_CHUNK, n)

@@ -17,11 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .cpu_adamw import check_param_out_overlap
+from .contract import adamw_scalars, check_adamw_args
 
 BLOCK = 1024
-GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -77,14 +75,11 @@ def triton_adamw_step(
 
     Arguments and semantics as `torch_adamw_step`; `param_out` may alias `grad`.
     """
-    _check_args(param, exp_avg, exp_avg_sq, grad, param_out)
+    check_adamw_args(param, exp_avg, exp_avg_sq, grad, param_out, "cuda")
     n = param.numel()
     if n == 0:
         return
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
+    step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
     # torch casts the lerp weight to float, then picks its formula and forms (w - 1) in float
     weight = np.float32(1 - beta1)
     small_weight = bool(abs(weight) < np.float32(0.5))
@@ -98,34 +93,3 @@ def triton_adamw_step(
             SMALL_WEIGHT=small_weight, HAS_OUT=param_out is not None, BLOCK=BLOCK,
             enable_fp_fusion=False,  # no FMA beyond the explicit ones: torch's CPU kernels have none
         )  # fmt: skip
-
-
-def _check_args(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    param_out: torch.Tensor | None,
-) -> None:
-    n = param.numel()
-    named = [("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("grad", grad)]
-    if param_out is not None:
-        named.append(("param_out", param_out))
-    for name, t in named:
-        flat = t.is_contiguous() and t.dim() == 1
-        if t.device != param.device or t.device.type != "cuda" or not flat:
-            raise ValueError(
-                f"{name} must be a 1-D contiguous tensor on param's CUDA device ({param.device}), "
-                f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
-            )
-        if t.numel() != n:
-            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
-    for name, t in named[:3]:
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name} must be FP32, got {t.dtype}")
-    if grad.dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad must be bf16, fp16 or fp32, got {grad.dtype}")
-    if param_out is not None:
-        if param_out.dtype not in OUT_DTYPES:
-            raise ValueError(f"param_out must be bf16 or fp16, got {param_out.dtype}")
-        check_param_out_overlap(param_out, grad, (param, exp_avg, exp_avg_sq))

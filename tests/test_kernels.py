@@ -84,7 +84,7 @@ def _run_pair(kernel, n: int, grad_dtype: torch.dtype, seed: int):
             step += 1
             grad = _grad(n, grad_dtype, gen)
             kw = dict(HYPER, beta1=beta1, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
-            got_grad = grad.clone()  # before the torch path, which scales an FP32 grad in place
+            got_grad = grad.clone()  # its own: with out_mode "alias" the kernel writes the new params over it
             ref_out = torch.empty(n, dtype=_out_dtype(grad_dtype))
             torch_adamw_step(*ref, grad, ref_out, **kw)
             if out_mode == "alias" and grad_dtype != torch.float32:
@@ -202,7 +202,7 @@ def test_triton_matches(extension, grad_dtype: torch.dtype, n: int) -> None:
             gpu_grad = grad.cuda()
             cpu_out = torch.empty(n, dtype=out_dtype)
             hw_sqrt(*cpu, grad, cpu_out, **kw)
-            torch_adamw_step(*ref, grad, None, **kw)  # last: it scales an FP32 grad in place
+            torch_adamw_step(*ref, grad, None, **kw)
             alias = out_mode == "alias" and grad_dtype != torch.float32
             gpu_out = gpu_grad if alias else torch.empty(n, dtype=out_dtype, device="cuda")
             triton_adamw_step(*gpu, gpu_grad, gpu_out, **kw)

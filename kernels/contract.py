@@ -1,0 +1,65 @@
+"""What every AdamW kernel here shares: the checks on its arguments and the step's scalars.
+
+The kernels take 1-D contiguous FP32 param / exp_avg / exp_avg_sq, a bf16/fp16/fp32 grad and an
+optional bf16/fp16 param_out, all of one length on one device type, and derive their per-step
+scalars with the same double arithmetic as torch.optim.AdamW.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def adamw_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(step_size, sqrt of the second bias correction), computed as torch.optim.AdamW does."""
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return lr / bias_correction1, bias_correction2**0.5
+
+
+def check_adamw_args(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    device_type: str,
+) -> None:
+    """Raises ValueError naming the argument that breaks the kernels' contract on `device_type`."""
+    n = param.numel()
+    named = [("param", param, (torch.float32,)), ("exp_avg", exp_avg, (torch.float32,)),
+             ("exp_avg_sq", exp_avg_sq, (torch.float32,)), ("grad", grad, GRAD_DTYPES)]  # fmt: skip
+    if param_out is not None:
+        named.append(("param_out", param_out, OUT_DTYPES))
+    for name, t, dtypes in named:
+        on_device = t.device.type == device_type and t.device == param.device
+        if t.dtype not in dtypes or not on_device or t.dim() != 1 or not t.is_contiguous():
+            kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(
+                f"{name} must be a 1-D contiguous {kinds} tensor on param's {device_type} device "
+                f"({param.device}), got {t.dtype} {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})"
+            )
+        if t.numel() != n:
+            raise ValueError(f"{name} has {t.numel()} elements, param has {n}")
+    if param_out is not None:
+        _check_param_out_overlap(param_out, grad, (param, exp_avg, exp_avg_sq))
+
+
+def _check_param_out_overlap(param_out: torch.Tensor, grad: torch.Tensor, state: tuple[torch.Tensor, ...]) -> None:
+    """param_out may alias grad element for element; any other overlap would let one thread (or
+    GPU block) overwrite grads or state that another has yet to read."""
+    if _overlap(param_out, grad) and (
+        param_out.data_ptr() != grad.data_ptr() or param_out.element_size() != grad.element_size()
+    ):
+        raise ValueError("param_out overlaps grad without aliasing it element for element")
+    for name, t in zip(("param", "exp_avg", "exp_avg_sq"), state):
+        if _overlap(param_out, t):
+            raise ValueError(f"param_out overlaps {name}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_lo, b_lo = a.data_ptr(), b.data_ptr()
+    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
