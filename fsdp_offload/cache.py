@@ -88,6 +88,10 @@ class HostCache:
         if dirty:
             self.dirty.add(sg)
 
+    def mark_dirty(self, sg: int) -> None:
+        """`sg`'s host copy is newer than its stored one: it must be written before its slot is reused."""
+        self.dirty.add(sg)
+
     def remove(self, sg: int) -> int:
         """Takes `sg` out of residency and returns its slot (the caller decides what the slot holds)."""
         self._lru.pop(sg)

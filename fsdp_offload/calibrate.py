@@ -32,9 +32,11 @@ from typing import Callable, Iterator
 import torch
 
 from .cache import aligned_host_buffer
-from .storage import WRAPPER_SCHEMES, make_tier, split_spec
+from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
-from .storage.posix import _pread_all, _pwrite_all, make_private_dir, open_private_file
+from .storage.chunked import make_private_dir
+from .storage.posix import _pread_all, _pwrite_all, open_private_file
+from .storage.spec import as_spec
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ def _timed_transfers(op: Callable[[int, torch.Tensor], Future], keys: list[int],
     return time.perf_counter() - start
 
 
-def measure_tier(spec: str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4) -> TierSpeed:
+def measure_tier(spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4) -> TierSpeed:
     """Writes then reads `nbytes` through the tier `spec` in transfers of `transfer_bytes`, `in_flight`
     at a time, and times one-page reads for the per-request latency."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
@@ -132,12 +134,19 @@ def measure_tier(spec: str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 2
 # -- the profile ------------------------------------------------------------------------------------
 
 
-def tier_profile_key(spec: str) -> str:
-    """A tier spec with its path resolved and its options sorted: one key per distinct tier."""
-    scheme, path, opts = split_spec(spec)
-    where = tier_profile_key(path) if scheme in WRAPPER_SCHEMES else os.path.realpath(path)
+def tier_profile_key(spec: TierSpec | str) -> str:
+    """A tier spec with its path resolved and its options sorted: one key per distinct tier.
+
+    Wrappers come first, then the dir; the options of every level go, merged, into one query
+    (`throttle:posix:/x?read=1GB/s&threads=2`), as the spec was written."""
+    spec = as_spec(spec)
+    schemes, opts = [spec.scheme], dict(spec.options)
+    while spec.inner is not None:
+        spec = spec.inner
+        schemes.append(spec.scheme)
+        opts.update(spec.options)
     query = "&".join(f"{k}={v}" for k, v in sorted(opts.items()))
-    return f"{scheme}:{where}" + (f"?{query}" if query else "")
+    return ":".join([*schemes, os.path.realpath(spec.path)]) + (f"?{query}" if query else "")
 
 
 class BandwidthProfile:
@@ -252,7 +261,7 @@ class BandwidthProfile:
 
 
 def seed_speeds(
-    specs: list[str], profile: BandwidthProfile | None, nbytes: int, transfer_bytes: int
+    specs: list[TierSpec | str], profile: BandwidthProfile | None, nbytes: int, transfer_bytes: int
 ) -> list[TierSpeed]:
     """Each tier's speed from the profile, measuring (and saving) those it lacks. Ranks of one node
     take turns on the profile's lock, so a tier is measured once and never by two ranks at a time."""

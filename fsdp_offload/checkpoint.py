@@ -5,7 +5,7 @@ A checkpoint is a directory `step_<k>` of two torch.distributed.checkpoint check
   model/        the model's shards and each rank's trainer state: a plain DCP checkpoint, which any
                 DCP tool reads (dcp_to_torch_save, ...)
   optimizer/    the optimizer: an OffloadAdamW as a Stateful whose subgroups stream one at a time from
-                the host cache and tiers (see dcp_state.py)
+                the host cache and tiers (see optimizer_state.py)
 It is written under `step_<k>.tmp` and renamed once every rank has finished, so a run killed while
 saving leaves the previous checkpoint as the latest.
 """
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .dcp_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from .optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"

@@ -1,12 +1,27 @@
-"""Options of the out-of-core optimizer, as a dataclass that Hydra recipes fill in."""
+"""Options of the out-of-core optimizer, as a dataclass that Hydra recipes fill in, checked once.
+
+Choices are plain strings checked against the tuples below (not `Literal` annotations: OmegaConf 2.3
+refuses those in structured configs), and `__post_init__` checks every field, naming the option and
+the fix, so a bad recipe fails before anything is built.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 
+from .kernels import KERNEL_NAMES
+from .order import UPDATE_ORDERS
+from .storage import TierSpec
+from .storage.lock import access_slots
+from .subgroups import ALIGN_NUMEL
+
 GIB = 1 << 30
+PARAM_DTYPES = ("bfloat16", "float16")
+GRAD_PATHS = ("host_bf16", "tier_fp32")
+PLACEMENTS = ("learned", "eq1", "fixed")
 
 
 @dataclass
@@ -55,6 +70,54 @@ class OffloadConfig:
     bandwidth_profile: str | None = "~/.cache/fsdp-offload/bandwidth.json"
     # GiB written then read per tier by the calibration microbenchmark, when the profile lacks a tier.
     calibration_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        choices = {"update_order": UPDATE_ORDERS, "param_dtype": PARAM_DTYPES, "kernel": KERNEL_NAMES,
+                   "grad_path": GRAD_PATHS, "placement": PLACEMENTS}  # fmt: skip
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
+        self.tiers = list(self.tiers)
+        self.tier_specs  # parses every spec: a bad one fails here, naming itself
+        if self.host_budget_gb is not None and not self.host_budget_gb >= 0:
+            raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
+        if self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
+            raise ValueError(
+                f"offload.subgroup_numel={self.subgroup_numel} must be a positive multiple of {ALIGN_NUMEL} "
+                "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
+            )
+        if self.prefetch < 0:
+            raise ValueError(f"offload.prefetch={self.prefetch} must be >= 0")
+        if not 0.0 <= self.gpu_fraction <= 1.0:
+            raise ValueError(f"offload.gpu_fraction={self.gpu_fraction} must be between 0 and 1")
+        if self.grad_path == "tier_fp32" and not self.tiers:
+            raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
+        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
+            raise ValueError(f"offload.max_grad_norm={self.max_grad_norm} must be a positive number (None: no clipping)")
+        if not (self.loss_scale_init > 0 and self.loss_scale_growth_interval >= 1):
+            raise ValueError(
+                f"offload.loss_scale_init={self.loss_scale_init} must be > 0 and "
+                f"offload.loss_scale_growth_interval={self.loss_scale_growth_interval} >= 1"
+            )
+        if self.tier_ratios is not None:
+            if self.placement != "fixed":
+                raise ValueError(
+                    f"offload.tier_ratios={self.tier_ratios} only applies to placement='fixed', not {self.placement!r}: "
+                    "drop tier_ratios or set offload.placement='fixed'"
+                )
+            if len(self.tier_ratios) != len(self.tiers) or any(r < 0 for r in self.tier_ratios) or sum(self.tier_ratios) <= 0:
+                raise ValueError(
+                    f"offload.tier_ratios={self.tier_ratios}: give one non-negative share per tier "
+                    f"({len(self.tiers)} tiers), with a positive sum"
+                )
+        access_slots(self.tier_access)  # raises naming the option
+        if not self.calibration_gb > 0:
+            raise ValueError(f"offload.calibration_gb={self.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
+
+    @property
+    def tier_specs(self) -> list[TierSpec]:
+        """`tiers`, parsed."""
+        return [TierSpec.parse(t) for t in self.tiers]
 
     @property
     def host_budget_bytes(self) -> int | None:

@@ -7,7 +7,7 @@ So the whole state is one integer, `position` (global samples consumed so far), 
 rank: a resumed run sees exactly the batches an uninterrupted one would, and a global batch does
 not depend on how it is split over ranks (1 rank x 4 samples == 2 ranks x 2 samples).
 
-The token file, written by `scripts/prepare_data.py` (or `write_token_file`): a flat array of
+The token file, written by `write_token_file` (`scripts/prepare_data.py` calls it): a flat array of
 uint16 (vocabularies up to 65536 ids) or uint32 token ids, no header, plus a sidecar `<file>.json`
 {"dtype", "vocab_size", "num_tokens", "tokenizer", "eos_id"} that TokenBatches checks against the
 config when it exists. The default byte tokenizer has vocabulary 256 (the `tiny` model's): tokens
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,13 +72,31 @@ def write_sidecar(
 
 
 def write_token_file(
-    path: str | os.PathLike, tokens: np.ndarray, vocab_size: int, tokenizer: str, eos_id: int
-) -> None:
-    """Write an in-memory token array and its sidecar (prepare_data streams instead)."""
-    if tokens.size and int(tokens.max()) >= vocab_size:
-        raise ValueError(f"token id {int(tokens.max())} >= vocab_size {vocab_size}")
-    tokens.astype(TOKEN_DTYPES[token_dtype(vocab_size)]).tofile(path)
-    write_sidecar(path, vocab_size, int(tokens.size), tokenizer, eos_id)
+    path: str | os.PathLike,
+    tokens: np.ndarray | Iterable[np.ndarray],
+    vocab_size: int,
+    tokenizer: str,
+    eos_id: int,
+) -> int:
+    """Writes token ids (one array, or chunks of them streamed) as a token file with its sidecar;
+    returns the token count. The file is written beside `path` and renamed, so a failure (a bad
+    id, or one from whatever yields the chunks) leaves no half file under the real name."""
+    path = Path(path)
+    dtype = TOKEN_DTYPES[token_dtype(vocab_size)]
+    tmp = path.with_name(path.name + ".tmp")
+    num_tokens = 0
+    try:
+        with open(tmp, "wb") as f:
+            for ids in [tokens] if isinstance(tokens, np.ndarray) else tokens:
+                if ids.size and int(ids.max()) >= vocab_size:
+                    raise ValueError(f"token id {int(ids.max())} >= vocab_size {vocab_size}")
+                f.write(ids.astype(dtype).tobytes())
+                num_tokens += ids.size
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    write_sidecar(path, vocab_size, num_tokens, tokenizer, eos_id)
+    return num_tokens
 
 
 class TokenBatches(Iterator[torch.Tensor]):

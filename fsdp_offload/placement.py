@@ -26,12 +26,11 @@ from typing import Callable
 
 from .calibrate import MIN_BPS, BandwidthProfile, TierSpeed, seed_speeds, tier_profile_key
 from .config import OffloadConfig
+from .order import step_kinds
 from .storage.base import Transfer
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
-
-PLACEMENTS = ("learned", "eq1", "fixed")
 
 
 class BandwidthModel:
@@ -135,26 +134,30 @@ class StepTraffic:
 
 def steady_traffic(num_subgroups: int, cache_slots: int, update_order: str) -> StepTraffic:
     m, c = num_subgroups, cache_slots
-    ascending = list(range(m))
+    orders = step_kinds(m, update_order)
     if update_order == "fixed":
-        everything = frozenset(ascending) if c < m else frozenset()
-        return StepTraffic([ascending], [everything], [everything])
-    if update_order != "alternating":
-        raise ValueError(f"unknown update order {update_order!r}")
-    orders = [ascending, ascending[::-1]]
+        everything = frozenset(orders[0]) if c < m else frozenset()
+        return StepTraffic(orders, [everything], [everything])
     return StepTraffic(orders, [frozenset(o[c:]) for o in orders], [frozenset(o[: max(0, m - c)]) for o in orders])
+
+
+# -- what a step costs: the one cost model of the rules, the log and the tests -----------------------
+
+
+def io_seconds(speed: TierSpeed, sg: int, nbytes: int, traffic: StepTraffic, kind: int) -> float:
+    """Seconds that subgroup `sg` (of `nbytes`) costs a tier of `speed` in steps of kind `kind`."""
+    read = speed.seconds("read", nbytes) if sg in traffic.reads[kind] else 0.0
+    return read + (speed.seconds("write", nbytes) if sg in traffic.writes[kind] else 0.0)
 
 
 def expected_step_seconds(tiers: list[int], speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffic) -> float:
     """Mean over the kinds of step of the busiest tier's I/O time: the update phase of an I/O-bound
-    step whose tiers all stay busy. The makespan this module's learned rule minimises."""
+    step whose tiers all stay busy. The makespan the learned rule minimises."""
     total = 0.0
-    for reads, writes in zip(traffic.reads, traffic.writes):
+    for kind, order in enumerate(traffic.orders):
         load = [0.0] * len(speeds)
-        for sg in reads:
-            load[tiers[sg]] += speeds[tiers[sg]].seconds("read", sizes[sg])
-        for sg in writes:
-            load[tiers[sg]] += speeds[tiers[sg]].seconds("write", sizes[sg])
+        for sg in order:
+            load[tiers[sg]] += io_seconds(speeds[tiers[sg]], sg, sizes[sg], traffic, kind)
         total += max(load)
     return total / len(traffic.orders)
 
@@ -203,17 +206,7 @@ def plan_makespan(speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffi
     lowers it (the walk decides early subgroups before it knows the totals). Subgroups the cache keeps
     cost no step anything: they go where a full flush (a checkpoint) would end soonest."""
     n, kinds = len(speeds), range(len(traffic.orders))
-    cost = {
-        sg: [
-            [
-                (speeds[i].seconds("read", sizes[sg]) if sg in traffic.reads[k] else 0.0)
-                + (speeds[i].seconds("write", sizes[sg]) if sg in traffic.writes[k] else 0.0)
-                for i in range(n)
-            ]
-            for k in kinds
-        ]
-        for sg in traffic.orders[0]
-    }
+    cost = {sg: [[io_seconds(speeds[i], sg, sizes[sg], traffic, k) for i in range(n)] for k in kinds] for sg in traffic.orders[0]}
     load = [[0.0] * n for _ in kinds]
     flush = [0.0] * n
     tiers = [0] * len(sizes)
@@ -280,7 +273,8 @@ class FixedRatioPlacement:
 
 
 class AdaptivePlacement:
-    """A bandwidth rule (`plan`: speeds -> tier of each subgroup) kept current with a BandwidthModel.
+    """A bandwidth rule (`plan`: speeds -> tier of each subgroup) kept current with a BandwidthModel;
+    `predict` (tiers, speeds -> seconds) is what a plan is expected to cost a step, for the log.
 
     Replans when any tier's read or write bandwidth has moved by more than DRIFT since the current
     plan was made (less would only shuffle subgroups on noise), and then saves the new numbers to the
@@ -293,6 +287,7 @@ class AdaptivePlacement:
         self,
         model: BandwidthModel,
         plan: Callable[[list[TierSpeed]], list[int]],
+        predict: Callable[[list[int], list[TierSpeed]], float],
         name: str,
         tier_specs: list[str],
         profile: BandwidthProfile | None = None,
@@ -303,6 +298,7 @@ class AdaptivePlacement:
         self.name = name
         self.tier_specs = tier_specs
         self._plan_fn = plan
+        self._predict = predict
         self._profile = profile
         self._keys = [tier_profile_key(s) for s in tier_specs]
         self.replans = 0
@@ -314,8 +310,9 @@ class AdaptivePlacement:
         self.tiers = self._plan_fn(speeds)
         self.basis = speeds
         log.info(
-            "placement %s: %s",
+            "placement %s (expected update I/O %.3g s a step): %s",
             self.name,
+            self._predict(self.tiers, speeds),
             ", ".join(
                 f"{spec} {self.tiers.count(i)} subgroups (read {s.read_bps / 1e9:.3g} GB/s, write {s.write_bps / 1e9:.3g} GB/s)"
                 for i, (spec, s) in enumerate(zip(self.tier_specs, speeds))
@@ -372,21 +369,9 @@ def make_placement(
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
     stay in GPU memory and never move). With 2+ tiers and a bandwidth rule, its model starts from the
     bandwidth profile, measuring (and saving) the tiers the profile lacks."""
-    if cfg.placement not in PLACEMENTS:
-        raise ValueError(f"offload.placement={cfg.placement!r}: choose one of {PLACEMENTS}")
-    if cfg.tier_ratios is not None and cfg.placement != "fixed":
-        raise ValueError(
-            f"offload.tier_ratios={cfg.tier_ratios} only applies to placement='fixed', not {cfg.placement!r}: "
-            "drop tier_ratios or set offload.placement='fixed'"
-        )
     num_tiers, m = len(cfg.tiers), streamed
     if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
-        ratios = cfg.tier_ratios or [1.0] * max(1, num_tiers)
-        if num_tiers and len(ratios) != num_tiers:
-            raise ValueError(f"offload.tier_ratios has {len(ratios)} entries for {num_tiers} tiers")
-        return FixedRatioPlacement(ratios, m)
-    if not cfg.calibration_gb > 0:
-        raise ValueError(f"offload.calibration_gb={cfg.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
+        return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, num_tiers), m)
     profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
     try:
         seeds = seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), min(layout.slot_bytes, 64 << 20))
@@ -395,9 +380,10 @@ def make_placement(
             profile.close()
         raise
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
+    traffic = steady_traffic(m, cache_slots, cfg.update_order)
     if cfg.placement == "eq1":
         plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731
     else:
-        traffic = steady_traffic(m, cache_slots, cfg.update_order)
         plan = lambda speeds: plan_makespan(speeds, sizes, traffic)  # noqa: E731
-    return AdaptivePlacement(BandwidthModel(seeds), plan, cfg.placement, list(cfg.tiers), profile)
+    predict = lambda tiers, speeds: expected_step_seconds(tiers, speeds, sizes, traffic)  # noqa: E731
+    return AdaptivePlacement(BandwidthModel(seeds), plan, predict, cfg.placement, list(cfg.tiers), profile)

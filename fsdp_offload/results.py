@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 
 
@@ -22,12 +23,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def record(bench: str, device: str, out_dir: str, result: dict, launcher: str | None = None) -> str:
+    """Writes `result` to out_dir/<bench>_<device>_<time>.json with what makes it reproducible: the
+    command (sys.argv, after `launcher`, e.g. "torchrun --nproc-per-node 8", else after the python
+    executable), device, commit, host and time. Returns the path."""
+    command = " ".join([launcher or os.path.basename(sys.executable), *sys.argv])
+    return write_result(out_dir, bench, device, {"command": command, "device": device, "commit": git_commit(), **result})
+
+
 def write_result(out_dir: str, bench: str, device: str, result: dict) -> str:
-    """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json; returns the path."""
+    """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json; returns the path.
+    A bench script calls `record`, which adds the command, device and commit first."""
     os.makedirs(out_dir, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    record = {"host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
+    full = {"host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     path = os.path.join(out_dir, f"{bench}_{device}_{stamp}.json")
     with open(path, "w") as f:
-        json.dump(record, f, indent=2)
+        json.dump(full, f, indent=2)
     return path

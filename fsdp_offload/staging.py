@@ -59,7 +59,6 @@ class LowpStaging:
         on_device, lo = self._where[sg]
         return (self.device_buffer if on_device else self.buffer)[lo : lo + self.layout.subgroups[sg].padded]
 
-
     def stage(self, param: int, grad: torch.Tensor) -> None:
         """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer.
 
@@ -89,7 +88,7 @@ class LowpStaging:
                     total += float(torch.dot(chunk, chunk))
         return total
 
-    def write_back(self, sg: int, params: list[torch.Tensor]) -> None:
+    def copy_params_to_model(self, sg: int, params: list[torch.Tensor]) -> None:
         """Copies subgroup `sg`'s updated low-precision params into the model's local param data."""
         src_all = self.view(sg)
         for seg in self.layout.subgroups[sg].segments:
@@ -98,7 +97,7 @@ class LowpStaging:
             dst = params[seg.param].view(-1)[seg.in_param]
             dst.copy_(src_all[seg.in_subgroup], non_blocking=dst.is_cuda)
 
-    def fill_from_master(self, sg: int, master: torch.Tensor, params: list[torch.Tensor]) -> None:
+    def load_params_from_master(self, sg: int, master: torch.Tensor, params: list[torch.Tensor]) -> None:
         """Rounds `sg`'s FP32 masters into the buffer and writes them to the model (after a load)."""
         lowp = self.view(sg)
         for seg in self.layout.subgroups[sg].segments:

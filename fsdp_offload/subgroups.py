@@ -68,7 +68,6 @@ class SubgroupLayout:
             raise ValueError("the optimizer got no parameter elements to manage")
         self.numels = list(numels)
         self.subgroup_numel = subgroup_numel
-        self.total_numel = total
         starts, acc = [], 0
         for n in numels:
             starts.append(acc)
@@ -99,15 +98,6 @@ class SubgroupLayout:
     def slot_bytes(self) -> int:
         """Bytes of the largest subgroup's state: the size of one host cache slot."""
         return max(sg.state_bytes for sg in self.subgroups)
-
-    @property
-    def padded_offsets(self) -> list[int]:
-        """Element offset of each subgroup in a flat buffer of padded subgroups (staging buffers)."""
-        out, acc = [], 0
-        for sg in self.subgroups:
-            out.append(acc)
-            acc += sg.padded
-        return out
 
     @property
     def padded_numel(self) -> int:

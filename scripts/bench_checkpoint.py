@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 import warnings
 
@@ -26,8 +25,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.cache import aligned_host_buffer
 from fsdp_offload.calibrate import measure_raw_bandwidth
-from fsdp_offload.dcp_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
-from fsdp_offload.results import git_commit, write_result
+from fsdp_offload.optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from fsdp_offload.results import record
 
 
 def build(args: argparse.Namespace) -> tuple[OffloadAdamW, torch.nn.Parameter]:
@@ -71,7 +70,7 @@ def main() -> None:
     param.grad = torch.randn(args.numel, dtype=torch.bfloat16)
     opt.step()
     state_bytes = sum(sg.state_bytes for sg in opt.layout.subgroups)
-    in_memory = opt.cache.num_slots
+    in_memory = opt.store.cache.num_slots
     print(f"{state_bytes / 1e9:.1f} GB of state in {len(opt.layout)} subgroups, {in_memory} in host memory", flush=True)
 
     saves = {}
@@ -93,17 +92,14 @@ def main() -> None:
     equal = True
     for sg in range(len(opt.layout)):
         a, b = (aligned_host_buffer(opt.layout.subgroups[sg].state_bytes) for _ in range(2))
-        opt.read_subgroup(sg, a)
-        fresh.read_subgroup(sg, b)
+        opt.store.read(sg, a)
+        fresh.store.read(sg, b)
         equal &= torch.equal(a, b)
     opt.close()
     fresh.close()
 
     best = min(saves, key=saves.get)
     result = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "device": args.device_kind,
-        "commit": git_commit(),
         "tier": args.tier,
         "state_gb": state_bytes / 1e9,
         "subgroups": len(opt.layout),
@@ -116,7 +112,7 @@ def main() -> None:
         "load_gbps": state_bytes / load_s / 1e9,
         "loaded_equals_saved": equal,
     }
-    out = write_result(args.out, "bench_checkpoint", args.device_kind, result)
+    out = record("bench_checkpoint", args.device_kind, args.out, result)
     print(f"\n{'writers':>8} {'save s':>7} {'save GB/s':>10} {'raw write':>10}")
     for w, s in saves.items():
         print(f"{w:>8} {s:>7.1f} {state_bytes / s / 1e9:>10.2f} {raw.write_gbps:>10.2f}")

@@ -16,7 +16,6 @@ import dataclasses
 import gzip
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -28,7 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.models import MODEL_PRESETS, num_params
 from fsdp_offload.parallelize import build_fsdp_model
-from fsdp_offload.results import git_commit, write_result
+from fsdp_offload.results import record
 
 
 def build(args: argparse.Namespace, mp: MixedPrecisionPolicy | None) -> torch.nn.Module:
@@ -127,9 +126,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         off = results["offload"]
         result = {
-            "command": " ".join(["torchrun"] + sys.argv),
-            "device": args.device_kind,
-            "commit": git_commit(),
             "world_size": dist.get_world_size(),
             "params_billion": num_params(MODEL_PRESETS[args.model]) / 1e9,
             "seq": args.seq,
@@ -146,7 +142,7 @@ def main() -> None:
             "host_budget_gb": args.host_budget_gb,
             "gpu_fraction": args.gpu_fraction,
         }
-        path = write_result(args.out, "bench_fsdp", args.device_kind, result)
+        path = record("bench_fsdp", args.device_kind, args.out, result, launcher=f"torchrun --nproc-per-node {dist.get_world_size()}")
         print(f"\n{'':12} {'GPU peak GiB':>12} {'forward s':>10} {'backward s':>11} {'update s':>9}")
         for name, r in results.items():
             print(f"{name:12} {r['gpu_peak_gib']:>12.2f} {r['forward_s']:>10.3f} {r['backward_s']:>11.3f} {r.get('update_s', 0):>9.3f}")

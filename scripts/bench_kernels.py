@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,7 +22,7 @@ from typing import Callable
 import torch
 
 from fsdp_offload.kernels import get_adamw_kernel, torch_adamw_step
-from fsdp_offload.results import git_commit, write_result
+from fsdp_offload.results import record
 
 REPO = Path(__file__).resolve().parents[1]
 BYTES_PER_PARAM = 28
@@ -136,9 +135,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     result: dict[str, object] = {
-        "command": " ".join(["python", *sys.argv]),
-        "device": args.device_kind,
-        "commit": git_commit(),
         "torch": torch.__version__,
         "threads": args.threads,
         "numel": args.numel,
@@ -154,7 +150,7 @@ def main() -> None:
         result["gpu"] = torch.cuda.get_device_name()
         result.update(bench_cuda(args.numel, args.repeats))
 
-    path = write_result(str(args.out_dir), "bench_kernels", args.device_kind, result)
+    path = record("bench_kernels", args.device_kind, str(args.out_dir), result)
 
     rows = [
         ("fused CPU kernel", result["fused_mparams_per_s"], f"{result['fused_gbps']:.1f} GB/s"),

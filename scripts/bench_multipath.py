@@ -33,7 +33,6 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -41,7 +40,7 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, measure_tier, tier_profile_key
-from fsdp_offload.results import git_commit, write_result
+from fsdp_offload.results import record
 
 STATE_BYTES_PER_PARAM = 12  # FP32 master, exp_avg, exp_avg_sq
 
@@ -94,7 +93,7 @@ def proc_worker(rank: int, args: argparse.Namespace, access: str, barrier, resul
     opt = OffloadAdamW(params, lr=1e-4, offload=cfg)
     times = step_times(opt, params, grads, args.warmup + args.steps, before=barrier.wait)
     barrier.wait()
-    wait = opt.tiers[0].lock.wait_s if access != "shared" else 0.0
+    wait = opt.store.tiers[0].lock.wait_s if access != "shared" else 0.0
     opt.close()
     results.put((rank, times, wait))
 
@@ -163,9 +162,6 @@ def main() -> None:
     rate = {k: 1 / (1 / s.read_bps + 1 / s.write_bps) for k, s in speeds.items()}
     ideal = (rate[args.disk] + rate[args.shm]) / rate[args.disk]
     result = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "device": args.device_kind,
-        "commit": git_commit(),
         "update_s_one_path": one["update_s"],
         "update_s_two_paths": two["update_s"],
         "two_path_speedup": one["update_s"] / two["update_s"],
@@ -186,7 +182,7 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "wall_s": time.perf_counter() - start,
     }
-    path = write_result(args.out, "bench_multipath", args.device_kind, result)
+    path = record("bench_multipath", args.device_kind, args.out, result)
     print(f"\nwrote {path}")
     print(f"{'':>24} {'update s':>9} {'speedup':>8} {'ideal':>6}")
     print(f"{'one path (disk)':>24} {one['update_s']:>9.2f}")

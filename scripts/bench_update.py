@@ -11,15 +11,14 @@ effective I/O = bytes moved / I/O busy time, as a fraction of raw.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import measure_raw_bandwidth
-from fsdp_offload.results import git_commit, write_result
-from fsdp_offload.storage import split_spec
+from fsdp_offload.results import record
+from fsdp_offload.storage import TierSpec
+from fsdp_offload.storage.spec import io_settings
 
 
 def run_update(spec: str, args: argparse.Namespace) -> dict:
@@ -46,7 +45,7 @@ def run_update(spec: str, args: argparse.Namespace) -> dict:
             flush=True,
         )
     kernel = opt.kernel_name
-    tier = opt.tiers[0]
+    tier = opt.store.tiers[0]
     while hasattr(tier, "inner"):  # through the lock / throttle wrappers to the storage tier
         tier = tier.inner
     gds = getattr(tier, "gds", None)  # KvikIO tiers say whether GDS (not compat mode) was used
@@ -78,18 +77,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
 
-    scheme, root, opts = split_spec(args.tier)
-    threads = int(opts.get("threads", 4))
-    request = int(float(opts.get("request_mb", 8)) * (1 << 20))
+    spec = TierSpec.parse(args.tier)
+    root = spec.dir
+    threads, request = io_settings(spec)
     state_bytes = args.subgroups * 3 * args.subgroup_numel * 4
     raw = measure_raw_bandwidth(root, nbytes=min(state_bytes, 8 << 30), request_bytes=request, threads=threads)
     print(f"raw {root}: write {raw.write_gbps:.2f} GB/s, read {raw.read_gbps:.2f} GB/s, O_DIRECT={raw.direct}", flush=True)
     upd = run_update(args.tier, args)
 
     result = {
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-        "device": args.device_kind,
-        "commit": git_commit(),
         "tier": args.tier,
         "grad_path": args.grad_path,
         "subgroups": args.subgroups,
@@ -104,7 +100,7 @@ def main() -> None:
         **upd,
         "effective_io_fraction": upd["effective_io_gbps"] / raw.read_write_gbps,
     }
-    path = write_result(args.out, f"bench_update_{scheme}", args.device_kind, result)
+    path = record(f"bench_update_{spec.scheme}", args.device_kind, args.out, result)
     print(f"\n{'raw r/w GB/s':>14} {'effective GB/s':>15} {'fraction':>9} {'update s':>9} {'Mparam/s':>9}")
     print(
         f"{raw.read_write_gbps:>14.2f} {upd['effective_io_gbps']:>15.2f} {result['effective_io_fraction']:>9.2f} "

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import sys
 import tempfile
 
 import torch
@@ -23,7 +22,7 @@ from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.data import DataConfig, TokenBatches
 from fsdp_offload.models import MODEL_PRESETS, num_params
 from fsdp_offload.parallelize import build_fsdp_model
-from fsdp_offload.results import git_commit, write_result
+from fsdp_offload.results import record
 
 DEVICE = torch.device("cpu")  # the GPU of this rank when there is one (gloo on CPU for a smoke run)
 
@@ -52,7 +51,7 @@ def run_offload(args, margs, tier_dir: str) -> tuple[list[float], str]:
         opt.zero_grad()
 
     losses = losses_of(model, step, args, margs)
-    path = opt.tiers[0].path
+    path = opt.store.tiers[0].path
     opt.close()
     return losses, path
 
@@ -117,9 +116,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         rel = [abs(a - b) / abs(b) for a, b in zip(offload, reference)]
         result = {
-            "command": " ".join(["torchrun", f"--nproc-per-node {dist.get_world_size()}"] + sys.argv),
-            "device": args.device_kind,
-            "commit": git_commit(),
             "world_size": dist.get_world_size(),
             "params_billion": num_params(margs) / 1e9,
             "losses_offload": offload,
@@ -131,7 +127,7 @@ def main() -> None:
             "tier_files_per_rank": paths,
             "tier_files_distinct": len(set(paths)) == len(paths),
         }
-        out = write_result(args.out, "check_reference", args.device_kind, result)
+        out = record("check_reference", args.device_kind, args.out, result, launcher=f"torchrun --nproc-per-node {dist.get_world_size()}")
         print(f"{'step':>4} {'offload':>10} {'reference':>10} {'rel diff':>9}")
         for i, (a, b, r) in enumerate(zip(offload, reference, rel)):
             print(f"{i:>4} {a:>10.5f} {b:>10.5f} {r:>9.2e}")

@@ -14,13 +14,12 @@ end-of-text token, found by name or given with `--eos-token`. The ids go to a fl
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from fsdp_offload.data import TOKEN_DTYPES, token_dtype, write_sidecar
+from fsdp_offload.data import token_dtype, write_token_file
 
 BYTE_VOCAB = 256
 BYTE_EOS = 0
@@ -98,21 +97,9 @@ def main(argv: list[str] | None = None) -> None:
         tok, eos_name, eos_id = load_tokenizer(args.tokenizer, args.eos_token)
         vocab_size, name = tok.get_vocab_size(with_added_tokens=True), str(args.tokenizer.resolve())
         documents = tokenizer_documents(args.inputs, tok, eos_id)
-    dtype = token_dtype(vocab_size)
-
-    # Write beside the target and rename, so a failed run leaves no half file under the real name.
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    num_tokens = 0
-    try:
-        with open(tmp, "wb") as f:
-            for ids in documents:
-                f.write(ids.astype(TOKEN_DTYPES[dtype]).tobytes())
-                num_tokens += len(ids)
-        os.replace(tmp, args.out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    write_sidecar(args.out, vocab_size, num_tokens, name, eos_id)
+    num_tokens = write_token_file(args.out, documents, vocab_size, name, eos_id)
+    dtype = token_dtype(vocab_size)
     eos = "byte 0" if args.tokenizer is None else f"{eos_name!r} = {eos_id}"
     print(
         f"wrote {args.out}: {num_tokens:,} tokens ({dtype}, vocab {vocab_size}, tokenizer {name}, "

@@ -47,7 +47,6 @@ class TrainConfig:
     warmup_steps: int = 5
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float | None = 1.0
     micro_batches: int = 1  # gradient accumulation
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
@@ -97,6 +96,13 @@ def init_distributed(device: str) -> torch.device:
     return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
+def cpu_threads_per_rank() -> int:
+    """The CPU cores this process may use divided among the node's ranks. torchrun sets one OpenMP
+    thread per rank when it starts several, which would leave the CPU update on one core each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -129,6 +135,7 @@ def train(cfg: DictConfig) -> list[dict]:
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cpu_threads_per_rank())
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
@@ -138,12 +145,6 @@ def train(cfg: DictConfig) -> list[dict]:
         check_checkpoint(resume_from, run_key)
 
     if recipe.optimizer == "offload":
-        if recipe.config.max_grad_norm not in (None, tcfg.max_grad_norm):
-            raise ValueError(
-                f"offload.max_grad_norm={recipe.config.max_grad_norm} and train.max_grad_norm={tcfg.max_grad_norm} "
-                "disagree: set train.max_grad_norm only (it drives both optimizers)"
-            )
-        recipe.config.max_grad_norm = tcfg.max_grad_norm
         model = build_fsdp_model(margs, device, seed=tcfg.seed)
         optimizer = OffloadAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                                  model=model, offload=recipe.config)  # fmt: skip
@@ -171,16 +172,16 @@ def train(cfg: DictConfig) -> list[dict]:
     if rank == 0:
         print(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
-                 f"{optimizer.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
+                 f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
               + (f", resuming from {resume_from}" if resume_from else ""), flush=True)  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     with open(metrics_path, "a") as log:
         for step in range(start_step, tcfg.steps):
-            row = run_step(model, optimizer, batches, tcfg, device)
+            row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
             scheduler.step()
             row.update(step=step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
-                       host_peak_gib=host_peak_gib())  # fmt: skip
+                       host_peak_gib=host_peak_gib(), cpu_threads=torch.get_num_threads())  # fmt: skip
             if device.type == "cuda":
                 row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             rows.append(row)
@@ -211,7 +212,7 @@ def train(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device: torch.device) -> dict:
+def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
     start = time.perf_counter()
@@ -228,8 +229,8 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, device:
         row["backward_s"] += time.perf_counter() - t1
         row["loss"] += loss.item()
     t2 = time.perf_counter()
-    if not isinstance(optimizer, OffloadAdamW) and tcfg.max_grad_norm is not None:
-        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.max_grad_norm))
+    if not isinstance(optimizer, OffloadAdamW) and max_grad_norm is not None:  # OffloadAdamW clips in step()
+        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     optimizer.step()
     optimizer.zero_grad()
     sync()

@@ -30,3 +30,17 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> 
 def run_ranks(world_size: int, fn: Callable, *args) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
     mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")
+
+
+def spy_step_transfers(opt) -> list[list]:
+    """A list that gets each step's transfers (as the optimizer takes them for its metrics) appended."""
+    per_step = []
+    take = opt.store.take_io
+
+    def spy():
+        transfers, hits = take()
+        per_step.append(transfers)
+        return transfers, hits
+
+    opt.store.take_io = spy
+    return per_step

@@ -126,7 +126,7 @@ def test_zero_bandwidths_are_refused_or_measured_again(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
         opt = build(tmp_path, tiers, path)
     assert "is not usable" in caplog.text and tier_profile_key(tiers[1]) in caplog.text
-    assert opt.placement.model.speeds()[1].write_bps > 0  # measured again
+    assert opt.store.placement.model.speeds()[1].write_bps > 0  # measured again
     opt.close()
     with pytest.raises(ValueError, match="positive, finite"):
         BandwidthModel([TierSpeed(1e9, 0.0, 0.0)])
@@ -154,7 +154,7 @@ def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
     with other.locked():
         other.store({tier_profile_key(t): TierSpeed(123e9, 123e9, 0.0) for t in tiers}, "calibrated")
     opt = build(tmp_path, tiers, path)
-    assert all(s.read_bps < 100e9 for s in opt.placement.model.speeds())  # not the other node's numbers
+    assert all(s.read_bps < 100e9 for s in opt.store.placement.model.speeds())  # not the other node's numbers
     opt.close()
     hosts = json.loads(open(path).read())["hosts"]
     assert set(hosts) == {"some-other-node", BandwidthProfile(path).host}
@@ -170,7 +170,7 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
     opt = build(tmp_path, tiers, str(path))
     os.unlink(path)
     os.mkdir(path)  # the profile can no longer be replaced
-    tier = opt.tiers[1]
+    tier = opt.store.tiers[1]
     while not isinstance(tier, ThrottledTier):
         tier = tier.inner
     tier.set_limits(Limits(10 * MB, 10 * MB, 0.0))  # a drift: the placement replans and saves
@@ -179,6 +179,6 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
             for p in opt._params:
                 p.grad = torch.randn(p.shape).bfloat16()
             opt.step()
-    assert opt.placement.replans >= 1
+    assert opt.store.placement.replans >= 1
     assert f"cannot save learned bandwidths to {path}" in caplog.text
     opt.close()

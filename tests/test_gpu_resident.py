@@ -7,7 +7,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 
 SG = 4096
 SHAPES = [(300, 37), (513,), (1000, 29), (2500,)]  # 43_113 elements: 11 subgroups
@@ -46,7 +46,7 @@ def test_gpu_resident_subgroups_track_torch_adamw(tmp_path):
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=config(tmp_path))
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
-    assert len(opt.gpu_state) == 6 and opt.cache.num_slots < len(opt._host_subgroups)  # some host state on disk
+    assert len(opt.store.gpu_state) == 6 and opt.store.cache.num_slots < len(opt.store.host_subgroups)  # some host state on disk
     for s in range(STEPS):
         for p, r, g in zip(mine, ref, grads(s)):
             p.grad, r.grad = g.cuda(), g.float()
@@ -54,7 +54,7 @@ def test_gpu_resident_subgroups_track_torch_adamw(tmp_path):
         ref_opt.step()
     state = opt.state_dict()["state"]
     on_gpu = torch.zeros(sum(t.numel() for t in init), dtype=torch.bool)
-    for sg in opt.gpu_state:
+    for sg in opt.store.gpu_state:
         lo = sg * SG
         on_gpu[lo : lo + opt.layout.subgroups[sg].numel] = True
     master = torch.cat([state[i]["master_param"].flatten() for i in range(len(SHAPES))])

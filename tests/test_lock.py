@@ -104,6 +104,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys, torch
     from fsdp_offload import OffloadAdamW, OffloadConfig
+    from dist_utils import spy_step_transfers
     tiers, lock_dir, profile, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     sg, m, c = 65536, 10, 4
@@ -113,21 +114,15 @@ WORKER = textwrap.dedent(
         tier_access="exclusive", tier_lock_dir=lock_dir, bandwidth_profile=profile, calibration_gb=0.004,
     )
     opt = OffloadAdamW(params, offload=cfg)
-    transfers = []
-    take = opt.pipeline.take_transfers
-    def spy():
-        got, hits = take()
-        transfers.extend(got)
-        return got, hits
-    opt.pipeline.take_transfers = spy
+    per_step = spy_step_transfers(opt)
     for _ in range(3):
         for p in params:
             p.grad = torch.randn(sg, dtype=torch.bfloat16)
         opt.step()
     opt.close()  # the last hold ends once the gate lets the lock go
-    holds = {t.name: list(t.lock.holds) for t in opt.tiers}
-    waits = {t.name: t.lock.wait_s for t in opt.tiers}
-    json.dump({"holds": holds, "waits": waits, "transfers": [[t.tier, t.start, t.end] for t in transfers]}, open(out, "w"))
+    holds = {t.name: list(t.lock.holds) for t in opt.store.tiers}
+    waits = {t.name: t.lock.wait_s for t in opt.store.tiers}
+    json.dump({"holds": holds, "waits": waits, "transfers": [[t.tier, t.start, t.end] for step in per_step for t in step]}, open(out, "w"))
     """
 )
 
@@ -142,7 +137,8 @@ def test_four_processes_in_exclusive_mode_never_overlap_on_a_tier(tmp_path, ram_
     tiers = [f"throttle:posix:{dirs[0]}?read=60MB/s&write=60MB/s", f"throttle:posix:{dirs[1]}?read=30MB/s&write=30MB/s"]
     outs = [tmp_path / f"out{i}.json" for i in range(4)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(tiers), str(tmp_path), str(tmp_path / "profile.json"), str(o)])
+        subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(tiers), str(tmp_path), str(tmp_path / "profile.json"), str(o)],
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)})  # for dist_utils
         for o in outs
     ]
     for p in procs:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.dcp_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from fsdp_offload.storage import CorruptSubgroupError, TierError
 from fsdp_offload.storage import posix as posix_mod
 
@@ -214,7 +214,7 @@ def test_damaged_subgroup_file_is_reported_with_its_path(tmp_path, damage):
     cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     params = [torch.nn.Parameter(t) for t in make_params()]
     opt = OffloadAdamW(groups(params), offload=cfg)
-    path = opt.tiers[0].path
+    path = opt.store.tiers[0].path
     with open(path, "r+b") as f:
         if damage == "truncate":
             f.truncate(SLOT)  # only the first subgroup's slot survives
@@ -284,7 +284,7 @@ def test_unwritable_tier_dir(tmp_path):
 def test_tier_files_are_private_and_removed(tmp_path):
     cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
     opt = OffloadAdamW([torch.nn.Parameter(t) for t in make_params()], offload=cfg)
-    path = opt.tiers[0].path
+    path = opt.store.tiers[0].path
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
     opt.close()
@@ -333,7 +333,7 @@ def test_random_layouts_caches_and_orders_match_torch(tmp_path, seed):
 
 def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_path, monkeypatch):
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
-    real = opt.staging.write_back
+    real = opt.grads.staging.copy_params_to_model
     calls = {"n": 0}
 
     def flaky(sg, params):
@@ -346,7 +346,7 @@ def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_pa
         for p, r, g in zip(mine, ref, grads_for(s)):
             p.grad, r.grad = g, g.float()
         if s == 1:
-            monkeypatch.setattr(opt.staging, "write_back", flaky)
+            monkeypatch.setattr(opt.grads.staging, "copy_params_to_model", flaky)
             with pytest.raises(RuntimeError, match="injected"):
                 opt.step()
             with pytest.raises(RuntimeError, match="call step\\(\\) again to finish it before the next backward"):

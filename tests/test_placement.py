@@ -28,6 +28,7 @@ from fsdp_offload.placement import (
 from fsdp_offload.storage import Limits, ThrottledTier, Transfer
 from fsdp_offload.subgroups import SubgroupLayout
 
+from dist_utils import spy_step_transfers
 from test_optimizer import SG as SMALL_SG
 from test_optimizer import assert_same_as_reference, budget_for, run_pair
 
@@ -61,7 +62,7 @@ def throttled(root, name: str, read_mbps: float, write_mbps: float) -> str:
 
 
 def throttle_of(opt: OffloadAdamW, i: int) -> ThrottledTier:
-    tier = opt.tiers[i]
+    tier = opt.store.tiers[i]
     while not isinstance(tier, ThrottledTier):
         tier = tier.inner  # through the node-lock wrapper
     return tier
@@ -79,7 +80,7 @@ class Run:
         )  # fmt: skip
         self.tiers = tiers
         self.opt = OffloadAdamW(self.params, lr=1e-3, offload=cfg)
-        assert self.opt.cache.num_slots == c
+        assert self.opt.store.cache.num_slots == c
 
     def step(self):
         for p in self.params:
@@ -117,15 +118,7 @@ def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
     cfg = OffloadConfig(kernel="torch", tiers=tiers, subgroup_numel=SMALL_SG, host_budget_gb=budget, update_order=order, bandwidth_profile=profile)
     opt = OffloadAdamW(params, offload=cfg)
     traffic = steady_traffic(m, c, order)
-    per_step = []
-    take = opt.pipeline.take_transfers
-
-    def spy():
-        transfers, hits = take()
-        per_step.append(transfers)
-        return transfers, hits
-
-    opt.pipeline.take_transfers = spy
+    per_step = spy_step_transfers(opt)
     for step in range(5):
         for p in params:
             p.grad = torch.randn(SMALL_SG, dtype=torch.bfloat16)
@@ -153,8 +146,8 @@ def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, ram_dir, capsys):
         times = [run.step().update_s for _ in range(6)][1:]
         model = [seeds[t] for t in tiers]
         traffic = steady_traffic(m, c, "alternating")
-        predicted = expected_step_seconds(run.opt.placement.tiers, model, [STATE] * m, traffic)
-        results[rule] = (statistics.median(times), predicted, [run.opt.placement.tiers.count(i) for i in range(2)])
+        predicted = expected_step_seconds(run.opt.store.placement.tiers, model, [STATE] * m, traffic)
+        results[rule] = (statistics.median(times), predicted, [run.opt.store.placement.tiers.count(i) for i in range(2)])
         run.opt.close()
     with capsys.disabled():
         print("\n  asymmetric tiers A (read 96, write 24 MB/s) + B (36, 36 MB/s), 24 subgroups, cache 6:")
@@ -173,7 +166,7 @@ def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir, caps
     profile = write_profile(str(tmp_path / "p.json"), {t: TierSpeed(30 * MB, 30 * MB, 0.0) for t in tiers})
     run = Run(tiers, profile, m, c)
     steps = [run.step() for _ in range(7)]
-    learned = run.opt.placement.model.speeds()
+    learned = run.opt.store.placement.model.speeds()
     assert learned[0].read_bps == pytest.approx(48 * MB, rel=0.1) and learned[1].write_bps == pytest.approx(24 * MB, rel=0.1)
     ratios = []
     for metrics in steps[2:]:
@@ -204,7 +197,7 @@ def test_split_follows_a_tier_that_slows_to_a_quarter(tmp_path, ram_dir, capsys)
     total = sum(moved)
     for f in fractions[2:]:  # from the second step after the slowdown on
         assert abs(f - 8 / 9) * total <= STATE, f"A's share {f:.3f} is not 8/9 within one subgroup"
-    assert run.opt.placement.model.speeds()[1].write_bps == pytest.approx(6 * MB, rel=0.15)
+    assert run.opt.store.placement.model.speeds()[1].write_bps == pytest.approx(6 * MB, rel=0.15)
     saved = BandwidthProfile(profile)
     with saved.locked():
         assert saved.load()[tier_profile_key(tiers[1])].read_bps == pytest.approx(6 * MB, rel=0.15)  # for the next run
@@ -227,7 +220,7 @@ def test_state_over_two_tiers_is_bit_exact(tmp_path, placement):
     )  # fmt: skip
     opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
     assert_same_as_reference(opt, ref_opt, mine, ref)
-    used = set(opt.pipeline.location.values())
+    used = set(opt.store.pipeline.location.values())
     assert used == {0, 1}, f"state should live on both tiers, lives on {used}"
     opt.close()
 
@@ -277,8 +270,8 @@ def test_a_failing_model_does_not_stall_a_step(tmp_path, caplog, monkeypatch):
     def broken(tier, transfer):
         raise RuntimeError("model bug")
 
-    monkeypatch.setattr(opt.placement, "observe", broken)
-    with caplog.at_level(logging.ERROR, logger="fsdp_offload.schedule"):
+    monkeypatch.setattr(opt.store.placement, "observe", broken)
+    with caplog.at_level(logging.ERROR, logger="fsdp_offload.pipeline"):
         for p, r in zip(mine, ref):
             p.grad = torch.randn(p.shape).bfloat16()
             r.grad = p.grad.float()

@@ -44,10 +44,6 @@ class Transfer:
     start: float  # time.perf_counter()
     end: float
 
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
-
 
 class IOWorkers:
     """A fixed pool of threads fed by a priority queue (lower value first, FIFO within one)."""
@@ -130,6 +126,11 @@ class Tier(abc.ABC):
     @property
     def name(self) -> str:
         return self.spec
+
+    @property
+    def lock_wait_s(self) -> float | None:
+        """Seconds spent so far waiting for this tier's node lock; None for a tier without one."""
+        return None
 
     def attach(self, tag: str, slot_bytes: list[int]) -> None:
         """Creates this rank's file, with one 4 KiB-aligned slot per subgroup.

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .base import Tier, TierError
-from .posix import make_private_dir
+from .chunked import make_private_dir
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
 
@@ -179,6 +179,10 @@ class LockedTier(Tier):
     @property
     def path(self) -> str:
         return self.inner.path
+
+    @property
+    def lock_wait_s(self) -> float:
+        return self.lock.wait_s
 
     def _open(self, tag: str, total_bytes: int) -> None:
         self.inner.attach(tag, self._slot_bytes)

@@ -12,24 +12,12 @@ import fcntl
 import logging
 import mmap
 import os
-import stat
-import time
-import zlib
-from concurrent.futures import Future
 
 import torch
 
-from .base import (
-    ALIGN,
-    READ_PRIORITY,
-    WRITE_PRIORITY,
-    CorruptSubgroupError,
-    IOWorkers,
-    Tier,
-    TierError,
-    gather,
-    transfer,
-)
+from .base import ALIGN, CorruptSubgroupError, TierError
+from .chunked import ChunkedFileTier, create_private_file
+from .spec import TierSpec
 
 log = logging.getLogger(__name__)
 
@@ -55,35 +43,6 @@ def _pread_all(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
-
-
-def make_private_dir(root: str, spec: str) -> str:
-    """Returns `root`/fsdp-offload-<uid>, created 0700 and checked to be ours and not a symlink."""
-    if not os.path.exists(root):
-        raise TierError(f"{spec}: tier dir {root} does not exist; create it or pick another path")
-    if not os.path.isdir(root):
-        raise TierError(f"{spec}: {root} is not a directory; give a directory for the tier")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise TierError(f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path")
-    path = os.path.join(root, f"fsdp-offload-{os.getuid()}")
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise TierError(f"{spec}: cannot create {path}: {exc.strerror}; check the file system") from exc
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise TierError(
-            f"{spec}: {path} exists but is not a 0700 directory owned by uid {os.getuid()} "
-            "(a symlink or someone else's); remove it"
-        )
-    return path
-
-
-def create_private_file(path: str) -> int:
-    """Creates `path` 0600 for reading and writing: never an existing file, never through a symlink."""
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
 
 
 def open_private_file(path: str) -> tuple[int, bool]:
@@ -122,30 +81,15 @@ def _try_direct(fd: int) -> bool:
         probe.close()
 
 
-class PosixTier(Tier):
+class PosixTier(ChunkedFileTier):
     """`posix:/dir[?threads=N&request_mb=M]`: one O_DIRECT file per rank under `dir`."""
 
-    def __init__(self, spec: str, root: str, threads: int = 4, request_bytes: int = 8 << 20) -> None:
-        super().__init__(spec)
-        if request_bytes <= 0 or request_bytes % ALIGN:
-            raise ValueError(f"{spec}: request size {request_bytes} must be a positive multiple of {ALIGN}")
-        self.root = root
-        self.threads = threads
-        self.request_bytes = request_bytes
+    def __init__(self, spec: TierSpec) -> None:
         self.direct = False
         self._fd = -1
-        self._path = ""
-        self._crcs: dict[int, list[int]] = {}
-        self._workers: IOWorkers | None = None
-        # Checks the dir at construction so a bad path fails before any training.
-        self._dir = make_private_dir(root, spec)
+        super().__init__(spec)
 
-    @property
-    def path(self) -> str:
-        return self._path
-
-    def _open(self, tag: str, total_bytes: int) -> None:
-        self._path = os.path.join(self._dir, f"{tag}.subgroups")
+    def _create(self, total_bytes: int) -> None:
         try:
             self._fd, self.direct = open_private_file(self._path)
             os.ftruncate(self._fd, total_bytes)
@@ -153,74 +97,35 @@ class PosixTier(Tier):
             raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
         if not self.direct:
             log.warning("%s: O_DIRECT is not supported on %s; using buffered I/O", self.spec, self.root)
-        self._workers = IOWorkers(self.threads, self.spec)
 
-    def _views(self, key: int, buf: torch.Tensor) -> tuple[int, memoryview, int]:
-        offset = self._check_slot(key, buf)
+    def _close_file(self) -> bool:
+        if self._fd < 0:
+            return False
+        os.close(self._fd)
+        self._fd = -1
+        return True
+
+    def _chunk_source(self, key: int, buf: torch.Tensor) -> memoryview:
         if self.direct and buf.data_ptr() % ALIGN:
             raise ValueError(f"{self.spec}: O_DIRECT buffer for subgroup {key} is not {ALIGN}-byte aligned")
-        view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
-        return offset, view, len(view)
+        return memoryview(buf.view(torch.uint8).numpy()).cast("B")
 
-    def write(self, key: int, buf: torch.Tensor) -> Future:
-        offset, view, nbytes = self._views(key, buf)
-        fd, start = self._fd, time.perf_counter()
-        chunks = range(0, nbytes, self.request_bytes)
-        crcs = [0] * len(chunks)
+    def _write_at(self, key: int, part: memoryview, file_offset: int) -> None:
+        try:
+            _pwrite_all(self._fd, part, file_offset)
+        except OSError as exc:  # keeps the errno; says where and what to do
+            raise OSError(
+                exc.errno,
+                f"writing subgroup {key} ({len(part)} bytes at offset {file_offset}) failed: {exc.strerror}; "
+                f"free space on {self.root} or point offload.tiers elsewhere (nothing is lost: the subgroup "
+                "stays in host memory and the next step() retries)",
+                self._path,
+            ) from exc
 
-        def write_chunk(i: int, lo: int) -> None:
-            part = view[lo : lo + self.request_bytes]
-            crcs[i] = zlib.crc32(part)
-            try:
-                _pwrite_all(fd, part, offset + lo)
-            except OSError as exc:  # keeps the errno; says where and what to do
-                raise OSError(
-                    exc.errno,
-                    f"writing subgroup {key} ({len(part)} bytes at offset {offset + lo}) failed: {exc.strerror}; "
-                    f"free space on {self.root} or point offload.tiers elsewhere (nothing is lost: the subgroup "
-                    "stays in host memory and the next step() retries)",
-                    self._path,
-                ) from exc
-
-        def done() -> object:
-            self._crcs[key] = crcs
-            return transfer(self.spec, "write", key, nbytes, start)
-
-        futs = [self._workers.submit(WRITE_PRIORITY, lambda i=i, lo=lo: write_chunk(i, lo)) for i, lo in enumerate(chunks)]
-        return gather(futs, done)
-
-    def read(self, key: int, buf: torch.Tensor) -> Future:
-        offset, view, nbytes = self._views(key, buf)
-        expected = self._crcs.get(key)
-        if expected is None:
-            raise TierError(f"{self.spec}: subgroup {key} was never written to {self._path}")
-        fd, start = self._fd, time.perf_counter()
-
-        def read_chunk(i: int, lo: int) -> None:
-            part = view[lo : lo + self.request_bytes]
-            got = _pread_all(fd, part, offset + lo)
-            if got != len(part):
-                raise CorruptSubgroupError(
-                    f"{self._path}: subgroup {key} is truncated: wanted {len(part)} bytes at offset "
-                    f"{offset + lo}, the file gave {got}"
-                )
-            if zlib.crc32(part) != expected[i]:
-                raise CorruptSubgroupError(
-                    f"{self._path}: subgroup {key} is corrupted: checksum mismatch in the "
-                    f"{len(part)} bytes at offset {offset + lo}"
-                )
-
-        futs = [self._workers.submit(READ_PRIORITY, lambda i=i, lo=lo: read_chunk(i, lo)) for i, lo in enumerate(range(0, nbytes, self.request_bytes))]
-        return gather(futs, lambda: transfer(self.spec, "read", key, nbytes, start))
-
-    def close(self) -> None:
-        if self._workers is not None:
-            self._workers.shutdown()
-            self._workers = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-            try:
-                os.unlink(self._path)
-            except FileNotFoundError:
-                pass
+    def _read_at(self, key: int, part: memoryview, file_offset: int) -> None:
+        got = _pread_all(self._fd, part, file_offset)
+        if got != len(part):
+            raise CorruptSubgroupError(
+                f"{self._path}: subgroup {key} is truncated: wanted {len(part)} bytes at offset "
+                f"{file_offset}, the file gave {got}"
+            )

@@ -9,7 +9,6 @@ Options other than read, write and latency go to the wrapped tier (`...?threads=
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from concurrent.futures import Future
@@ -18,30 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from .base import READ_PRIORITY, WRITE_PRIORITY, IOWorkers, Tier, transfer
-
-_RATE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
-
-
-def parse_rate(spec: str, name: str, text: str) -> float:
-    """'1.5GB/s' -> 1.5e9 bytes/s (also KB, MB, TB, KiB, MiB, GiB, or plain bytes/s)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?i?B)?(?:/s)?\s*", text, re.IGNORECASE)
-    unit = (m.group(2) or "").upper() if m else None
-    if m is None or unit not in _RATE_UNITS:
-        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a rate; write it like {name}=1.5GB/s or {name}=800MiB/s")
-    rate = float(m.group(1)) * _RATE_UNITS[unit]
-    if rate <= 0:
-        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not positive; a tier must move bytes (e.g. {name}=0.5GB/s)")
-    return rate
-
-
-def parse_seconds(spec: str, name: str, text: str) -> float:
-    """'2ms' -> 0.002 (also s, us, or plain seconds)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us)?\s*", text)
-    if m is None:
-        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a duration; write it like {name}=2ms")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -95,7 +70,10 @@ class ThrottledTier(Tier):
         return self.inner.path
 
     def set_limits(self, limits: Limits) -> None:
-        """Changes the speeds from the next request on (a shared file system coming under load)."""
+        """Changes the speeds from the next request on (a shared file system coming under load).
+
+        For simulating a tier coming under load mid-run (tests, fault injection); a spec sets the first speeds.
+        """
         self.limits = limits
 
     def _open(self, tag: str, total_bytes: int) -> None:
@@ -130,19 +108,3 @@ class ThrottledTier(Tier):
             self._pacer = None
         self.inner.close()
 
-
-THROTTLE_OPTIONS = ("read", "write", "latency")
-
-
-def throttle_limits(spec: str, opts: dict[str, str]) -> Limits:
-    """The Limits that a throttle spec's options give."""
-    if not any(k in opts for k in THROTTLE_OPTIONS):
-        raise ValueError(
-            f"tier spec {spec!r} limits nothing: give read=, write= and/or latency= "
-            "(e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)"
-        )
-    return Limits(
-        read_bps=parse_rate(spec, "read", opts["read"]) if "read" in opts else None,
-        write_bps=parse_rate(spec, "write", opts["write"]) if "write" in opts else None,
-        latency_s=parse_seconds(spec, "latency", opts["latency"]) if "latency" in opts else 0.0,
-    )

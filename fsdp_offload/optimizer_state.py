@@ -1,4 +1,6 @@
-"""OffloadAdamW through torch.distributed.checkpoint, one subgroup at a time.
+"""OffloadAdamW's state as a torch.distributed.checkpoint Stateful, one subgroup at a time.
+
+(checkpoint.py builds a training run's checkpoints from this and the model's DCP state.)
 
 The optimizer's state never fits in memory all at once, so its DCP state dict holds placeholders: one
 per subgroup and one for the rest (step counts, hyperparameters, loss scale, learned bandwidths). The
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, S
 
 from .cache import aligned_host_buffer
 from .optimizer import OffloadAdamW
+from .store import LAYOUT_FIX, size_mismatch
 
 _HINT = (
     "save and load OffloadOptimizerState with dcp.save / dcp.load and planner=StreamingSavePlanner() / "
@@ -77,7 +80,7 @@ class SubgroupEntry(_Placeholder):
 
     @property
     def state_bytes(self) -> int:
-        return self.optimizer.layout.subgroups[self.index].state_bytes
+        return self.optimizer.store.layout.subgroups[self.index].state_bytes
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +113,7 @@ class OffloadOptimizerState:
     def state_dict(self) -> dict[str, Any]:
         opt = self.optimizer
         entries: dict[str, Any] = {"meta": MetaEntry(opt)}
-        entries.update({f"subgroup_{sg:06d}": SubgroupEntry(opt, sg) for sg in range(len(opt.layout))})
+        entries.update({f"subgroup_{sg:06d}": SubgroupEntry(opt, sg) for sg in range(len(opt.store.layout))})
         return {self._key(): entries}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -140,6 +143,28 @@ class _TensorBytes(io.BytesIO):
         return memoryview(data.numpy()).cast("B")
 
 
+class _ThreadBuffers:
+    """One page-aligned payload buffer per DCP I/O thread, reused: a fresh one per subgroup would cost
+    its page faults each time. A buffer whose last payload (`hold`) was not handed to the file yet is
+    never reused: that thread gets a new one."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._local = threading.local()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        local = self._local
+        held = getattr(local, "held", None)
+        if getattr(local, "buffer", None) is None or (held is not None and held.pending):
+            local.buffer = aligned_host_buffer(self.nbytes)
+        local.held = None
+        return local.buffer[:nbytes]
+
+    def hold(self, payload: "_TensorBytes") -> "_TensorBytes":
+        self._local.held = payload
+        return payload
+
+
 def _optimizers(entries: dict[str, Any]) -> list[OffloadAdamW]:
     seen: dict[int, OffloadAdamW] = {}
     for value in entries.values():
@@ -154,32 +179,21 @@ class StreamingSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         entries = [v for v in self.state_dict.values() if isinstance(v, SubgroupEntry)]
-        self._payload_bytes = max((e.nbytes for e in entries), default=0)
-        self._payloads = threading.local()
+        self._payloads = _ThreadBuffers(max((e.nbytes for e in entries), default=0))
         for opt in _optimizers(self.state_dict):
             opt.checkpoint_meta()  # fails here, before any file is written, if a step is half done
-            if opt.gpu_state:  # DCP's writer threads copy them on their own streams: the step must be done
+            if opt.store.gpu_state:  # DCP's writer threads copy them on their own streams: the step must be done
                 torch.cuda.synchronize()
-
-    def _payload(self, nbytes: int) -> torch.Tensor:
-        """This writer thread's buffer, reused once its last payload was handed to the file (a fresh
-        buffer per subgroup would cost its page faults each time); a new one if it was not."""
-        local = self._payloads
-        last = getattr(local, "last", None)
-        if getattr(local, "buffer", None) is None or (last is not None and last.pending):
-            local.buffer = aligned_host_buffer(self._payload_bytes)
-        return local.buffer[:nbytes]
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         if isinstance(object, SubgroupEntry):
             n = object.state_bytes
-            payload = self._payload(object.nbytes)
-            object.optimizer.read_subgroup(object.index, payload[:n])
+            payload = self._payloads.take(object.nbytes)
+            object.optimizer.store.read(object.index, payload[:n])
             crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
             trailer = bytearray(struct.pack(f"<4sI{len(crcs)}I", _MAGIC, len(crcs), *crcs))
             payload[n:].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
-            self._payloads.last = _TensorBytes(payload)
-            return self._payloads.last
+            return self._payloads.hold(_TensorBytes(payload))
         if isinstance(object, MetaEntry):
             object = object.optimizer.checkpoint_meta()
         return super().transform_object(write_item, object)
@@ -195,15 +209,13 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         entries = {fqn: v for fqn, v in self.state_dict.items() if isinstance(v, SubgroupEntry)}
         if metadata is not None:
             _check_subgroups(entries, metadata)
-        # One payload buffer per reading thread, reused: a fresh one per subgroup would cost its page
-        # faults each time (DCP hands each entry over, and is done with it, before reading the next).
-        self._payload_bytes = max((e.nbytes for e in entries.values()), default=0)
-        self._payloads = threading.local()
+        # DCP hands each entry over, and is done with it, before reading the next: buffers are reused
+        self._payloads = _ThreadBuffers(max((e.nbytes for e in entries.values()), default=0))
 
     def finish_plan(self, new_plan: LoadPlan) -> LoadPlan:
         # Every rank planned without error: from here on the optimizers are being overwritten.
         for opt in _optimizers(self.state_dict):
-            opt._begin_load()
+            opt.begin_load()
         return super().finish_plan(new_plan)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -214,14 +226,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         size = value.seek(0, io.SEEK_END)
         value.seek(0)
         if size != entry.nbytes:
-            raise ValueError(
-                f"{where}: subgroup {entry.index} holds {size} bytes, {entry.nbytes} expected: the checkpoint is "
-                "truncated, or was written for another model, world size or offload.subgroup_numel"
-            )
-        buffer = getattr(self._payloads, "buffer", None)
-        if buffer is None:
-            buffer = self._payloads.buffer = aligned_host_buffer(self._payload_bytes)
-        payload = buffer[: entry.nbytes]
+            raise size_mismatch(entry.index, size, entry.nbytes, where=f"{where}: ")
+        payload = self._payloads.take(entry.nbytes)
         value.readinto(memoryview(payload.numpy()))
         n = entry.state_bytes
         crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
@@ -237,7 +243,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
                 f"{where}: subgroup {entry.index} is corrupted ({problem}): restore the checkpoint from a good "
                 "copy or resume from an older one"
             )
-        entry.optimizer.write_subgroup(entry.index, payload[:n])
+        entry.optimizer.store.overwrite(entry.index, payload[:n])
 
     def _where(self, read_item: ReadItem) -> str:
         """'<file> at offset <o> (<key>)' of an entry, for messages."""
@@ -264,8 +270,7 @@ def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> N
                 break
     if problems:
         raise ValueError(
-            "the checkpoint's optimizer state does not fit this optimizer (" + "; ".join(problems) + "): "
-            "resume with the same model, world size and offload.subgroup_numel"
+            "the checkpoint's optimizer state does not fit this optimizer (" + "; ".join(problems) + f"): {LAYOUT_FIX}"
         )
 
 

@@ -1,4 +1,5 @@
-"""The update order and the fetch -> update -> flush pipeline over subgroups.
+"""The fetch -> update -> flush pipeline: moves subgroups between the host cache and the tiers as a
+pass over them (an update, a fill, a save) walks them.
 
 While subgroup i is updated, the next `prefetch` subgroups are being fetched; fetching one into a
 slot whose occupant is dirty first writes the occupant to the tier the placement picks (a lazy flush:
@@ -22,20 +23,6 @@ from .storage.base import Tier, Transfer
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
-
-UPDATE_ORDERS = ("alternating", "fixed")
-
-
-def update_order(num_subgroups: int, step: int, order: str) -> list[int]:
-    """Ascending on even steps and descending on odd ones ("alternating"), or always ascending.
-
-    Alternating keeps what the cache held at the end of step k first in line at step k + 1.
-    """
-    if order not in UPDATE_ORDERS:
-        raise ValueError(f"unknown update order {order!r}: choose one of {UPDATE_ORDERS}")
-    ascending = list(range(num_subgroups))
-    return ascending[::-1] if order == "alternating" and step % 2 else ascending
-
 
 class Placement(Protocol):
     def tier_for(self, sg: int) -> int: ...
@@ -126,7 +113,7 @@ class SubgroupPipeline:
                 sg = order[i]
                 state = self._acquire(sg, load, keep)
                 if dirty:  # before the visit: one that raises part-way may have changed the state
-                    self.cache.dirty.add(sg)
+                    self.cache.mark_dirty(sg)
                 visit(sg, state)
                 self._visited.add(sg)
         except BaseException:

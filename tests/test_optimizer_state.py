@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.dcp_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from fsdp_offload.optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 
 from test_optimizer import SG, SHAPES, budget_for, grads_for, groups, make_params
 
@@ -60,18 +60,18 @@ def states(opt: OffloadAdamW) -> list[torch.Tensor]:
 def test_save_streams_one_subgroup_at_a_time_and_leaves_the_cache(tmp_path, monkeypatch):
     opt, params = build(tmp_path / "a")
     train(opt, params, range(3))
-    resident, dirty = dict(opt.cache.slot_of), set(opt.cache.dirty)
+    resident, dirty = dict(opt.store.cache.slot_of), set(opt.store.cache.dirty)
     buffers: set[int] = set()
-    read = opt.read_subgroup
+    read = opt.store.read
 
     def spy(sg: int, out: torch.Tensor) -> None:
         buffers.add(out.data_ptr())
         read(sg, out)
 
-    monkeypatch.setattr(opt, "read_subgroup", spy)
+    monkeypatch.setattr(opt.store, "read", spy)
     save(opt, tmp_path / "ck")
     assert len(buffers) == 1  # one writer: every subgroup goes through the same buffer, never the whole state
-    assert opt.cache.slot_of == resident and opt.cache.dirty == dirty  # the next step finds what it would have
+    assert opt.store.cache.slot_of == resident and opt.store.cache.dirty == dirty  # the next step finds what it would have
     other, _ = build(tmp_path / "b")
     load(other, tmp_path / "ck")
     assert all(torch.equal(a, b) for a, b in zip(states(opt), states(other)))
@@ -94,7 +94,7 @@ def test_another_layout_is_refused_before_anything_changes(tmp_path):
 def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, monkeypatch):
     opt, params = saved(tmp_path, 3)
     other, other_params = build(tmp_path / "b", lr=0.5)
-    write, calls = other.write_subgroup, []
+    write, calls = other.store.overwrite, []
 
     def failing(sg: int, state: torch.Tensor) -> None:
         calls.append(sg)
@@ -102,12 +102,12 @@ def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, m
             raise OSError(5, "Input/output error")
         write(sg, state)
 
-    monkeypatch.setattr(other, "write_subgroup", failing)
+    monkeypatch.setattr(other.store, "overwrite", failing)
     with pytest.raises(CheckpointException, match="Input/output error"):
         load(other, tmp_path / "ck")
     with pytest.raises(RuntimeError, match="load a state again"):
         train(other, other_params, range(3, 4))
-    monkeypatch.setattr(other, "write_subgroup", write)
+    monkeypatch.setattr(other.store, "overwrite", write)
     load(other, tmp_path / "ck")
     assert other.param_groups[0]["lr"] == 1e-2  # hyperparameters come back with the subgroups
     train(opt, params, range(3, 5))
@@ -162,14 +162,14 @@ def test_a_failed_writer_thread_fails_the_save(tmp_path, monkeypatch):
     checkpoint without their entries; CheckedFileSystemWriter fails the save instead."""
     opt, params = build(tmp_path / "a")
     train(opt, params, range(1))
-    read = opt.read_subgroup
+    read = opt.store.read
 
     def failing_off_main(sg: int, out: torch.Tensor) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise OSError(5, "Input/output error")
         read(sg, out)
 
-    monkeypatch.setattr(opt, "read_subgroup", failing_off_main)
+    monkeypatch.setattr(opt.store, "read", failing_off_main)
     writer = CheckedFileSystemWriter(str(tmp_path / "ck"), thread_count=3)
     with pytest.raises(CheckpointException, match=r"entries were not written \(a writer thread failed"):
         dcp.save({"optim": OffloadOptimizerState(opt)}, storage_writer=writer, planner=StreamingSavePlanner())

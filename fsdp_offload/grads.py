@@ -1,0 +1,161 @@
+"""The step's grads in one room: staged, scaled, clipped and handed to the update.
+
+Backward hands each param's low-precision grad to `StepGrads.stage`, which keeps it in the staging
+buffer (host memory; GPU memory for GPU-resident subgroups). `step()` then asks for the factor every
+grad is multiplied by in flight (1 / loss scale x clip factor, or None when fp16 grads overflowed) and,
+per subgroup, for the grads its update reads. Where those come from is the grad path, chosen once:
+- `HostGrads` ("host_bf16", the default): the staged bf16 grads themselves, upcast in flight by the
+  kernel (MLP-Offload's "skip gradients": no FP32 grad anywhere);
+- `TierFP32Grads` ("tier_fp32", an ablation): DeepSpeed's way, every host subgroup's grads upcast to
+  FP32, written to a tier and read back for its update (8 more bytes of I/O per param and step; the
+  math is unchanged, a bf16 -> FP32 upcast being exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .cache import aligned_host_buffer
+from .config import OffloadConfig
+from .fsdp import CopyStream
+from .loss_scale import DynamicLossScaler
+from .staging import LowpStaging
+from .storage.base import Tier, Transfer
+from .subgroups import SubgroupLayout
+
+
+class HostGrads:
+    """Grads stay low-precision in the staging buffer; the kernel upcasts them in flight."""
+
+    def before_update(self, subgroups: list[int], staging: LowpStaging) -> list[Transfer]:
+        return []
+
+    def for_update(self, sg: int, staging: LowpStaging) -> tuple[torch.Tensor, Transfer | None]:
+        return staging.view(sg), None
+
+
+class TierFP32Grads:
+    """Grads go to a tier as FP32 before the update and come back for it (the DeepSpeed baseline).
+
+    Each subgroup's FP32 grad slot follows the state slots in a tier's file (`slot_bytes`)."""
+
+    def __init__(self, layout: SubgroupLayout, tiers: list[Tier], tier_for) -> None:
+        self.layout, self.tiers, self.tier_for = layout, tiers, tier_for
+        self._first_key = len(layout)
+        self._buffer = aligned_host_buffer(max(self.slot_bytes(layout)))
+        self._tier_of: dict[int, int] = {}
+
+    @staticmethod
+    def slot_bytes(layout: SubgroupLayout) -> list[int]:
+        return [4 * sg.padded for sg in layout.subgroups]
+
+    def _view(self, sg: int) -> torch.Tensor:
+        return self._buffer[: 4 * self.layout.subgroups[sg].padded]
+
+    def before_update(self, subgroups: list[int], staging: LowpStaging) -> list[Transfer]:
+        """Upcasts and writes the staged grads of `subgroups`, one at a time through one buffer."""
+        done = []
+        for sg in subgroups:
+            buf = self._view(sg)
+            buf.view(torch.float32).copy_(staging.view(sg))
+            tier = self.tier_for(sg)
+            done.append(self.tiers[tier].write(self._first_key + sg, buf).result())
+            self._tier_of[sg] = tier
+        return done
+
+    def for_update(self, sg: int, staging: LowpStaging) -> tuple[torch.Tensor, Transfer | None]:
+        """Subgroup `sg`'s FP32 grads, read back (valid until the next read)."""
+        buf = self._view(sg)
+        t = self.tiers[self._tier_of[sg]].read(self._first_key + sg, buf).result()
+        return buf.view(torch.float32), t
+
+
+class StepGrads:
+    """The staged grads of one step, the loss scale, and the clip/unscale factor."""
+
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        staging: LowpStaging,
+        path: HostGrads | TierFP32Grads,
+        local_shapes: list[torch.Size],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+    ) -> None:
+        self.staging = staging
+        self.dtype = staging.dtype
+        self.max_grad_norm = cfg.max_grad_norm
+        self._local_shapes = local_shapes
+        self._group = group
+        self._device = device
+        self.path = path
+        self.loss_scaler = (
+            DynamicLossScaler(cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval)
+            if self.dtype == torch.float16
+            else None
+        )
+        self.last_norm: float | None = None
+
+    @property
+    def staged(self) -> list[bool]:
+        """Which params hold a grad for the next step."""
+        return self.staging.staged
+
+    def stage(self, index: int, grad: torch.Tensor) -> None:
+        if grad.dtype != self.dtype:
+            raise TypeError(
+                f"grad of param {index} (shape {tuple(grad.shape)}) is {grad.dtype}; OffloadAdamW expects "
+                f"{self.dtype} grads (the model's params are {self.dtype})"
+            )
+        if grad.shape != self._local_shapes[index]:
+            raise ValueError(
+                f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
+                f"{tuple(self._local_shapes[index])}"
+            )
+        self.staging.stage(index, grad)
+
+    def stage_param_grads(self, params: list[torch.Tensor], local: list[torch.Tensor | None], copies: CopyStream) -> None:
+        """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
+        with copies.after_current():
+            for i, g in enumerate(local):
+                if g is not None and not self.staged[i]:
+                    self.stage(i, g)
+        copies.wait_host()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def grad_scale(self) -> float | None:
+        """The factor applied to every grad in flight (1 / loss scale x clip factor), or None when the
+        fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
+        if self.max_grad_norm is None and self.loss_scaler is None:
+            return 1.0
+        sq = torch.tensor([self.staging.grad_square_sum()], dtype=torch.float64)
+        if self._group is not None:
+            sq = sq.to(self._device)
+            dist.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
+        total = float(sq.item())
+        unscale = 1.0
+        if self.loss_scaler is not None:
+            unscale = 1.0 / self.loss_scaler.scale  # the scale this backward ran with
+            found_inf = not math.isfinite(total)
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                return None
+        norm = math.sqrt(total) * unscale
+        self.last_norm = norm
+        clip = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        return unscale * clip
+
+    def clear(self) -> None:
+        self.staging.clear()
+
+    def state_dict(self) -> dict | None:
+        return None if self.loss_scaler is None else self.loss_scaler.state_dict()
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if self.loss_scaler is not None and state:
+            self.loss_scaler.load_state_dict(state)

@@ -1,0 +1,202 @@
+"""What the file tiers (posix, kvikio) share: one private file per rank, and each subgroup moved as
+chunk-sized requests that a pool of threads issues in parallel, each chunk with a checksum.
+
+A backend supplies the file and the I/O of one chunk; this module cuts a subgroup into chunks, queues
+them (reads of the next subgroup before writes of the last), checks them and times the transfer.
+Checksums follow where the buffer lives: a CRC32 per chunk on the CPU for host buffers; for CUDA
+buffers (KvikIO only), a sum (mod 2**64) of each chunk's 64-bit words, one reduction on the GPU,
+because a CRC there would need a custom kernel and a CRC on the host would copy the whole subgroup
+back. The sum catches truncation and overwritten bytes, not words swapped within one chunk.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import stat
+import time
+import zlib
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import torch
+
+from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, gather, transfer
+from .spec import TierSpec, io_settings
+
+
+def make_private_dir(root: str, spec: str) -> str:
+    """Returns `root`/fsdp-offload-<uid>, created 0700 and checked to be ours and not a symlink."""
+    if not os.path.exists(root):
+        raise TierError(f"{spec}: tier dir {root} does not exist; create it or pick another path")
+    if not os.path.isdir(root):
+        raise TierError(f"{spec}: {root} is not a directory; give a directory for the tier")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise TierError(f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path")
+    path = os.path.join(root, f"fsdp-offload-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise TierError(f"{spec}: cannot create {path}: {exc.strerror}; check the file system") from exc
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise TierError(
+            f"{spec}: {path} exists but is not a 0700 directory owned by uid {os.getuid()} "
+            "(a symlink or someone else's); remove it"
+        )
+    return path
+
+
+def create_private_file(path: str) -> int:
+    """Creates `path` 0600 for reading and writing: never an existing file, never through a symlink."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+
+
+def _word_sums(flat: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Per-chunk sums (mod 2**64) of a byte buffer's 64-bit words, on the buffer's device."""
+    words = flat.view(torch.int64)
+    per = chunk_bytes // 8
+    full = words.numel() // per
+    sums = [words[: full * per].view(full, per).sum(dim=1)]
+    if words.numel() > full * per:
+        sums.append(words[full * per :].sum().reshape(1))
+    return torch.cat(sums)
+
+
+def _after_queued_work(buf: torch.Tensor) -> Callable[[], None]:
+    """What a chunk job waits for before it touches `buf`: for a CUDA buffer, the work queued on it so
+    far (the backend copies on its own streams, so it must wait for the writer of a buffer it stores
+    and the readers of one it fills); nothing for a host buffer."""
+    if not buf.is_cuda:
+        return lambda: None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(buf.device))
+    return event.synchronize
+
+
+def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
+    return buf.detach().reshape(-1).view(torch.uint8)
+
+
+class ChunkedFileTier(Tier):
+    """A tier that keeps this rank's subgroups in one file under `<dir>/fsdp-offload-<uid>/`.
+
+    A backend supplies `_create` / `_close_file` (its file), `_chunk_source` (a buffer's bytes as it
+    slices them) and `_write_at` / `_read_at` (one chunk; a short file is a CorruptSubgroupError).
+    """
+
+    def __init__(self, spec: TierSpec) -> None:
+        super().__init__(spec.text)
+        self.root = spec.path
+        self.threads, self.chunk_bytes = io_settings(spec)
+        self._path = ""
+        # Per subgroup: ("crc32" | "sum64", one checksum per chunk), as of its last good write.
+        self._sums: dict[int, tuple[str, list[int]]] = {}
+        self._workers: IOWorkers | None = None
+        # Checks the dir at construction so a bad path fails before any training.
+        self._dir = make_private_dir(self.root, self.spec)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    # -- what a backend supplies --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _create(self, total_bytes: int) -> None:
+        """Creates `self._path` (create_private_file), `total_bytes` long, and opens it for I/O."""
+
+    @abc.abstractmethod
+    def _close_file(self) -> bool:
+        """Closes the file; whether one was open."""
+
+    @abc.abstractmethod
+    def _chunk_source(self, key: int, buf: torch.Tensor) -> Any:
+        """`buf`'s bytes, sliced [lo:hi] into the chunks that `_write_at` and `_read_at` take; raises
+        ValueError for a buffer the backend cannot use."""
+
+    @abc.abstractmethod
+    def _write_at(self, key: int, part: Any, file_offset: int) -> None:
+        """Writes all of one chunk of subgroup `key` at `file_offset`."""
+
+    @abc.abstractmethod
+    def _read_at(self, key: int, part: Any, file_offset: int) -> None:
+        """Fills one chunk of subgroup `key` from `file_offset`; CorruptSubgroupError if the file is short."""
+
+    # -- the skeleton -------------------------------------------------------------------------------
+
+    def _open(self, tag: str, total_bytes: int) -> None:
+        self._path = os.path.join(self._dir, f"{tag}.subgroups")
+        self._create(total_bytes)
+        self._workers = IOWorkers(self.threads, self.spec)
+
+    def _submit(self, priority: int, nbytes: int, job: Callable[[int, int], None], done: Callable[[], Transfer]) -> Future:
+        spans = range(0, nbytes, self.chunk_bytes)
+        futs = [self._workers.submit(priority, lambda i=i, lo=lo: job(i, lo)) for i, lo in enumerate(spans)]
+        return gather(futs, done)
+
+    def write(self, key: int, buf: torch.Tensor) -> Future:
+        offset = self._check_slot(key, buf)
+        data = self._chunk_source(key, buf)
+        nbytes, start = buf.numel() * buf.element_size(), time.perf_counter()
+        crcs = [0] * len(range(0, nbytes, self.chunk_bytes))
+        sums = _word_sums(_flat_bytes(buf), self.chunk_bytes) if buf.is_cuda else None  # queued after buf's writer
+        ready = _after_queued_work(buf)
+
+        def write_chunk(i: int, lo: int) -> None:
+            ready()
+            part = data[lo : lo + self.chunk_bytes]
+            if sums is None:
+                crcs[i] = zlib.crc32(part)
+            self._write_at(key, part, offset + lo)
+
+        def done() -> Transfer:  # every chunk has waited for `ready`, so `sums` is computed
+            self._sums[key] = ("crc32", crcs) if sums is None else ("sum64", sums.tolist())
+            return transfer(self.spec, "write", key, nbytes, start)
+
+        return self._submit(WRITE_PRIORITY, nbytes, write_chunk, done)
+
+    def read(self, key: int, buf: torch.Tensor) -> Future:
+        offset = self._check_slot(key, buf)
+        data = self._chunk_source(key, buf)
+        if key not in self._sums:
+            raise TierError(f"{self.spec}: subgroup {key} was never written to {self._path}")
+        kind, expected = self._sums[key]
+        nbytes, start = buf.numel() * buf.element_size(), time.perf_counter()
+        ready = _after_queued_work(buf)
+
+        def corrupted(i: int) -> CorruptSubgroupError:
+            lo = i * self.chunk_bytes
+            return CorruptSubgroupError(
+                f"{self._path}: subgroup {key} is corrupted: checksum mismatch in the "
+                f"{min(self.chunk_bytes, nbytes - lo)} bytes at offset {offset + lo}"
+            )
+
+        def read_chunk(i: int, lo: int) -> None:
+            ready()
+            part = data[lo : lo + self.chunk_bytes]
+            self._read_at(key, part, offset + lo)
+            if kind == "crc32":  # written from host memory: a CUDA buffer is checked on a host copy
+                if zlib.crc32(part.cpu().numpy() if buf.is_cuda else part) != expected[i]:
+                    raise corrupted(i)
+
+        def done() -> Transfer:
+            if kind == "sum64":  # written from a CUDA buffer: one reduction wherever buf lives
+                got = _word_sums(_flat_bytes(buf), self.chunk_bytes).tolist()
+                bad = next((i for i, (g, e) in enumerate(zip(got, expected)) if g != e), None)
+                if bad is not None:
+                    raise corrupted(bad)
+            return transfer(self.spec, "read", key, nbytes, start)
+
+        return self._submit(READ_PRIORITY, nbytes, read_chunk, done)
+
+    def close(self) -> None:
+        if self._workers is not None:
+            self._workers.shutdown()
+            self._workers = None
+        if self._close_file():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)

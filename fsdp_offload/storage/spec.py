@@ -1,0 +1,210 @@
+"""Tier specs: `scheme:path?name=value&...`, parsed and checked once.
+
+    posix:/mnt/nvme?threads=8&request_mb=8       O_DIRECT files under /mnt/nvme
+    kvikio:/mnt/nvme?threads=4&task_mb=8         files moved by KvikIO
+    throttle:posix:/tmp/b?read=1.5GB/s&write=0.8GB/s&latency=2ms
+                                                 a wrapper: another tier, slowed down
+
+A wrapper's path is another tier's spec, and its options other than its own go to that tier
+(`throttle:posix:/x?read=1GB/s&threads=2` wraps `posix:/x?threads=2`). `TierSpec.parse` checks the
+form, every scheme and every option name and value, so a config fails when it is built, naming the
+spec and the fix, not when the tier is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
+from urllib.parse import parse_qsl, urlencode
+
+from .base import ALIGN
+from .throttle import Limits
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """A parsed tier spec. Build it with `TierSpec.parse`, which checks everything."""
+
+    text: str  # the spec as the user wrote it (str(spec) returns it)
+    scheme: str  # "posix" | "kvikio" | "throttle"
+    path: str  # the directory (for a wrapper: the inner spec's text)
+    options: Mapping[str, str] = field(hash=False)  # this scheme's own options, validated
+    inner: TierSpec | None  # the wrapped tier's spec (wrapper schemes), else None
+
+    @classmethod
+    def parse(cls, text: str) -> TierSpec:
+        """Parses and checks `text`; a ValueError names the spec, what is wrong and the fix."""
+        if not isinstance(text, str):
+            raise TypeError(f"a tier spec is a string like 'posix:/mnt/nvme', not {text!r} ({type(text).__name__})")
+        scheme, path, query = _split(text, text)
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True) if query else []
+        except ValueError:
+            raise ValueError(
+                f"tier spec {text!r}: options must be name=value pairs joined by '&' (e.g. "
+                f"'{scheme}:{path}?threads=8'), not {query!r}"
+            ) from None
+        opts = dict(pairs)
+        if len(opts) < len(pairs):
+            twice = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+            raise ValueError(f"tier spec {text!r}: option(s) {twice} given more than once; give each once")
+        known = _known_options(text, text)
+        if set(opts) - known:
+            raise ValueError(f"tier spec {text!r}: unknown option(s) {sorted(set(opts) - known)}; known: {sorted(known)}")
+        kind = SCHEMES[scheme]
+        own = {k: v for k, v in opts.items() if k in kind.options}
+        kind.settings(text, own)  # checks the values
+        inner = None
+        if kind.wraps:
+            passed = {k: v for k, v in opts.items() if k not in kind.options}
+            try:
+                inner = cls.parse(path + (f"?{urlencode(passed)}" if passed else ""))
+            except ValueError as exc:
+                raise ValueError(f"{exc} (in {text!r})") from None
+            path = inner.text
+        return cls(text, scheme, path, MappingProxyType(own), inner)
+
+    @property
+    def dir(self) -> str:
+        """The directory the tier stores its files in, through any wrappers."""
+        return _storage_spec(self).path
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __reduce__(self):  # options is a read-only view, which pickle cannot copy: parse again
+        return (TierSpec.parse, (self.text,))
+
+
+def as_spec(spec: TierSpec | str) -> TierSpec:
+    """`spec`, parsed if it is still text."""
+    return spec if isinstance(spec, TierSpec) else TierSpec.parse(spec)
+
+
+def io_settings(spec: TierSpec) -> tuple[int, int]:
+    """(I/O threads, bytes per request) of the file tier that `spec` stores in, through any wrappers."""
+    base = _storage_spec(spec)
+    return SCHEMES[base.scheme].settings(base.text, base.options)
+
+
+def throttle_limits(spec: TierSpec) -> Limits:
+    """The speeds a `throttle:` spec sets."""
+    if spec.scheme != "throttle":
+        raise ValueError(f"tier spec {spec.text!r} is not a throttle: spec")
+    return _limits(spec.text, spec.options)
+
+
+def _storage_spec(spec: TierSpec) -> TierSpec:
+    while spec.inner is not None:
+        spec = spec.inner
+    return spec
+
+
+def _split(text: str, whole: str) -> tuple[str, str, str]:
+    """`scheme:path?query` -> (scheme, path, query), with the form and the scheme checked; `whole`
+    is the spec that `text` is part of (for messages)."""
+    scheme, sep, rest = text.partition(":")
+    path, _, query = rest.partition("?")
+    if not sep or not path:
+        where = f"tier spec {whole!r}" if text == whole else f"tier spec {whole!r}: {text!r}"
+        raise ValueError(f"{where} is not of the form 'scheme:/path' (e.g. 'posix:/mnt/nvme')")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown tier scheme {scheme!r} in {whole!r}: known schemes are {sorted(SCHEMES)}")
+    return scheme, path, query
+
+
+def _known_options(text: str, whole: str) -> set[str]:
+    """The options that `text`'s query may give: its scheme's and, for a wrapper, the wrapped tier's."""
+    scheme, path, _ = _split(text, whole)
+    kind = SCHEMES[scheme]
+    return set(kind.options) | (_known_options(path, whole) if kind.wraps else set())
+
+
+# -- option values ----------------------------------------------------------------------------------
+
+
+def _number(text: str, name: str, value: str, convert: Callable[[str], float], what: str) -> float:
+    try:
+        number = convert(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise ValueError(f"tier spec {text!r}: {name}={value!r} is not {what} (e.g. {name}=8)")
+    return number
+
+
+def _file_io(size_key: str, size_name: str) -> Callable[[str, Mapping[str, str]], tuple[int, int]]:
+    """The settings of a file tier: `threads=N` and `<size_key>=MiB` per request."""
+
+    def settings(text: str, opts: Mapping[str, str]) -> tuple[int, int]:
+        threads = int(_number(text, "threads", opts.get("threads", "4"), int, "a whole number"))
+        mib = _number(text, size_key, opts.get(size_key, "8"), float, "a number of MiB")
+        if threads < 1:
+            raise ValueError(f"tier spec {text!r}: threads must be >= 1, got {threads}")
+        nbytes = int(mib * (1 << 20))
+        if nbytes <= 0 or nbytes % ALIGN:
+            raise ValueError(
+                f"tier spec {text!r}: {size_name} size of {nbytes} bytes ({size_key}={opts.get(size_key, '8')}) must be a positive "
+                f"multiple of {ALIGN} (1/256 MiB); e.g. {size_key}=8"
+            )
+        return threads, nbytes
+
+    return settings
+
+
+_RATE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+
+
+def parse_rate(spec: str, name: str, text: str) -> float:
+    """'1.5GB/s' -> 1.5e9 bytes/s (also KB, MB, TB, KiB, MiB, GiB, or plain bytes/s)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?i?B)?(?:/s)?\s*", text, re.IGNORECASE)
+    unit = (m.group(2) or "").upper() if m else None
+    if m is None or unit not in _RATE_UNITS:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a rate; write it like {name}=1.5GB/s or {name}=800MiB/s")
+    rate = float(m.group(1)) * _RATE_UNITS[unit]
+    if rate <= 0:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not positive; a tier must move bytes (e.g. {name}=0.5GB/s)")
+    return rate
+
+
+def parse_seconds(spec: str, name: str, text: str) -> float:
+    """'2ms' -> 0.002 (also s, us, or plain seconds)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us)?\s*", text)
+    if m is None:
+        raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a duration; write it like {name}=2ms")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+
+
+THROTTLE_OPTIONS = ("read", "write", "latency")
+
+
+def _limits(text: str, opts: Mapping[str, str]) -> Limits:
+    if not any(k in opts for k in THROTTLE_OPTIONS):
+        raise ValueError(
+            f"tier spec {text!r} limits nothing: give read=, write= and/or latency= "
+            "(e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)"
+        )
+    return Limits(
+        read_bps=parse_rate(text, "read", opts["read"]) if "read" in opts else None,
+        write_bps=parse_rate(text, "write", opts["write"]) if "write" in opts else None,
+        latency_s=parse_seconds(text, "latency", opts["latency"]) if "latency" in opts else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class Scheme:
+    options: tuple[str, ...]  # the option names this scheme takes
+    settings: Callable[[str, Mapping[str, str]], object]  # (spec text, its options) -> typed values, checked
+    wraps: bool = False  # its path is another tier's spec
+
+
+SCHEMES: dict[str, Scheme] = {
+    "posix": Scheme(("threads", "request_mb"), _file_io("request_mb", "request")),
+    "kvikio": Scheme(("threads", "task_mb"), _file_io("task_mb", "task")),
+    "throttle": Scheme(THROTTLE_OPTIONS, _limits, wraps=True),
+}

@@ -1,0 +1,286 @@
+"""SubgroupStore: the one owner of where each subgroup's FP32 state lives.
+
+A subgroup's state ([params | exp_avg | exp_avg_sq], see subgroups.py) lives at one of three levels:
+- GPU memory: the last `gpu_fraction` of the subgroups stay there and are updated there;
+- the host cache: slots under the host budget (cache.py);
+- a tier: one file per rank on each storage path, the tier picked by the placement (placement.py).
+The store builds all three from the config (the memory plan), walks subgroups through them for a pass
+(`run_update` for a step, `visit` for a fill or a save; the pipeline does the moving), reads and
+overwrites one subgroup at a time for checkpoints, and knows when a load has left the state half
+written.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .cache import HostCache, aligned_host_buffer
+from .config import OffloadConfig, format_bytes
+from .pipeline import SubgroupPipeline
+from .placement import make_placement
+from .storage import Tier, Transfer, open_tiers
+from .storage.base import ALIGN
+from .subgroups import SubgroupLayout
+
+Visit = Callable[[int, torch.Tensor], None]
+STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")  # the parts of a subgroup's state, in order
+LAYOUT_FIX = "resume with the same model, world size and offload.subgroup_numel"
+
+
+def size_mismatch(sg: int, got: int, want: int, where: str = "") -> ValueError:
+    """The error for a saved subgroup of the wrong size."""
+    return ValueError(
+        f"{where}subgroup {sg} holds {got} bytes, {want} expected: the checkpoint is truncated, or was written "
+        "for another model, world size or offload.subgroup_numel"
+    )
+
+
+def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torch.device) -> frozenset[int]:
+    """The subgroups whose state stays in GPU memory: the last `fraction` of them, if they fit."""
+    if fraction == 0.0:
+        return frozenset()
+    if device.type != "cuda":
+        raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
+    m = len(layout)
+    chosen = range(m - round(m * fraction), m)
+    # state plus the bf16 grads and params it needs beside it
+    need = sum(layout.subgroups[sg].state_bytes + 2 * layout.subgroups[sg].padded for sg in chosen)
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > 0.9 * free:
+        per_sg = need / max(1, len(chosen))
+        raise ValueError(
+            f"offload.gpu_fraction={fraction} keeps {len(chosen)} of {m} subgroups on the GPU: "
+            f"{format_bytes(need)}, but only {format_bytes(free)} of GPU memory is free; use at most "
+            f"{int(0.9 * free / per_sg) / m:.3f}"
+        )
+    return frozenset(chosen)
+
+
+def host_cache_slots(cfg: OffloadConfig, streamed: int, slot_bytes: int, reserved_bytes: int) -> int:
+    """Host cache slots that the budget allows after `reserved_bytes` (the grad staging), or a clear
+    error when it is too small."""
+    budget = cfg.host_budget_bytes
+    if budget is None:
+        return streamed
+    slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
+    if slots == streamed:
+        return streamed
+    minimum = cfg.prefetch + 1
+    if slots < minimum:
+        raise ValueError(
+            f"offload.host_budget_gb={cfg.host_budget_gb} is below the pipeline's minimum of "
+            f"{format_bytes(reserved_bytes + minimum * slot_bytes)}: {format_bytes(reserved_bytes)} of grad "
+            f"staging + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={cfg.prefetch}; raise the "
+            "budget, or lower subgroup_numel or prefetch"
+        )
+    if not cfg.tiers:
+        raise ValueError(
+            f"offload.host_budget_gb={cfg.host_budget_gb} holds {slots} of {streamed} subgroups and no tier "
+            "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
+            f"{format_bytes(reserved_bytes + streamed * slot_bytes)}"
+        )
+    return slots
+
+
+def _rank_tag() -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+class SubgroupStore:
+    """Every subgroup's FP32 state, at the GPU, host-cache or tier level.
+
+    `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
+    `extra_slot_bytes` are slots a tier file keeps after the subgroups' (the FP32 grad path's);
+    `on_overwrite(sg, masters)` runs after a load overwrote subgroup `sg` (the model's params follow).
+    """
+
+    def __init__(
+        self,
+        cfg: OffloadConfig,
+        layout: SubgroupLayout,
+        gpu_subgroups: frozenset[int],
+        device: torch.device,
+        reserved_host_bytes: int,
+        extra_slot_bytes: list[int],
+        on_overwrite: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        self.layout = layout
+        self.gpu_state = {
+            sg: torch.zeros(layout.subgroups[sg].state_bytes, dtype=torch.uint8, device=device) for sg in sorted(gpu_subgroups)
+        }
+        self.host_subgroups = [sg for sg in range(len(layout)) if sg not in gpu_subgroups]
+        # GPU-resident subgroups are the last ones: the placement and the tiers plan for the ones before them
+        assert self.host_subgroups == list(range(len(self.host_subgroups)))
+        self._on_overwrite = on_overwrite
+        # What close() releases, in reverse: registered as it is made, so a build that fails part-way
+        # deletes tier files too.
+        resources: list = []
+        self._closer = weakref.finalize(self, _close_all, resources)
+        slots = host_cache_slots(cfg, len(self.host_subgroups), layout.slot_bytes, reserved_host_bytes)
+        # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
+        self.cache = HostCache(layout.slot_bytes, slots, pin=False)
+        resources.append(self.cache)
+        self.placement = make_placement(cfg, layout, self.cache.num_slots, len(self.host_subgroups))  # may measure the tiers
+        resources.append(self.placement)  # closing it saves the learned bandwidths
+        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
+        resources.extend(self.tiers)
+        tag = _rank_tag()
+        for t in self.tiers:
+            t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
+        self.pipeline = SubgroupPipeline(layout, self.cache, self.tiers, self.placement, cfg.prefetch)
+        self._loading = False  # a load has begun overwriting subgroups and not finished
+        self._lock_wait_seen: dict[str, float] = {}
+
+    # -- passes over subgroups ----------------------------------------------------------------------
+
+    def run_update(self, order: list[int], update: Visit) -> None:
+        """Calls `update(sg, state)` on every subgroup of `order`: GPU-resident ones first (no I/O), then
+        the others through the host cache and tiers. Its I/O counts towards the step (`take_io`)."""
+        self.require_loaded()
+        for sg in order:
+            if sg in self.gpu_state:
+                update(sg, self.gpu_state[sg])
+        self.pipeline.run([sg for sg in order if sg not in self.gpu_state], update)
+
+    def visit(self, order: list[int], visit: Visit, *, load: bool = True, dirty: bool = True) -> None:
+        """Like `run_update`, for a pass that is not a step (a fill or a gather): its I/O is not counted.
+        `load=False`: the visit overwrites whole states; `dirty=False`: it only reads them."""
+        for sg in order:
+            if sg in self.gpu_state:
+                visit(sg, self.gpu_state[sg])
+        try:
+            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], visit, load=load, dirty=dirty)
+        finally:
+            self.pipeline.take_transfers()
+
+    def fill(self, order: list[int], sources: dict[str, Callable[[int], torch.Tensor]], then: Visit | None = None) -> None:
+        """Overwrites every subgroup, in `order`, from flat per-param FP32 tensors: `sources[key](param)`
+        for each key of STATE_KEYS it has (a missing key: zeros); then calls `then(sg, masters)`."""
+
+        def fill(sg: int, state: torch.Tensor) -> None:
+            state.zero_()
+            parts = self.layout.subgroups[sg].parts(state)
+            for seg in self.layout.subgroups[sg].segments:
+                for key, part in zip(STATE_KEYS, parts):
+                    if key in sources:
+                        part[seg.in_subgroup].copy_(sources[key](seg.param)[seg.in_param])
+            if then is not None:
+                then(sg, parts[0])
+
+        self.visit(order, fill, load=False)
+
+    def gather(self, order: list[int], out: list[dict[str, torch.Tensor]]) -> None:
+        """Copies every subgroup's state, in `order`, into per-param FP32 tensors `out[param][key]`."""
+
+        def gather(sg: int, state: torch.Tensor) -> None:
+            parts = self.layout.subgroups[sg].parts(state)
+            for seg in self.layout.subgroups[sg].segments:
+                for key, part in zip(STATE_KEYS, parts):
+                    out[seg.param][key].view(-1)[seg.in_param].copy_(part[seg.in_subgroup])
+
+        self.require_loaded()
+        self.visit(order, gather, dirty=False)
+
+    def take_io(self) -> tuple[list[Transfer], int]:
+        """The transfers and cache hits since the last call."""
+        return self.pipeline.take_transfers()
+
+    def record_io(self, transfers: list[Transfer]) -> None:
+        """Counts transfers made beside the pipeline (the FP32 grad path's) towards the step."""
+        self.pipeline.transfers.extend(transfers)
+
+    def stored_locations(self) -> dict[int, str]:
+        """Tier name of each subgroup that lives only on a tier now."""
+        return {sg: self.tiers[t].name for sg, t in self.pipeline.location.items() if not self.cache.is_resident(sg)}
+
+    def lock_waits(self) -> dict[str, float]:
+        """Seconds spent waiting for each locked tier's node lock since the last call."""
+        out = {}
+        for t in self.tiers:
+            total = t.lock_wait_s
+            if total is not None:
+                out[t.name] = total - self._lock_wait_seen.get(t.name, 0.0)
+                self._lock_wait_seen[t.name] = total
+        return out
+
+    # -- one subgroup at a time (checkpoints) -------------------------------------------------------
+
+    def read(self, sg: int, out: torch.Tensor) -> None:
+        """Copies subgroup `sg`'s state into `out`, a page-aligned host buffer of its size, from the GPU,
+        the host cache or its tier. The cache is left as it is: the next step finds what it would have."""
+        self.require_loaded()
+        held = self.gpu_state.get(sg)
+        if held is None:
+            held = self.pipeline.resident_state(sg)
+        if held is not None:
+            out.copy_(held)
+        else:
+            self.pipeline.read_stored(sg, out)
+
+    def overwrite(self, sg: int, state: torch.Tensor) -> None:
+        """Replaces subgroup `sg`'s state with `state` (host bytes laid out as `read` gives them), then
+        calls `on_overwrite`. Only between `begin_load` and `end_load`."""
+        if not self._loading:
+            raise RuntimeError("a subgroup is overwritten only during a load: use OffloadOptimizerState with dcp.load")
+        want = self.layout.subgroups[sg].state_bytes
+        if state.dtype != torch.uint8 or state.numel() != want:
+            raise size_mismatch(sg, state.numel() * state.element_size(), want)
+        dest = self.gpu_state.get(sg)
+        if dest is None:
+            dest = self.pipeline.resident_state(sg)
+            if dest is not None:
+                self.cache.mark_dirty(sg)  # newer than its stored copy now
+        if dest is not None:
+            dest.copy_(state)
+        else:
+            dest = state
+            if state.is_cuda or state.data_ptr() % ALIGN:  # O_DIRECT wants page-aligned host memory
+                dest = aligned_host_buffer(want).copy_(state)
+            self.pipeline.store(sg, dest)
+        self._on_overwrite(sg, self.layout.subgroups[sg].parts(dest)[0])
+
+    # -- loads ----------------------------------------------------------------------------------------
+
+    def begin_load(self) -> None:
+        """From here until `end_load`, subgroups are a mix of old and new: passes and reads refuse."""
+        self._loading = True
+
+    def end_load(self) -> None:
+        self._loading = False
+
+    def require_loaded(self) -> None:
+        if self._loading:
+            raise RuntimeError(
+                "loading optimizer state failed part-way, so its subgroups are a mix of old and new; load a "
+                "state again (load_state_dict or a checkpoint) before using it"
+            )
+
+    def layout_signature(self) -> dict:
+        return {"numels": list(self.layout.numels), "subgroup_numel": self.layout.subgroup_numel}
+
+    def check_layout(self, saved: dict) -> None:
+        """Raises when a checkpoint's subgroups were cut from other params than this store's."""
+        mine = self.layout_signature()
+        if saved != mine:
+            raise ValueError(
+                f"the checkpoint's optimizer state was laid out for {len(saved['numels'])} local params of "
+                f"{sum(saved['numels'])} elements in subgroups of {saved['subgroup_numel']}, this rank has "
+                f"{len(mine['numels'])} params of {sum(mine['numels'])} elements in subgroups of "
+                f"{mine['subgroup_numel']}: {LAYOUT_FIX}"
+            )
+
+    def close(self) -> None:
+        """Deletes this rank's tier files and saves what the placement learned."""
+        self._closer()
+
+
+def _close_all(resources: list) -> None:
+    for r in reversed(resources):
+        r.close()
