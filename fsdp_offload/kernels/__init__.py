@@ -35,6 +35,8 @@ def get_adamw_kernel(name: str = "auto") -> tuple[str, AdamWKernel]:
         from .cpu_adamw import load_fused_adamw
 
         return "fused", load_fused_adamw()
+    except ValueError:  # a bad FSDP_OFFLOAD_CPU_ISA is the user's to fix, not a reason to fall back
+        raise
     except Exception as exc:  # build or import failure: reported, never hidden
         if name == "fused":
             raise RuntimeError(f"the fused CPU AdamW kernel is not available: {exc}") from exc

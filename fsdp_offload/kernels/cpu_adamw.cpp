@@ -12,7 +12,9 @@
 //   denom = sqrt(v) / bc2_sqrt + eps                     sqrt is MKL's vmsSqrt, as torch.sqrt's is
 //   p = p + (-step_size * m) / denom                     addcdiv_(): no FMA possible
 // Every scalar is a double computed in Python, cast to float here as torch casts it. The file is
-// built with -ffp-contract=off so that the compiler adds no FMA that torch does not have.
+// built with -ffp-contract=off so that the compiler adds no FMA that torch does not have. Each op but
+// MKL's sqrt is a correctly rounded IEEE op, in the same order on the AVX-512, AVX2 and scalar paths,
+// so the three give the same bits, with either sqrt.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
@@ -32,9 +34,10 @@
 #endif
 
 // MKL's vector sqrt, which libtorch_cpu exports in MKL builds. torch.sqrt on FP32 calls it, and it
-// is not correctly rounded (about 1 element in 150 is 1 ulp off), so matching torch bit for bit
-// means calling it too. Weak: in a torch without MKL it stays null and the hardware sqrt (correctly
-// rounded, as torch's own is then) takes over.
+// is not correctly rounded: up to 1 ulp off, in a share of elements that depends on the code path MKL
+// picks for the CPU (about 1 in 150 on the AVX-512 CI machine, 1 in 5 on an AVX2-only AMD EPYC), so
+// matching torch bit for bit means calling it too. Weak: in a torch without MKL it stays null and the
+// hardware sqrt (correctly rounded, as torch's own is then) takes over.
 extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
 // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode ATen/cpu/vml.h passes.
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;

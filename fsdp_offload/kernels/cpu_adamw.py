@@ -1,10 +1,15 @@
 """Fused CPU AdamW: cpu_adamw.cpp, built on first use with torch.utils.cpp_extension.
 
 One pass over a segment reads the bf16/fp16/fp32 grad and the FP32 param/exp_avg/exp_avg_sq and writes
-the FP32 state and the low-precision params, with AVX-512 or AVX2 (picked at run time) over OpenMP
+the FP32 state and the low-precision params, with AVX-512, AVX2 or plain scalar code over OpenMP
 threads. Its results are bit-identical to `torch_adamw_step` on this torch build: the C++ repeats
-torch's CPU arithmetic op for op, including torch's MKL sqrt (see the top of cpu_adamw.cpp). The build
-is cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+torch's CPU arithmetic op for op, including torch's MKL sqrt (see the top of cpu_adamw.cpp). All three
+instruction sets give the same bits. The build is cached in torch's extensions directory
+($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+
+The instruction set is the best this CPU has unless one is asked for: `load_fused_adamw(isa="avx2")`,
+or for the default of a whole process (a benchmark, a training run), $FSDP_OFFLOAD_CPU_ISA=avx2. Either
+refuses, with ValueError, an ISA the CPU lacks.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from .contract import adamw_scalars, check_adamw_args
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 EXTENSION_NAME = "fsdp_offload_cpu_adamw"
-ISAS = ("avx512", "avx2", "scalar")
+ISAS = ("avx512", "avx2", "scalar")  # best first
+# What each ISA needs of the CPU (what cpu_adamw.cpp's isa_supported checks).
+ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma", "f16c"), "scalar": ()}
+ISA_ENV = "FSDP_OFFLOAD_CPU_ISA"  # the default ISA of load_fused_adamw, read on each call
 # No -ffast-math, and no FMA contraction: the C++ writes each FMA that torch's kernels have, no other.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 
@@ -117,20 +125,33 @@ class FusedCpuAdamW:
         )  # fmt: skip
 
 
+def supported_isas() -> tuple[str, ...]:
+    """The ISAs this CPU can run, best first (builds the extension once)."""
+    extension = load_extension()
+    return tuple(isa for isa in ISAS if extension.isa_supported(isa))
+
+
 def load_fused_adamw(isa: str | None = None, mkl_sqrt: bool | None = None) -> FusedCpuAdamW:
     """Builds (once) and returns the fused kernel.
 
-    `isa` defaults to the best this CPU has (avx512 > avx2 > scalar); `mkl_sqrt` defaults to True when
-    torch has MKL (then results are bit-exact with the torch path). Raises RuntimeError saying why
-    when the extension cannot be built or the asked-for ISA is missing.
+    `isa` (avx512 | avx2 | scalar) defaults to $FSDP_OFFLOAD_CPU_ISA, else to the best this CPU has;
+    one the CPU lacks raises ValueError. `mkl_sqrt` defaults to True when torch has MKL (then results
+    are bit-exact with the torch path). Raises RuntimeError saying why when the extension cannot be
+    built, or when MKL's sqrt is asked for and torch has none.
     """
     extension = load_extension()
-    isa = isa or extension.best_isa()
+    source = "isa"
+    if isa is None and os.environ.get(ISA_ENV):
+        isa, source = os.environ[ISA_ENV], f"${ISA_ENV}"
+    if isa is None:
+        isa = extension.best_isa()
     if isa not in ISAS:
-        raise ValueError(f"unknown ISA {isa!r}: choose one of {', '.join(ISAS)}")
+        raise ValueError(f"{source}={isa!r} is no ISA of the fused CPU AdamW: choose {', '.join(ISAS)}")
     if not extension.isa_supported(isa):
-        best = extension.best_isa()
-        raise RuntimeError(f"this CPU lacks the {isa} instructions (the best it has: {best})")
+        raise ValueError(
+            f"{source}={isa!r}: this CPU lacks the {isa} instructions (needs {' '.join(ISA_FEATURES[isa])}); "
+            f"it has {', '.join(supported_isas())}: pick one of those, or leave it unset for the best"
+        )
     has_mkl = extension.has_mkl_sqrt()
     if mkl_sqrt and not has_mkl:
         raise RuntimeError("this torch build has no MKL (libtorch_cpu exports no vmsSqrt)")
