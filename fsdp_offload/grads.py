@@ -1,9 +1,12 @@
 """The step's grads in one room: staged, scaled, clipped and handed to the update.
 
 Backward hands each param's low-precision grad to `StepGrads.stage`, which keeps it in the staging
-buffer (host memory; GPU memory for GPU-resident subgroups). `step()` then asks for the factor every
-grad is multiplied by in flight (1 / loss scale x clip factor, or None when fp16 grads overflowed) and,
-per subgroup, for the grads its update reads. Where those come from is the grad path, chosen once:
+buffer (host memory; GPU memory for GPU-resident subgroups) and, when the step clips or checks fp16
+grads, takes its sum of squares where the grad already is (on the GPU, in the hook, during backward).
+`step()` then asks for the factor every grad is multiplied by in flight (1 / loss scale x clip
+factor, or None when fp16 grads overflowed): one all-reduce of one scalar, no pass over the grads.
+Per subgroup it asks for the grads its update reads. Where those come from is the grad path, chosen
+once:
 - `HostGrads` ("host_bf16", the default): the staged bf16 grads themselves, upcast in flight by the
   kernel (MLP-Offload's "skip gradients": no FP32 grad anywhere);
 - `TierFP32Grads` ("tier_fp32", an ablation): DeepSpeed's way, every host subgroup's grads upcast to
@@ -25,6 +28,19 @@ from .loss_scale import DynamicLossScaler
 from .staging import LowpStaging
 from .storage.base import Tier, Transfer
 from .subgroups import SubgroupLayout
+
+_NORM_CHUNK = 1 << 22  # elements upcast at a time: bounds the FP64 temporary (32 MiB)
+
+
+def square_sum(flat: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a flat tensor, accumulated in FP64 chunk by chunk, as a 0-dim FP64 tensor on
+    its device (inf/nan if any element is). FP64 keeps the clip factor the same to the bit however
+    params are sharded: the rounding it leaves is far below what a float32 clip factor can show."""
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for lo in range(0, flat.numel(), _NORM_CHUNK):
+        chunk = flat[lo : lo + _NORM_CHUNK].double()
+        total += torch.dot(chunk, chunk)
+    return total
 
 
 class HostGrads:
@@ -98,6 +114,11 @@ class StepGrads:
             else None
         )
         self.last_norm: float | None = None
+        # Each param's grad's sum of squares, taken as it is staged; summed in param order at the step,
+        # so the norm does not depend on subgroup cuts, cache state or timing.
+        needs_norm = self.max_grad_norm is not None or self.loss_scaler is not None
+        self._square_sums = torch.zeros(len(local_shapes), dtype=torch.float64, device=device) if needs_norm else None
+        self._accumulated: set[int] = set()  # staged twice or more: the sum is of the accumulated grad, at the step
 
     @property
     def staged(self) -> list[bool]:
@@ -115,7 +136,13 @@ class StepGrads:
                 f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
                 f"{tuple(self._local_shapes[index])}"
             )
+        accumulating = self.staged[index]
         self.staging.stage(index, grad)
+        if self._square_sums is not None:
+            if accumulating:
+                self._accumulated.add(index)
+            else:
+                self._square_sums[index] = square_sum(grad.reshape(-1))
 
     def stage_param_grads(self, params: list[torch.Tensor], local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
@@ -131,11 +158,12 @@ class StepGrads:
     def grad_scale(self) -> float | None:
         """The factor applied to every grad in flight (1 / loss scale x clip factor), or None when the
         fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
-        if self.max_grad_norm is None and self.loss_scaler is None:
+        if self._square_sums is None:
             return 1.0
-        sq = torch.tensor([self.staging.grad_square_sum()], dtype=torch.float64)
+        for i in self._accumulated:
+            self._square_sums[i] = square_sum(self.staging.param_grad(i).to(self._device))
+        sq = self._square_sums.sum().reshape(1)
         if self._group is not None:
-            sq = sq.to(self._device)
             dist.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
         total = float(sq.item())
         unscale = 1.0
@@ -152,6 +180,9 @@ class StepGrads:
 
     def clear(self) -> None:
         self.staging.clear()
+        self._accumulated.clear()
+        if self._square_sums is not None:
+            self._square_sums.zero_()
 
     def state_dict(self) -> dict | None:
         return None if self.loss_scaler is None else self.loss_scaler.state_dict()

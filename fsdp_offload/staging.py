@@ -13,7 +13,6 @@ from .cache import host_buffer, unpin
 from .subgroups import Segment, SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
-_NORM_CHUNK = 1 << 22
 
 
 class LowpStaging:
@@ -74,19 +73,10 @@ class LowpStaging:
                 dst.copy_(src, non_blocking=src.is_cuda)
         self.staged[param] = True
 
-    def grad_square_sum(self) -> float:
-        """Sum of squares of the staged grads in FP64, chunk by chunk (inf/nan if any grad is).
-
-        FP64 makes the clip factor independent of how params are cut into subgroups and ranks."""
-        total = 0.0
-        for param, staged in enumerate(self.staged):
-            if not staged:
-                continue
-            for piece, _ in self._pieces[param]:
-                for lo in range(0, piece.numel(), _NORM_CHUNK):
-                    chunk = piece[lo : lo + _NORM_CHUNK].double()
-                    total += float(torch.dot(chunk, chunk))
-        return total
+    def param_grad(self, param: int) -> torch.Tensor:
+        """Param `param`'s staged grad as one flat tensor (a copy when it spans subgroups)."""
+        pieces = [piece for piece, _ in self._pieces[param]]
+        return pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
 
     def copy_params_to_model(self, sg: int, params: list[torch.Tensor]) -> None:
         """Copies subgroup `sg`'s updated low-precision params into the model's local param data."""

@@ -355,3 +355,28 @@ def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_pa
         ref_opt.step()
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()
+
+
+def test_clip_norm_is_taken_per_param_as_grads_arrive():
+    """The grad norm is each param's FP64 sum of squares, taken as its grad is staged (as the hook
+    does in backward) and summed in param order; an accumulated grad's is taken at the step from what
+    accumulated. Same value as the same sums taken on the grads directly; the update is clipped by it."""
+    from fsdp_offload.grads import square_sum
+
+    params = [torch.nn.Parameter(t) for t in make_params()]
+    opt = OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, max_grad_norm=0.05))
+    once, twice = grads_for(0), grads_for(1)
+    for i, g in enumerate(once):
+        opt.stage_grad(i, g)
+    opt.step()
+    want = torch.stack([square_sum(g.reshape(-1)) for g in once]).sum()
+    assert opt.last_grad_norm == float(want.sqrt()) > 0.05  # the clip bites
+    assert opt.last_grad_norm == pytest.approx(sum(float(g.double().square().sum()) for g in once) ** 0.5, rel=1e-12)
+    opt.zero_grad()
+    for i, (a, b) in enumerate(zip(once, twice)):
+        opt.stage_grad(i, a)
+        opt.stage_grad(i, b)  # accumulates in bf16, as autograd would
+    opt.step()
+    accumulated = [a.clone().add_(b) for a, b in zip(once, twice)]
+    assert opt.last_grad_norm == float(torch.stack([square_sum(g.reshape(-1)) for g in accumulated]).sum().sqrt())
+    opt.close()
