@@ -50,6 +50,7 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int | None = None  # threads of the CPU update; null: the node's physical cores / local ranks
     log_every: int = 1
     metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
     progress: bool = True
@@ -96,11 +97,28 @@ def init_distributed(device: str) -> torch.device:
     return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
-def cpu_threads_per_rank() -> int:
-    """The CPU cores this process may use divided among the node's ranks. torchrun sets one OpenMP
-    thread per rank when it starts several, which would leave the CPU update on one core each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings count once): OpenMP threads on
+    sibling hyperthreads slow the CPU update down rather than up."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def cpu_threads_per_rank(threads: int | None) -> int:
+    """`train.cpu_threads`, or the node's physical cores divided among its ranks. torchrun sets one
+    OpenMP thread per rank when it starts several, which would leave the CPU update on one core each."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"train.cpu_threads={threads} must be >= 1 (null: the physical cores per local rank)")
+        return threads
+    return max(1, physical_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def rng_state() -> dict:
@@ -135,7 +153,7 @@ def train(cfg: DictConfig) -> list[dict]:
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(cpu_threads_per_rank())
+    torch.set_num_threads(cpu_threads_per_rank(tcfg.cpu_threads))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
