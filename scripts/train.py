@@ -153,7 +153,12 @@ def train(cfg: DictConfig) -> list[dict]:
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(cpu_threads_per_rank(tcfg.cpu_threads))
+    threads = cpu_threads_per_rank(tcfg.cpu_threads)
+    if threads != torch.get_num_threads():
+        # Only when it changes the count: torch.set_num_threads also turns MKL's dynamic threading off,
+        # and then the fused kernel's MKL sqrt, called inside its OpenMP loop, oversubscribes the cores
+        # (the CPU update ran 2x slower on nvidia-h100-x1 at the same 16 threads).
+        torch.set_num_threads(threads)
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
