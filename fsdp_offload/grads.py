@@ -144,7 +144,7 @@ class StepGrads:
             else:
                 self._square_sums[index] = square_sum(grad.reshape(-1))
 
-    def stage_param_grads(self, params: list[torch.Tensor], local: list[torch.Tensor | None], copies: CopyStream) -> None:
+    def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
         with copies.after_current():
             for i, g in enumerate(local):

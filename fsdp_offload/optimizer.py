@@ -210,8 +210,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _begin_step(self, start: float) -> bool:
         """Stages what backward left, writes the FP32 grads (that path only), takes the grad scale and
         counts the Adam steps; False when fp16 grads overflowed and the step is skipped."""
-        self.grads.stage_param_grads(self._params, [None if p.grad is None else local_data(p.grad) for p in self._params],
-                                     self._copies)  # fmt: skip
+        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
         staged = self.grads.staged
         if not any(staged):
             raise RuntimeError("step() called before any backward: no param has a grad")
