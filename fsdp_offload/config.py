@@ -22,6 +22,7 @@ GIB = 1 << 30
 PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
+OVERLAPS = ("next_forward", "none")
 
 
 @dataclass
@@ -35,8 +36,15 @@ class OffloadConfig:
     subgroup_numel: int = 100 * (1 << 20)
     # Subgroups fetched ahead of the one being updated.
     prefetch: int = 2
-    # "alternating" (ascending on even steps, descending on odd) or "fixed" (always ascending).
-    update_order: str = "alternating"
+    # "forward" (subgroups in memory first, then the ones to read, each in the order the forward needs
+    # them), "alternating" (MLP-Offload: ascending on even steps, descending on odd) or "fixed" (always
+    # ascending: the ablation baseline). See order.py.
+    update_order: str = "forward"
+    # "next_forward": step() starts the update on a worker thread and returns; each FSDP unit's next
+    # forward waits only for the subgroups holding its params. "none": step() returns when every param
+    # is updated (for debugging). Needs model= (without it there is no forward to hook: the step is
+    # synchronous).
+    overlap: str = "next_forward"
     # Low-precision dtype of the model's params and grads: "bfloat16" or "float16".
     param_dtype: str = "bfloat16"
     # AdamW kernel: "auto" (fused C++ if it builds, else torch), "fused" or "torch".
@@ -73,7 +81,7 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         choices = {"update_order": UPDATE_ORDERS, "param_dtype": PARAM_DTYPES, "kernel": KERNEL_NAMES,
-                   "grad_path": GRAD_PATHS, "placement": PLACEMENTS}  # fmt: skip
+                   "grad_path": GRAD_PATHS, "placement": PLACEMENTS, "overlap": OVERLAPS}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")

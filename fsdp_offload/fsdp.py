@@ -2,9 +2,10 @@
 
 A post-accumulate-grad hook on each sharded param copies its bf16 grad shard into the optimizer's
 pinned staging buffer on a side stream (after FSDP's reduce-scatter stream) and frees the GPU grad.
-After the step, the new bf16 params go back on the same stream, and the root module's next
-all-gather waits on an event recorded there (`set_post_optim_event`). On CPU (gloo) the copies are
-plain synchronous ones.
+After the step, the new bf16 params go back on the same stream. With the update overlapped, a forward
+pre-hook on each FSDP unit, ahead of FSDP's own, waits for the subgroups that hold that unit's params
+before FSDP all-gathers them; with a synchronous step, the root's next all-gather waits on one event
+(`set_post_optim_event`). On CPU (gloo) the copies are plain synchronous ones.
 """
 
 from __future__ import annotations
@@ -38,6 +39,21 @@ class CopyStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
             yield
+
+    @contextlib.contextmanager
+    def after(self, event: torch.cuda.Event | None) -> Iterator[None]:
+        """Runs the block, on whatever thread, with the side stream as its current stream, ordered
+        after `event` (recorded with `mark_current`)."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_event(event)
+        with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
+            yield
+
+    def mark_current(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the caller's current stream."""
+        return None if self.stream is None else torch.cuda.current_stream(self.stream.device).record_event()
 
     def wait_host(self) -> None:
         """Blocks until every copy queued on the side stream has landed."""
@@ -101,3 +117,44 @@ def mesh_group(params: list[torch.Tensor]) -> torch.distributed.ProcessGroup | N
         if isinstance(p, DTensor):
             return p.device_mesh.get_group()
     return None
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+    """The model's FSDP units in module order (the root first, as the forward all-gathers them): the
+    modules that share one FSDP state (one `fully_shard` call), with the params that unit manages
+    itself (not those of units inside it)."""
+    states: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            states.setdefault(id(m._get_fsdp_state()), []).append(m)
+    claimed: set[int] = set()
+    units = []
+    for modules in reversed(list(states.values())):  # inner units first: a param is its innermost unit's
+        own = [p for m in modules for p in m.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        units.append((modules, list({id(p): p for p in own}.values())))
+    return units[::-1]
+
+
+def forward_prefetched(module: nn.Module) -> list[nn.Module]:
+    """Modules whose all-gather FSDP starts in `module`'s pre-forward (`set_modules_to_forward_prefetch`)."""
+    states = getattr(module._get_fsdp_state(), "_states_to_forward_prefetch", None) or []
+    return [m for state in states for m in state._modules]
+
+
+def install_forward_waits(units: list[list[nn.Module]], wait: Callable[[int], None]) -> list:
+    """Forward pre-hooks, run before FSDP's own, that call `wait(unit)` before FSDP all-gathers the
+    params of `unit` (and of the units it prefetches)."""
+    unit_of = {id(m): u for u, modules in enumerate(units) for m in modules}
+
+    def make_hook(unit: int, module: nn.Module) -> Callable:
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            wait(unit)
+            for other in forward_prefetched(module):
+                if id(other) in unit_of:
+                    wait(unit_of[id(other)])
+
+        return hook
+
+    return [m.register_forward_pre_hook(make_hook(u, m), prepend=True) for u, modules in enumerate(units) for m in modules]
+

@@ -46,6 +46,14 @@ class StepMetrics:
     subgroups_per_tier: dict[str, int] = field(default_factory=dict)  # where stored copies live
     skipped: bool = False  # fp16 overflow: the step changed nothing
     lock_wait_s: dict[str, float] = field(default_factory=dict)  # time waiting for node-level tier locks
+    # The part of update_s the training loop waited for: step() itself, plus, with the update
+    # overlapped, the next forward's waits for its subgroups. None until the update has finished.
+    exposed_update_s: float | None = None
+
+    @property
+    def overlap_s(self) -> float | None:
+        """Update time hidden behind the training loop's own work."""
+        return None if self.exposed_update_s is None else max(0.0, self.update_s - self.exposed_update_s)
 
     @property
     def update_mparams_per_s(self) -> float:
@@ -60,6 +68,7 @@ class StepMetrics:
         d = asdict(self)
         d["update_mparams_per_s"] = self.update_mparams_per_s
         d["effective_io_gbps"] = self.effective_io_gbps
+        d["overlap_s"] = self.overlap_s
         return d
 
     def log(self) -> None:

@@ -2,12 +2,14 @@
 
 The model keeps bf16 (or fp16) params; the optimizer keeps their FP32 masters and the Adam moments in
 subgroups that a `SubgroupStore` keeps on the GPU, in a host cache or on storage tiers. Each step
-updates the subgroups in alternating order from the low-precision grads (`StepGrads`), upcast in
-flight, and copies the new low-precision params back into the model.
+updates the subgroups (in the order order.py gives) from the low-precision grads (`StepGrads`),
+upcast in flight, and copies the new low-precision params back into the model; with an FSDP2 model
+it does so on a worker thread while the next forward runs (`UpdateInFlight`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -15,11 +17,15 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .config import OffloadConfig
-from .fsdp import CopyStream, check_sharded_params, install_grad_hooks, local_data, mesh_group, root_fsdp_module
+from .fsdp import (
+    CopyStream, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
+    root_fsdp_module,
+)  # fmt: skip
 from .grads import HostGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
 from .metrics import StepMetrics, step_metrics
-from .order import order_ending_with, update_order
+from .order import forward_order, order_ending_with, update_order
+from .overlap import UpdateInFlight
 from .staging import LowpStaging
 from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
 from .subgroups import SubgroupLayout
@@ -65,9 +71,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._check_params()
         self._root = None
+        units = []
         if model is not None:
             self._root = root_fsdp_module(model)
             check_sharded_params(model, self._params)
+            units = fsdp_units(model)
         elif any(hasattr(p, "device_mesh") for p in self._params):
             raise ValueError(
                 "the params are FSDP2-sharded DTensors: pass model=model so OffloadAdamW can cast the model "
@@ -76,6 +84,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
+        index = {id(p): i for i, p in enumerate(self._params)}
+        unit_subgroups = [
+            frozenset(sg for p in params if id(p) in index for sg, _ in self.layout.param_segments[index[id(p)]])
+            for _, params in units
+        ]
+        self._forward = forward_order(unit_subgroups, len(self.layout))
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
         on_gpu = gpu_resident_subgroups(self.layout, cfg.gpu_fraction, device)
         if on_gpu:
@@ -88,11 +102,14 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store = SubgroupStore(
                 cfg, self.layout, on_gpu, device, staging.nbytes,
                 TierFP32Grads.slot_bytes(self.layout) if fp32_grads else [], self._load_params_from_master,
+                self._forward,
             )  # fmt: skip
         except BaseException:
             staging.close()  # its pinned pages, before the memory can be reused
             raise
-        self._closer = weakref.finalize(self, _close_all, [staging, self.store])
+        # None: step() updates every subgroup before it returns
+        self._inflight = UpdateInFlight(unit_subgroups) if units and cfg.overlap == "next_forward" else None
+        self._closer = weakref.finalize(self, _close_all, [staging, self.store, self._inflight])
         path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else HostGrads()
         self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], mesh_group(self._params), device)
         self._copies = CopyStream(device)
@@ -102,7 +119,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._pending: list[int] | None = None  # subgroups left of a step that raised
         self._unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
         self._pending_scale = 1.0
-        self.last_metrics: StepMetrics | None = None
+        self._hyper: list[dict[str, float]] = []  # each group's hyperparameters, taken when the step began
+        self._after_backward = None  # CUDA event after the work queued before step(): the update's copies follow it
+        self._begin_s = 0.0  # time step() took before the update could start
+        self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
+        self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
 
         masters = [t.detach().reshape(-1) for t in locals_]
@@ -110,6 +131,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if model is not None:
             model.to(self.param_dtype)  # FSDP2 re-points its sharded storage (FSDPModule._apply)
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
+            if self._inflight is not None:
+                self._hooks += install_forward_waits([modules for modules, _ in units], self._inflight.wait_unit)
         else:
             for p in self._params:
                 p.data = p.data.to(self.param_dtype)
@@ -154,6 +177,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the staging buffer (hooks call this)."""
+        if self._inflight is not None and self._inflight.busy:
+            self.finish_update()  # the update writes the new params where the grads go
         if self._pending is not None:
             raise RuntimeError(
                 f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
@@ -163,8 +188,8 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if self._pending is None:
-            self.grads.clear()
+        if self._pending is None and not (self._inflight is not None and self._inflight.busy):
+            self.grads.clear()  # (an update in flight clears them when it ends)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""
@@ -174,16 +199,50 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Updates every subgroup. If it raises (an I/O error, say), nothing is lost: the next call
-        finishes the same step from the subgroup where it stopped."""
+        """Updates every subgroup: with the update overlapped, on a worker thread, returning at once
+        (the next forward waits per FSDP unit for its params; `finish_update` waits for all of it).
+        If the update raises (an I/O error, say), nothing is lost: the error surfaces where it is
+        waited for, and the next call finishes the same step from the subgroup where it stopped."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.finish_update()
         start = time.perf_counter()
         self.store.require_loaded()
         if self._pending is None and not self._begin_step(start):
             return loss  # fp16 overflow: no state was touched
+        self._begin_s = time.perf_counter() - start
+        if self._inflight is None:
+            self._update(start)
+            self._publish_metrics(0.0)
+        else:
+            self._after_backward = self._copies.mark_current()
+            self._inflight.start(lambda: self._update(start))
+        return loss
+
+    def finish_update(self) -> None:
+        """Waits until the update of the last step has finished and its params are in the model;
+        raises its error, if it had one. Saves, loads and the next step call it themselves."""
+        if self._inflight is None or not self._inflight.busy:
+            return
+        try:
+            self._inflight.finish()
+        finally:
+            self._publish_metrics(self._inflight.waited_s)
+
+    def _publish_metrics(self, waited_s: float) -> None:
+        m, self._finished = self._finished, None
+        if m is None:
+            return  # the update raised before it ended
+        m.exposed_update_s = m.update_s if self._inflight is None else self._begin_s + waited_s
+        m.lock_wait_s = self.store.lock_waits()
+        self.last_metrics = m
+        m.log()
+
+    @torch.no_grad()  # grad mode is per thread: this may run on the update's own
+    def _update(self, start: float) -> None:
+        """Updates the subgroups of `_pending` and copies their params back into the model."""
         params = [local_data(p) for p in self._params]
         updated: set[int] = set()
 
@@ -191,21 +250,25 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._update_subgroup(sg, state, self._pending_scale)
             updated.add(sg)  # its state is new now: a retry must not update it again
             self._unwritten.add(sg)
-            with self._copies.after_current():
-                self.grads.staging.copy_params_to_model(sg, params)
-            self._unwritten.discard(sg)
+            self._copy_back(sg, params)
 
-        try:
-            for sg in sorted(self._unwritten):  # params a failed try updated but did not copy back
-                with self._copies.after_current():
-                    self.grads.staging.copy_params_to_model(sg, params)
-                self._unwritten.discard(sg)
-            self.store.run_update(self._pending, update)
-        finally:
-            self._pending = [sg for sg in self._pending if sg not in updated] or None
-            self._params_written()
-        self._finish_step(start)
-        return loss
+        with self._copies.after(self._after_backward) if self._inflight is not None else contextlib.nullcontext():
+            try:
+                for sg in sorted(self._unwritten):  # params a failed try updated but did not copy back
+                    self._copy_back(sg, params)
+                self.store.run_update(self._pending, update)
+            finally:
+                self._pending = [sg for sg in self._pending if sg not in updated] or None
+                if self._inflight is None:
+                    self._params_written()
+            self._finish_step(start)
+
+    def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
+        with self._copies.after_current():
+            self.grads.staging.copy_params_to_model(sg, params)
+        self._unwritten.discard(sg)
+        if self._inflight is not None:
+            self._inflight.params_ready(sg, self._copies.record())
 
     def _begin_step(self, start: float) -> bool:
         """Stages what backward left, writes the FP32 grads (that path only), takes the grad scale and
@@ -222,11 +285,18 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.grads.clear()
             self.last_metrics = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
             self.last_metrics.skipped = True
+            self.last_metrics.exposed_update_s = self.last_metrics.update_s
             return False
         for i, has in enumerate(staged):
             self._steps[i] += has
         self._pending_scale = scale
-        self._pending = update_order(len(self.layout), self.step_count, self.offload.update_order)
+        # taken now: a scheduler may change them while the update runs
+        self._hyper = [
+            {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+             "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
+            for g in self.param_groups
+        ]  # fmt: skip
+        self._pending = update_order(self._forward, self.step_count, self.offload.update_order, self.store.resident())
         return True
 
     def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
@@ -243,13 +313,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         for seg in subgroup.segments:
             if not staged[seg.param]:
                 continue
-            group = self.param_groups[self._group_of[seg.param]]
-            beta1, beta2 = group["betas"]
             piece = seg.in_subgroup
             kernel(
                 p[piece], m[piece], v[piece], g[piece], out[piece],
-                lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]), step=self._steps[seg.param], grad_scale=grad_scale,
+                **self._hyper[self._group_of[seg.param]], step=self._steps[seg.param], grad_scale=grad_scale,
             )  # fmt: skip
 
     def _params_written(self) -> None:
@@ -265,16 +332,15 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _finish_step(self, start: float) -> None:
         transfers, hits = self.store.take_io()
         updated = sum(n for n, has in zip(self.layout.numels, self.grads.staged) if has)
-        self.last_metrics = step_metrics(
+        self._finished = step_metrics(
             self.step_count, time.perf_counter() - start, updated, len(self.layout), hits, transfers,
             self.store.stored_locations(),
         )  # fmt: skip
-        self.last_metrics.lock_wait_s = self.store.lock_waits()
-        self.last_metrics.log()
         self.step_count += 1
         self.grads.clear()
 
     def _check_no_pending_step(self) -> None:
+        self.finish_update()
         if self._pending is not None:
             raise RuntimeError(
                 f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left); "
@@ -286,7 +352,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _pass_order(self) -> list[int]:
         """The order of a pass that is not a step (a fill, a gather): it leaves the host cache holding
         what the next step needs first."""
-        return order_ending_with(len(self.layout), self.step_count, self.offload.update_order)
+        return order_ending_with(self._forward, self.step_count, self.offload.update_order)
 
     @torch.no_grad()
     def _load_params_from_master(self, sg: int, master: torch.Tensor) -> None:
@@ -390,10 +456,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._end_load(meta["param_groups"], meta["steps"], meta["offload"])
 
     def close(self) -> None:
-        """Deletes this rank's tier files and releases pinned memory."""
-        self._closer()
+        """Waits for the update in flight, then deletes this rank's tier files and releases pinned memory."""
+        try:
+            self.finish_update()
+        finally:
+            self._closer()
 
 
 def _close_all(resources: list) -> None:
     for r in reversed(resources):
-        r.close()
+        if r is not None:
+            r.close()

@@ -115,9 +115,10 @@ class BandwidthModel:
 class StepTraffic:
     """Which subgroups each kind of step reads from and writes to the tiers, in steady state.
 
-    With alternating order there are two kinds of step (ascending, descending); with fixed order one.
-    A step in order O whose cache of C slots holds O[:C] when it starts (alternating order leaves it so)
-    hits O[:C], reads O[C:] and writes O[:M-C] as it evicts them, least recently used first. With fixed
+    With alternating order there are two kinds of step (ascending, descending); with fixed order one;
+    with forward order the cycle it settles into (see order.step_kinds).
+    A step in order O whose cache of C slots holds O[:C] when it starts (alternating and forward order
+    leave it so) hits O[:C], reads O[C:] and writes O[:M-C] as it evicts them, least recently used first. With fixed
     order the cache holds the last C, which are evicted before the step reaches them: every subgroup is
     read and written every step.
     """
@@ -132,9 +133,10 @@ class StepTraffic:
         return frozenset().union(*self.reads, *self.writes)
 
 
-def steady_traffic(num_subgroups: int, cache_slots: int, update_order: str) -> StepTraffic:
+def steady_traffic(num_subgroups: int, cache_slots: int, update_order: str, forward: list[int] | None = None) -> StepTraffic:
+    """`forward`: the subgroups in the order the model's forward uses them (default: ascending)."""
     m, c = num_subgroups, cache_slots
-    orders = step_kinds(m, update_order)
+    orders = step_kinds(list(range(m)) if forward is None else forward, c, update_order)
     if update_order == "fixed":
         everything = frozenset(orders[0]) if c < m else frozenset()
         return StepTraffic(orders, [everything], [everything])
@@ -364,11 +366,12 @@ class AdaptivePlacement:
 
 
 def make_placement(
-    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int
+    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int, forward: list[int] | None = None
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
-    stay in GPU memory and never move). With 2+ tiers and a bandwidth rule, its model starts from the
-    bandwidth profile, measuring (and saving) the tiers the profile lacks."""
+    stay in GPU memory and never move); `forward` is their forward order (default: ascending). With 2+
+    tiers and a bandwidth rule, its model starts from the bandwidth profile, measuring (and saving)
+    the tiers the profile lacks."""
     num_tiers, m = len(cfg.tiers), streamed
     if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, num_tiers), m)
@@ -380,7 +383,7 @@ def make_placement(
             profile.close()
         raise
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
-    traffic = steady_traffic(m, cache_slots, cfg.update_order)
+    traffic = steady_traffic(m, cache_slots, cfg.update_order, forward)
     if cfg.placement == "eq1":
         plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731
     else:

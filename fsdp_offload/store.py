@@ -98,7 +98,8 @@ class SubgroupStore:
 
     `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
     `extra_slot_bytes` are slots a tier file keeps after the subgroups' (the FP32 grad path's);
-    `on_overwrite(sg, masters)` runs after a load overwrote subgroup `sg` (the model's params follow).
+    `on_overwrite(sg, masters)` runs after a load overwrote subgroup `sg` (the model's params follow);
+    `forward` is every subgroup in the order the model's forward uses them (the placement plans for it).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class SubgroupStore:
         reserved_host_bytes: int,
         extra_slot_bytes: list[int],
         on_overwrite: Callable[[int, torch.Tensor], None],
+        forward: list[int],
     ) -> None:
         self.layout = layout
         self.gpu_state = {
@@ -127,7 +129,9 @@ class SubgroupStore:
         # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
         self.cache = HostCache(layout.slot_bytes, slots, pin=False)
         resources.append(self.cache)
-        self.placement = make_placement(cfg, layout, self.cache.num_slots, len(self.host_subgroups))  # may measure the tiers
+        streamed = len(self.host_subgroups)
+        host_forward = [sg for sg in forward if sg < streamed]
+        self.placement = make_placement(cfg, layout, self.cache.num_slots, streamed, host_forward)  # may measure the tiers
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
         resources.extend(self.tiers)
@@ -187,6 +191,10 @@ class SubgroupStore:
 
         self.require_loaded()
         self.visit(order, gather, dirty=False)
+
+    def resident(self) -> set[int]:
+        """The subgroups held in memory (GPU or host cache) now: a step finds them without I/O."""
+        return set(self.gpu_state) | set(self.cache.slot_of)
 
     def take_io(self) -> tuple[list[Transfer], int]:
         """The transfers and cache hits since the last call."""

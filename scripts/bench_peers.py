@@ -69,7 +69,7 @@ GIB = 1 << 30
 ZERO_INFINITY_BYTES_PER_PARAM = 32
 # Disk space a system needs per param on --tier-dir (checked before it starts): FP32 p, m, v (this
 # product); plus the FP32 grad (ZeRO-Infinity).
-DISK_BYTES_PER_PARAM = {"disk": 12, "zero_infinity": 16}
+DISK_BYTES_PER_PARAM = {"disk": 12, "disk_sync": 12, "zero_infinity": 16}
 PEER_LR = 3e-3  # train.yaml's lr; the peers keep it constant (train.py warms up): speed does not depend on it
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -84,6 +84,7 @@ class System:
     clip: bool = True
     offload: str = ""  # the product's offload recipe, or DeepSpeed's offload_optimizer device
     disk: bool = False  # moves state through --tier-dir
+    overrides: tuple[str, ...] = ()  # train.py overrides that make this variant of the product
 
 
 SYSTEMS = {
@@ -95,6 +96,12 @@ SYSTEMS = {
         System("zero_infinity", "DeepSpeed ZeRO-3, offload_optimizer nvme on the tier dir, DeepSpeedCPUAdam", "deepspeed",
                offload="nvme", disk=True),  # fmt: skip
         System("host_noclip", "this product, offload=host, no clipping", "train.py", clip=False, offload="host"),
+        System("host_sync", "this product, offload=host, the update not overlapped (offload.overlap=none)", "train.py",
+               offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
+        System("host_noclip_sync", "this product, offload=host, no clipping, the update not overlapped", "train.py",
+               clip=False, offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
+        System("disk_sync", "this product, offload=disk, the update not overlapped", "train.py", offload="disk",
+               disk=True, overrides=("++offload.overlap=none",)),  # fmt: skip
         System("fsdp_cpu_offload", "FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU, no clipping", "fsdp", clip=False),
         System("zero_offload", "DeepSpeed ZeRO-3, offload_optimizer cpu, DeepSpeedCPUAdam", "deepspeed", offload="cpu"),
         System("multipath", "this product, scripts/train.py offload=multipath (tier dir + shm dir, host budget)", "train.py",
@@ -420,7 +427,7 @@ def system_command(system: System, args: argparse.Namespace, sys_dir: str, run_d
             cmd += ["offload.tiers=[" + ",".join(f"'posix:{t}'" for t in tiers) + "]", f"offload.host_budget_gb={args.host_budget_gb}",
                     # calibration lands in this run's profile, not the user's (the tier dirs are new each run)
                     f"++offload.bandwidth_profile={os.path.join(os.path.dirname(run_dir), 'bandwidth.json')}"]  # fmt: skip
-        return cmd + args.train_override
+        return cmd + list(system.overrides) + args.train_override
     return [sys.executable, str(Path(__file__).resolve()), "--worker", system.name, "--rows", rows_path, "--model", args.model,
             "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps), "--device", args.device,
             "--seed", str(args.seed), "--max-grad-norm", str(args.max_grad_norm), "--tier-dir", sys_dir]  # fmt: skip

@@ -199,7 +199,22 @@ def train(cfg: DictConfig) -> list[dict]:
               + (f", resuming from {resume_from}" if resume_from else ""), flush=True)  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
+    waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
+    seen = [None]  # the optimizer's last metrics already given to a row
     with open(metrics_path, "a") as log:
+
+        def write_finished() -> None:
+            # An OffloadAdamW publishes each update's metrics once it has finished, in step order.
+            m = getattr(optimizer, "last_metrics", None)
+            if waiting and m is not None and m is not seen[0]:
+                add_update_metrics(waiting[0], m)
+                seen[0] = m
+            while waiting and "update_s" in waiting[0]:
+                row = waiting.pop(0)
+                if row["step"] % tcfg.log_every == 0 or row["step"] == tcfg.steps - 1:
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+
         for step in range(start_step, tcfg.steps):
             row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
             scheduler.step()
@@ -208,12 +223,14 @@ def train(cfg: DictConfig) -> list[dict]:
             if device.type == "cuda":
                 row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             rows.append(row)
-            if step % tcfg.log_every == 0 or step == tcfg.steps - 1:
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", update_s=f"{row['update_s']:.2f}")
-            bar.update(1)
+            waiting.append(row)
             last = step + 1 == tcfg.steps
+            write_finished()
+            if last and isinstance(optimizer, OffloadAdamW):
+                optimizer.finish_update()
+                write_finished()
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
             if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
                 rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
                 t0 = time.perf_counter()
@@ -257,20 +274,26 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     optimizer.step()
     optimizer.zero_grad()
     sync()
-    row["update_s"] = time.perf_counter() - t2
+    row["step_call_s"] = time.perf_counter() - t2  # with the update overlapped, only its start
     row["step_s"] = time.perf_counter() - start
     loss_sum = torch.tensor([row["loss"]], device=device)
     dist.all_reduce(loss_sum)
     row["loss"] = loss_sum.item() / dist.get_world_size()
     if isinstance(optimizer, OffloadAdamW):
-        m = optimizer.last_metrics
-        row.update(grad_norm=optimizer.last_grad_norm, update_mparams_per_s=m.update_mparams_per_s,
-                   effective_io_gbps=m.effective_io_gbps, bytes_read=m.bytes_read, bytes_written=m.bytes_written,
-                   cache_hits=m.cache_hits, subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped,
-                   lock_wait_s=m.lock_wait_s)  # fmt: skip
+        row["grad_norm"] = optimizer.last_grad_norm
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale
+    else:
+        row["update_s"] = row["exposed_update_s"] = row["step_call_s"]
     return row
+
+
+def add_update_metrics(row: dict, m) -> None:
+    """Adds the metrics of the row's own update (an OffloadAdamW's StepMetrics) to it."""
+    row.update(update_s=m.update_s, exposed_update_s=m.exposed_update_s, overlap_s=m.overlap_s,
+               update_mparams_per_s=m.update_mparams_per_s, effective_io_gbps=m.effective_io_gbps,
+               bytes_read=m.bytes_read, bytes_written=m.bytes_written, cache_hits=m.cache_hits,
+               subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped, lock_wait_s=m.lock_wait_s)  # fmt: skip
 
 
 register_tmpdir_resolver()

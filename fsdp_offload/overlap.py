@@ -1,0 +1,97 @@
+"""The update of one step, run on a worker thread while the training loop goes on to the next forward.
+
+`step()` hands the update to `UpdateInFlight.start` and returns. As each subgroup's new params are
+copied back into the model, the worker calls `params_ready`; the forward pre-hook of each FSDP unit
+calls `wait_unit`, which returns once every subgroup holding that unit's params is back (the copy's
+CUDA event included), so the forward of the first units runs while the last subgroups are updated.
+Everything else that needs the whole update (the next step, a backward's first grad, a save or a
+load) calls `finish`, which also raises the worker's error, if it had one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+
+class UpdateInFlight:
+    """At most one update at a time, on one worker thread. `unit_subgroups[u]`: the subgroups whose
+    params FSDP unit `u` all-gathers."""
+
+    def __init__(self, unit_subgroups: list[frozenset[int]]) -> None:
+        self._units = unit_subgroups
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-update")
+        self._cond = threading.Condition()
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # subgroup -> the event after its copy
+        self._ended = False
+        self._future: Future | None = None
+        self.waited_s = 0.0  # time the caller's thread spent waiting for the update in flight
+
+    @property
+    def busy(self) -> bool:
+        """An update was started and not yet finished (it may have ended on its thread)."""
+        return self._future is not None
+
+    def start(self, run: Callable[[], None]) -> None:
+        if self._future is not None:
+            raise RuntimeError("an update is already in flight: finish() it first")
+        self._ready, self._ended, self.waited_s = {}, False, 0.0
+        threads = torch.get_num_threads()
+        self._future = self._pool.submit(self._run, run, threads)
+
+    def _run(self, run: Callable[[], None], threads: int) -> None:
+        # The intra-op thread count is per thread: give the worker the caller's.
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        try:
+            run()
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def params_ready(self, sg: int, event: torch.cuda.Event | None) -> None:
+        """Called on the worker once subgroup `sg`'s new params are queued for the model (`event`
+        recorded after the copy, None on CPU)."""
+        with self._cond:
+            self._ready[sg] = event
+            self._cond.notify_all()
+
+    def wait_unit(self, unit: int) -> None:
+        """Returns once unit `unit`'s params are all updated and in the model; raises the update's
+        error if it stopped before them."""
+        if self._future is None:
+            return
+        need = self._units[unit]
+        start = time.perf_counter()
+        with self._cond:
+            while not self._ended and not need <= self._ready.keys():
+                self._cond.wait()
+            missing = not need <= self._ready.keys()
+            events = [self._ready[sg] for sg in need if sg in self._ready]
+        if missing:
+            self.finish()  # the update ended without them: raises its error
+            raise RuntimeError(f"the update ended without updating subgroups {sorted(need - self._ready.keys())}")
+        for event in events:
+            if event is not None:
+                # On the CPU: FSDP's all-gather copies the shard on a stream of its own, after this.
+                event.synchronize()
+        self.waited_s += time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Waits for the whole update and raises its error, if any (once)."""
+        if self._future is None:
+            return
+        start = time.perf_counter()
+        future, self._future = self._future, None
+        try:
+            future.result()
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
