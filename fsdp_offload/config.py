@@ -52,7 +52,11 @@ class OffloadConfig:
     # Share of subgroups (the last ones of the layout) whose FP32 state stays in GPU memory and is
     # updated there by the Triton kernel, as ZeRO-Offload++'s ratio: their grads never leave the GPU.
     # 0: all state off the GPU. Needs CUDA params and the GPU memory for it (checked at construction).
-    gpu_fraction: float = 0.0
+    # "auto": after the first step, as many subgroups as the GPU memory left free by that step's peak
+    # holds, keeping gpu_headroom_gb free (logged, and in each step's metrics as subgroups_on_gpu).
+    gpu_fraction: float | str = 0.0
+    # gpu_fraction="auto" only: GPU memory left free above the peak of the first step, in GiB.
+    gpu_headroom_gb: float = 4.0
     # "host_bf16": grads stay bf16 in host memory and are upcast in flight (MLP-Offload). "tier_fp32":
     # upcast to FP32, written to the tiers and read back for the update, as DeepSpeed does (ablation).
     grad_path: str = "host_bf16"
@@ -96,8 +100,10 @@ class OffloadConfig:
             )
         if self.prefetch < 0:
             raise ValueError(f"offload.prefetch={self.prefetch} must be >= 0")
-        if not 0.0 <= self.gpu_fraction <= 1.0:
-            raise ValueError(f"offload.gpu_fraction={self.gpu_fraction} must be between 0 and 1")
+        if self.gpu_fraction != "auto" and not (isinstance(self.gpu_fraction, (int, float)) and 0.0 <= self.gpu_fraction <= 1.0):
+            raise ValueError(f"offload.gpu_fraction={self.gpu_fraction!r} must be a number between 0 and 1, or 'auto'")
+        if not self.gpu_headroom_gb >= 0:
+            raise ValueError(f"offload.gpu_headroom_gb={self.gpu_headroom_gb} must be >= 0")
         if self.grad_path == "tier_fp32" and not self.tiers:
             raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
         if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):

@@ -61,7 +61,13 @@ class CopyStream:
             self.stream.synchronize()
 
     def record(self) -> torch.cuda.Event | None:
-        return None if self.stream is None else self.stream.record_event()
+        """An event after the copies queued so far. A thread that waits for it on the CPU sleeps rather
+        than spins (blocking=True): a spinning wait takes a core from the CPU update it waits for."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)
+        event.record(self.stream)
+        return event
 
 
 def root_fsdp_module(model: nn.Module) -> FSDPModule:

@@ -45,6 +45,7 @@ class StepMetrics:
     io_busy_s: float = 0.0
     subgroups_per_tier: dict[str, int] = field(default_factory=dict)  # where stored copies live
     skipped: bool = False  # fp16 overflow: the step changed nothing
+    subgroups_on_gpu: int = 0  # whose state lives in GPU memory
     lock_wait_s: dict[str, float] = field(default_factory=dict)  # time waiting for node-level tier locks
     # The part of update_s the training loop waited for: step() itself, plus, with the update
     # overlapped, the next forward's waits for its subgroups. None until the update has finished.

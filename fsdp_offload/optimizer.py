@@ -10,6 +10,7 @@ it does so on a worker thread while the next forward runs (`UpdateInFlight`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -31,6 +32,7 @@ from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
 from .subgroups import SubgroupLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -91,11 +93,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         ]
         self._forward = forward_order(unit_subgroups, len(self.layout))
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
-        on_gpu = gpu_resident_subgroups(self.layout, cfg.gpu_fraction, device)
-        if on_gpu:
-            from .kernels.triton_adamw import triton_adamw_step
-
-            self._gpu_kernel = triton_adamw_step
+        self._device = device
+        on_gpu = gpu_resident_subgroups(self.layout, 0.0 if cfg.gpu_fraction == "auto" else cfg.gpu_fraction, device)
+        self._gpu_kernel = _triton_kernel() if on_gpu else None
+        self._size_gpu_share = cfg.gpu_fraction == "auto"  # after the first step
+        if self._size_gpu_share and device.type != "cuda":
+            log.info("offload.gpu_fraction=auto: the params are on %s, so all state stays off the GPU", device)
+            self._size_gpu_share = False
         staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", on_gpu, device)
         fp32_grads = cfg.grad_path == "tier_fp32"
         try:
@@ -210,6 +214,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.finish_update()
         start = time.perf_counter()
         self.store.require_loaded()
+        if self._size_gpu_share and self._pending is None and self.last_metrics is not None:
+            self._grow_gpu_share()
         if self._pending is None and not self._begin_step(start):
             return loss  # fp16 overflow: no state was touched
         self._begin_s = time.perf_counter() - start
@@ -220,6 +226,34 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._after_backward = self._copies.mark_current()
             self._inflight.start(lambda: self._update(start))
         return loss
+
+    def _grow_gpu_share(self) -> None:
+        """gpu_fraction="auto": moves to the GPU as many subgroups (the last ones) as the GPU memory left
+        by the peak so far holds, keeping gpu_headroom_gb free. Runs once, between the first two updates."""
+        self._size_gpu_share = False
+        device, headroom = self._device, int(self.offload.gpu_headroom_gb * (1 << 30))
+        free, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        # what this process may still take (free, plus what its allocator caches) beyond its own peak
+        available = free + torch.cuda.memory_reserved(device) - peak - headroom
+        itemsize = self.param_dtype.itemsize
+        count, used = 0, 0
+        for sg in reversed(self.store.host_subgroups):
+            need = self.layout.subgroups[sg].state_bytes + itemsize * self.layout.subgroups[sg].padded
+            if used + need > available:
+                break
+            count, used = count + 1, used + need
+        if count:
+            self._copies.wait_host()  # the grads staged for this step are read as they move
+            moved = self.store.move_to_gpu(count, device)
+            self.grads.staging.move_to_device(moved, device)
+            self._gpu_kernel = self._gpu_kernel or _triton_kernel()
+        log.info(
+            "offload.gpu_fraction=auto: %d of %d subgroups (%.2f GiB of state and staging) now live on the GPU; "
+            "%.2f GiB of %.2f GiB were free beyond the peak of %.2f GiB, keeping gpu_headroom_gb=%.1f",
+            len(self.store.gpu_state), len(self.layout), used / 2**30, max(0, available + headroom) / 2**30,
+            total / 2**30, peak / 2**30, self.offload.gpu_headroom_gb,
+        )  # fmt: skip
 
     def finish_update(self) -> None:
         """Waits until the update of the last step has finished and its params are in the model;
@@ -336,6 +370,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.step_count, time.perf_counter() - start, updated, len(self.layout), hits, transfers,
             self.store.stored_locations(),
         )  # fmt: skip
+        self._finished.subgroups_on_gpu = len(self.store.gpu_state)
         self.step_count += 1
         self.grads.clear()
 
@@ -461,6 +496,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.finish_update()
         finally:
             self._closer()
+
+
+def _triton_kernel() -> Callable:
+    from .kernels.triton_adamw import triton_adamw_step
+
+    return triton_adamw_step
 
 
 def _close_all(resources: list) -> None:

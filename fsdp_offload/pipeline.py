@@ -275,6 +275,13 @@ class SubgroupPipeline:
         self.tiers[tier].write(sg, state).result()
         self.location[sg] = tier
 
+    def forget(self, sg: int) -> None:
+        """Drops `sg` from the host cache and the tiers (it moved to GPU memory): its slot is free again."""
+        self._check_idle()
+        if self.cache.is_resident(sg):
+            self.cache.give_back(self.cache.remove(sg))
+        self.location.pop(sg, None)
+
     def _check_idle(self) -> None:
         if self._fetches:
             raise RuntimeError(f"subgroups {sorted(self._fetches)} are still being fetched: finish the pass first")

@@ -44,10 +44,31 @@ class LowpStaging:
         self.buffer = self._raw.view(dtype)
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
+        self._make_pieces()
+
+    def _make_pieces(self) -> None:
         # Each param's destination views, made once: the backward hook runs per param and must be cheap.
         self._pieces: list[list[tuple[torch.Tensor, Segment]]] = [
-            [(self.view(sg)[seg.in_subgroup], seg) for sg, seg in segs] for segs in layout.param_segments
+            [(self.view(sg)[seg.in_subgroup], seg) for sg, seg in segs] for segs in self.layout.param_segments
         ]
+
+    def move_to_device(self, subgroups: list[int], device: torch.device) -> None:
+        """Moves the parts of `subgroups` (with what they hold now) into device memory, for subgroups
+        whose state moved to the GPU. Their host part stays allocated, unused."""
+        old, old_numel = self.device_buffer, 0 if self.device_buffer is None else self.device_buffer.numel()
+        moved = [sg for sg in sorted(subgroups) if not self._where[sg][0]]
+        numel = old_numel + sum(self.layout.subgroups[sg].padded for sg in moved)
+        new = torch.empty(numel, dtype=self.dtype, device=device)
+        if old is not None:
+            new[:old_numel].copy_(old)
+        offset = old_numel
+        for sg in moved:
+            n = self.layout.subgroups[sg].padded
+            new[offset : offset + n].copy_(self.view(sg))
+            self._where[sg] = (True, offset)
+            offset += n
+        self.device_buffer = new
+        self._make_pieces()
 
     @property
     def nbytes(self) -> int:

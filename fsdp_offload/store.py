@@ -192,6 +192,20 @@ class SubgroupStore:
         self.require_loaded()
         self.visit(order, gather, dirty=False)
 
+    def move_to_gpu(self, count: int, device: torch.device) -> list[int]:
+        """Moves the last `count` subgroups kept off the GPU into GPU memory, between steps (the state is
+        copied from the host cache or read from its tier), and frees their cache slots for the others."""
+        chosen = self.host_subgroups[len(self.host_subgroups) - count :]
+        for sg in reversed(chosen):  # from the end: the subgroups off the GPU stay 0..n-1
+            held = self.pipeline.resident_state(sg)
+            if held is None:
+                held = aligned_host_buffer(self.layout.subgroups[sg].state_bytes)
+                self.pipeline.read_stored(sg, held)
+            self.gpu_state[sg] = held.to(device)
+            self.pipeline.forget(sg)
+            self.host_subgroups.pop()
+        return chosen
+
     def resident(self) -> set[int]:
         """The subgroups held in memory (GPU or host cache) now: a step finds them without I/O."""
         return set(self.gpu_state) | set(self.cache.slot_of)

@@ -69,7 +69,7 @@ GIB = 1 << 30
 ZERO_INFINITY_BYTES_PER_PARAM = 32
 # Disk space a system needs per param on --tier-dir (checked before it starts): FP32 p, m, v (this
 # product); plus the FP32 grad (ZeRO-Infinity).
-DISK_BYTES_PER_PARAM = {"disk": 12, "disk_sync": 12, "zero_infinity": 16}
+DISK_BYTES_PER_PARAM = {"disk": 12, "disk_sync": 12, "disk_auto": 12, "zero_infinity": 16}
 PEER_LR = 3e-3  # train.yaml's lr; the peers keep it constant (train.py warms up): speed does not depend on it
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -102,6 +102,10 @@ SYSTEMS = {
                clip=False, offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
         System("disk_sync", "this product, offload=disk, the update not overlapped", "train.py", offload="disk",
                disk=True, overrides=("++offload.overlap=none",)),  # fmt: skip
+        System("host_auto", "this product, offload=host, spare GPU memory used after step 1 (offload.gpu_fraction=auto)",
+               "train.py", offload="host", overrides=("++offload.gpu_fraction=auto",)),  # fmt: skip
+        System("disk_auto", "this product, offload=disk, spare GPU memory used after step 1 (offload.gpu_fraction=auto)",
+               "train.py", offload="disk", disk=True, overrides=("++offload.gpu_fraction=auto",)),  # fmt: skip
         System("fsdp_cpu_offload", "FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU, no clipping", "fsdp", clip=False),
         System("zero_offload", "DeepSpeed ZeRO-3, offload_optimizer cpu, DeepSpeedCPUAdam", "deepspeed", offload="cpu"),
         System("multipath", "this product, scripts/train.py offload=multipath (tier dir + shm dir, host budget)", "train.py",
@@ -115,6 +119,8 @@ RATIOS = {
     "ratio_vs_zero_infinity": ("zero_infinity", "disk"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
+    "ratio_host_auto_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_auto"),
+    "ratio_disk_auto_vs_zero_infinity": ("zero_infinity", "disk_auto"),
 }
 
 
@@ -522,7 +528,7 @@ def mean(rows: list[dict], key: str) -> float | None:
 
 def summarize(system: System, rows: list[dict], info: dict, args: argparse.Namespace, sys_dir: str, raw_io: dict,
               params: int, host_peak: float) -> dict:  # fmt: skip
-    measured = rows[1:] if len(rows) > 1 else rows  # the first step warms up
+    measured = rows[args.warmup_steps :] or rows[-1:]  # the first steps warm up
     out: dict = {
         "steps_run": len(rows),
         "steps_averaged": [r["step"] + 1 for r in measured],  # 1-based, as "steps 2+"
@@ -691,7 +697,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default="1b", help="a preset of fsdp_offload.models.MODEL_PRESETS (tiny for a CPU test)")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sample")
     ap.add_argument("--batch", type=int, default=1, help="micro-batch")
-    ap.add_argument("--steps", type=int, default=5, help="steps per system; steps 2.. are averaged")
+    ap.add_argument("--steps", type=int, default=5, help="steps per system; those after --warmup-steps are averaged")
+    ap.add_argument("--warmup-steps", type=int, default=1,
+                    help="steps left out of the averages, every system alike (2 leaves out gpu_fraction=auto's move after step 1)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list, run in this order (default all: {','.join(SYSTEMS)})")
     ap.add_argument("--tier-dir", default=None, help="disk dir for the disk runs (default: a new temp dir under /var/tmp, on the root disk)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="the second path of the multipath run")
@@ -787,7 +795,7 @@ def main(argv: list[str] | None = None) -> None:
                   "seq_len": args.seq, "micro_batch": args.batch, "compute_dtype": "bfloat16", "activation_checkpointing": True,
                   "data": f"synthetic (fsdp_offload.data, seed {args.seed})"},  # fmt: skip
         "steps": args.steps,
-        "averaged": "steps 2.. (the first is warm-up)" if args.steps > 1 else "step 1 only (--steps 1)",
+        "averaged": f"steps {args.warmup_steps + 1}.. (the first {args.warmup_steps} warm up)" if args.steps > args.warmup_steps else "the last step only",
         "max_grad_norm": args.max_grad_norm,
         "host_budget_gb": args.host_budget_gb,
         "tier_dir": args.tier_dir,

@@ -293,7 +293,8 @@ def add_update_metrics(row: dict, m) -> None:
     row.update(update_s=m.update_s, exposed_update_s=m.exposed_update_s, overlap_s=m.overlap_s,
                update_mparams_per_s=m.update_mparams_per_s, effective_io_gbps=m.effective_io_gbps,
                bytes_read=m.bytes_read, bytes_written=m.bytes_written, cache_hits=m.cache_hits,
-               subgroups_per_tier=m.subgroups_per_tier, skipped=m.skipped, lock_wait_s=m.lock_wait_s)  # fmt: skip
+               subgroups_per_tier=m.subgroups_per_tier, subgroups_on_gpu=m.subgroups_on_gpu, skipped=m.skipped,
+               lock_wait_s=m.lock_wait_s)  # fmt: skip
 
 
 register_tmpdir_resolver()

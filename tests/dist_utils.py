@@ -19,6 +19,8 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    # CPU ranks, also on a GPU machine: FSDP2 would otherwise move inputs to the GPU it sees
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
