@@ -344,13 +344,22 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self.store.record_io([transfer])
         kernel = self._gpu_kernel if state.is_cuda else self._kernel
         staged = self.grads.staged
+        # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are
+        # updated by one kernel call (the update is elementwise, so this changes no bit).
+        runs: list[list] = []  # [start, stop, (group, step)]
         for seg in subgroup.segments:
             if not staged[seg.param]:
                 continue
-            piece = seg.in_subgroup
+            key = (self._group_of[seg.param], self._steps[seg.param])
+            if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
+                runs[-1][1] = seg.offset + seg.numel
+            else:
+                runs.append([seg.offset, seg.offset + seg.numel, key])
+        for lo, hi, (group, step) in runs:
+            piece = slice(lo, hi)
             kernel(
                 p[piece], m[piece], v[piece], g[piece], out[piece],
-                **self._hyper[self._group_of[seg.param]], step=self._steps[seg.param], grad_scale=grad_scale,
+                **self._hyper[group], step=step, grad_scale=grad_scale,
             )  # fmt: skip
 
     def _params_written(self) -> None:
