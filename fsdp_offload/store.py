@@ -194,16 +194,23 @@ class SubgroupStore:
 
     def move_to_gpu(self, count: int, device: torch.device) -> list[int]:
         """Moves the last `count` subgroups kept off the GPU into GPU memory, between steps (the state is
-        copied from the host cache or read from its tier), and frees their cache slots for the others."""
+        copied from the host cache, or read from its tier through one freed cache slot), and frees their
+        cache slots for the others."""
         chosen = self.host_subgroups[len(self.host_subgroups) - count :]
-        for sg in reversed(chosen):  # from the end: the subgroups off the GPU stay 0..n-1
+        bounce = None  # host buffer for the stored ones: a slot freed by a cached one, else one of its own
+        for sg in sorted(chosen, key=lambda sg: not self.cache.is_resident(sg)):  # cached ones first
             held = self.pipeline.resident_state(sg)
             if held is None:
-                held = aligned_host_buffer(self.layout.subgroups[sg].state_bytes)
+                if bounce is None:
+                    free = self.cache.take_free()
+                    bounce = aligned_host_buffer(self.layout.slot_bytes) if free is None else self.cache.slots[free]
+                    if free is not None:
+                        self.cache.give_back(free)
+                held = bounce[: self.layout.subgroups[sg].state_bytes]
                 self.pipeline.read_stored(sg, held)
-            self.gpu_state[sg] = held.to(device)
+            self.gpu_state[sg] = held.to(device)  # from pageable memory: done when it returns
             self.pipeline.forget(sg)
-            self.host_subgroups.pop()
+        del self.host_subgroups[len(self.host_subgroups) - count :]  # the subgroups off the GPU stay 0..n-1
         return chosen
 
     def resident(self) -> set[int]:
