@@ -55,6 +55,11 @@ class CopyStream:
         """An event after the work queued so far on the caller's current stream."""
         return None if self.stream is None else torch.cuda.current_stream(self.stream.device).record_event()
 
+    def current_waits(self) -> None:
+        """Orders the caller's current stream after the copies queued so far on the side stream."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
     def wait_host(self) -> None:
         """Blocks until every copy queued on the side stream has landed."""
         if self.stream is not None:

@@ -262,6 +262,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return
         try:
             self._inflight.finish()
+            self._copies.current_waits()  # the last params' copies, for whatever reads them next
         finally:
             self._publish_metrics(self._inflight.waited_s)
 
@@ -504,6 +505,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         try:
             self.finish_update()
         finally:
+            self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
             self._closer()
 
 
