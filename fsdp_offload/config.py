@@ -22,7 +22,7 @@ GIB = 1 << 30
 PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
-OVERLAPS = ("next_forward", "none")
+OVERLAPS = ("next_forward", "backward", "none")
 
 
 @dataclass
@@ -43,7 +43,10 @@ class OffloadConfig:
     # "next_forward": step() starts the update on a worker thread and returns; each FSDP unit's next
     # forward waits only for the subgroups holding its params. "none": step() returns when every param
     # is updated (for debugging). Needs model= (without it there is no forward to hook: the step is
-    # synchronous).
+    # synchronous). "backward": as "next_forward", and each subgroup in memory is updated as soon as
+    # backward has handed in all its grads (LuWu's overlap), so the update starts at backward's first
+    # grad: no clipping, bf16, one backward per step (each grad is final when it arrives), and the
+    # hyperparameters in effect when backward starts.
     overlap: str = "next_forward"
     # Low-precision dtype of the model's params and grads: "bfloat16" or "float16".
     param_dtype: str = "bfloat16"
@@ -113,6 +116,8 @@ class OffloadConfig:
                 f"offload.loss_scale_init={self.loss_scale_init} must be > 0 and "
                 f"offload.loss_scale_growth_interval={self.loss_scale_growth_interval} >= 1"
             )
+        if self.overlap == "backward":
+            self._check_backward_overlap()
         if self.tier_ratios is not None:
             if self.placement != "fixed":
                 raise ValueError(
@@ -127,6 +132,26 @@ class OffloadConfig:
         access_slots(self.tier_access)  # raises naming the option
         if not self.calibration_gb > 0:
             raise ValueError(f"offload.calibration_gb={self.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
+
+    def _check_backward_overlap(self) -> None:
+        why = (
+            "offload.overlap='backward' updates a subgroup as soon as its grads are in, but {what} needs every "
+            "grad of the step before any subgroup may be updated: {fix}, or use offload.overlap='next_forward'"
+        )
+        if self.max_grad_norm is not None:
+            raise ValueError(why.format(what=f"clipping (max_grad_norm={self.max_grad_norm}) scales every grad by a "
+                                        "factor of the global norm, which", fix="set offload.max_grad_norm=None"))
+        if self.param_dtype == "float16":
+            raise ValueError(why.format(what="float16's loss scaling skips the whole step if any grad overflowed, which",
+                                        fix="use offload.param_dtype='bfloat16'"))
+        if self.grad_path != "host_bf16":
+            raise ValueError(why.format(what=f"grad_path={self.grad_path!r} writes every grad to a tier first, which",
+                                        fix="use offload.grad_path='host_bf16'"))
+        if self.update_order != "forward":
+            raise ValueError(
+                f"offload.overlap='backward' updates the subgroups in memory in the order backward hands in their "
+                f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'"
+            )
 
     @property
     def tier_specs(self) -> list[TierSpec]:

@@ -4,7 +4,8 @@ The model keeps bf16 (or fp16) params; the optimizer keeps their FP32 masters an
 subgroups that a `SubgroupStore` keeps on the GPU, in a host cache or on storage tiers. Each step
 updates the subgroups (in the order order.py gives) from the low-precision grads (`StepGrads`),
 upcast in flight, and copies the new low-precision params back into the model; with an FSDP2 model
-it does so on a worker thread while the next forward runs (`UpdateInFlight`).
+it does so on a worker thread while the next forward runs (`UpdateInFlight`), and with
+overlap="backward" it starts during backward, each subgroup in memory as soon as its grads are in.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .fsdp import (
 from .grads import HostGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
 from .metrics import StepMetrics, step_metrics
-from .order import forward_order, order_ending_with, update_order
+from .order import forward_order, grads_arrival_order, order_ending_with, update_order
 from .overlap import UpdateInFlight
 from .staging import LowpStaging
 from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
@@ -111,8 +112,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         except BaseException:
             staging.close()  # its pinned pages, before the memory can be reused
             raise
+        if cfg.overlap == "backward" and not units:
+            raise ValueError(
+                "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
+                "model=model, or use offload.overlap='next_forward'"
+            )
         # None: step() updates every subgroup before it returns
-        self._inflight = UpdateInFlight(unit_subgroups) if units and cfg.overlap == "next_forward" else None
+        self._inflight = UpdateInFlight(unit_subgroups) if units and cfg.overlap != "none" else None
+        self._during_backward = cfg.overlap == "backward"
+        self._subgroups_of = [sorted({sg for sg, _ in segs}) for segs in self.layout.param_segments]
+        # overlap="backward": per subgroup, how many of its params that take grads have yet to hand them in
+        self._grads_expected = [0] * len(self.layout)
+        for p, sgs in zip(self._params, self._subgroups_of):
+            for sg in sgs:
+                self._grads_expected[sg] += p.requires_grad
+        self._grads_missing: list[int] = []
+        self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
         self._closer = weakref.finalize(self, _close_all, [staging, self.store, self._inflight])
         path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else HostGrads()
         self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], mesh_group(self._params), device)
@@ -181,6 +196,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the staging buffer (hooks call this)."""
+        if self._during_backward:
+            self._stage_grad_during_update(index, grad)
+            return
         if self._inflight is not None and self._inflight.busy:
             self.finish_update()  # the update writes the new params where the grads go
         if self._pending is not None:
@@ -190,7 +208,48 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         self.grads.stage(index, grad)
 
+    def _stage_grad_during_update(self, index: int, grad: torch.Tensor) -> None:
+        """overlap="backward": the step's first grad starts its update; a subgroup whose grads are all in
+        is handed to it at once."""
+        if not self._inflight.awaiting_grads:
+            self._start_update_in_backward()
+        elif index in self._grads_taken:
+            raise RuntimeError(
+                f"param {index} (shape {tuple(grad.shape)}) got a second grad before step(): with "
+                "offload.overlap='backward' a subgroup is updated as soon as its grads are in, so grads cannot "
+                "accumulate over several backwards; call step() after each backward, or use "
+                "offload.overlap='next_forward' for gradient accumulation"
+            )
+        self.grads.stage(index, grad)
+        self._grads_taken.add(index)
+        for sg in self._subgroups_of[index]:
+            self._grads_missing[sg] -= 1
+            if self._grads_missing[sg] == 0:
+                self._inflight.grads_in(sg, self._copies.record())
+
+    def _start_update_in_backward(self) -> None:
+        self.finish_update()
+        if self._pending is not None:
+            raise RuntimeError(
+                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
+                "buffers hold its grads: call step() again to finish it before the next backward"
+            )
+        start = time.perf_counter()
+        self.store.require_loaded()
+        if self._size_gpu_share and self.last_metrics is not None:
+            self._grow_gpu_share()
+        self._plan_step(1.0)  # no clipping, bf16: the factor is known before the grads
+        self._pending = grads_arrival_order(self._pending, self.store.resident())
+        self._grads_missing, self._grads_taken = list(self._grads_expected), set()
+        self._after_backward = self._copies.mark_current()
+        self._inflight.start(lambda: self._update(start), before_grads=True)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._inflight is not None and self._inflight.awaiting_grads:
+            raise RuntimeError(
+                "zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
+                "updated subgroups with these grads; call step() first"
+            )
         super().zero_grad(set_to_none)
         if self._pending is None and not (self._inflight is not None and self._inflight.busy):
             self.grads.clear()  # (an update in flight clears them when it ends)
@@ -211,6 +270,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._inflight is not None and self._inflight.awaiting_grads:
+            self._hand_in_last_grads()
+            return loss
         self.finish_update()
         start = time.perf_counter()
         self.store.require_loaded()
@@ -226,6 +288,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._after_backward = self._copies.mark_current()
             self._inflight.start(lambda: self._update(start))
         return loss
+
+    def _hand_in_last_grads(self) -> None:
+        """overlap="backward": the update started during backward; the rest of the subgroups may go now."""
+        start = time.perf_counter()
+        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+        self._inflight.all_grads_in()
+        self._begin_s = time.perf_counter() - start
 
     def _grow_gpu_share(self) -> None:
         """gpu_fraction="auto": moves to the GPU as many subgroups (the last ones) as the GPU memory left
@@ -260,6 +329,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         raises its error, if it had one. Saves, loads and the next step call it themselves."""
         if self._inflight is None or not self._inflight.busy:
             return
+        if self._inflight.awaiting_grads:
+            raise RuntimeError(
+                "backward has started this step's update (offload.overlap='backward') and step() has not been "
+                "called: call step() first, then save, load or read the params"
+            )
         try:
             self._inflight.finish()
             self._copies.current_waits()  # the last params' copies, for whatever reads them next
@@ -282,6 +356,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:
+            if self._inflight is not None:
+                self._inflight.wait_grads(sg)
             self._update_subgroup(sg, state, self._pending_scale)
             updated.add(sg)  # its state is new now: a retry must not update it again
             self._unwritten.add(sg)
@@ -306,8 +382,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._inflight.params_ready(sg, self._copies.record())
 
     def _begin_step(self, start: float) -> bool:
-        """Stages what backward left, writes the FP32 grads (that path only), takes the grad scale and
-        counts the Adam steps; False when fp16 grads overflowed and the step is skipped."""
+        """Stages what backward left, writes the FP32 grads (that path only) and takes the grad scale;
+        False when fp16 grads overflowed and the step is skipped."""
         self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
         staged = self.grads.staged
         if not any(staged):
@@ -322,9 +398,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.last_metrics.skipped = True
             self.last_metrics.exposed_update_s = self.last_metrics.update_s
             return False
-        for i, has in enumerate(staged):
-            self._steps[i] += has
-        self._pending_scale = scale
+        self._plan_step(scale)
+        return True
+
+    def _plan_step(self, grad_scale: float) -> None:
+        """Takes the grad factor and each group's hyperparameters, and the order of the subgroups."""
+        self._pending_scale = grad_scale
         # taken now: a scheduler may change them while the update runs
         self._hyper = [
             {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
@@ -332,7 +411,6 @@ class OffloadAdamW(torch.optim.Optimizer):
             for g in self.param_groups
         ]  # fmt: skip
         self._pending = update_order(self._forward, self.step_count, self.offload.update_order, self.store.resident())
-        return True
 
     def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
         subgroup = self.layout.subgroups[sg]
@@ -351,7 +429,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for seg in subgroup.segments:
             if not staged[seg.param]:
                 continue
-            key = (self._group_of[seg.param], self._steps[seg.param])
+            key = (self._group_of[seg.param], self._steps[seg.param] + 1)  # the step this update takes
             if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
                 runs[-1][1] = seg.offset + seg.numel
             else:
@@ -381,6 +459,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store.stored_locations(),
         )  # fmt: skip
         self._finished.subgroups_on_gpu = len(self.store.gpu_state)
+        for i, has in enumerate(self.grads.staged):
+            self._steps[i] += has
         self.step_count += 1
         self.grads.clear()
 
@@ -503,6 +583,9 @@ class OffloadAdamW(torch.optim.Optimizer):
     def close(self) -> None:
         """Waits for the update in flight, then deletes this rank's tier files and releases pinned memory."""
         try:
+            if self._inflight is not None and self._inflight.awaiting_grads:
+                self._copies.wait_host()
+                self._inflight.all_grads_in()  # closed between backward and step(): the update ends with these grads
             self.finish_update()
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned

@@ -6,6 +6,10 @@ calls `wait_unit`, which returns once every subgroup holding that unit's params 
 CUDA event included), so the forward of the first units runs while the last subgroups are updated.
 Everything else that needs the whole update (the next step, a backward's first grad, a save or a
 load) calls `finish`, which also raises the worker's error, if it had one.
+
+With overlap="backward" the update starts at backward's first grad, before its grads are all in: the
+worker waits per subgroup (`wait_grads`) until the grad hooks say its grads are staged (`grads_in`),
+or until `step()` says that all of them are (`all_grads_in`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class UpdateInFlight:
         self._ready: dict[int, torch.cuda.Event | None] = {}  # subgroup -> the event after its copy
         self._ended = False
         self._future: Future | None = None
+        self._grads: dict[int, torch.cuda.Event | None] | None = None  # subgroup -> event after its grads' copy
         self.waited_s = 0.0  # time the caller's thread spent waiting for the update in flight
 
     @property
@@ -36,10 +41,18 @@ class UpdateInFlight:
         """An update was started and not yet finished (it may have ended on its thread)."""
         return self._future is not None
 
-    def start(self, run: Callable[[], None]) -> None:
+    @property
+    def awaiting_grads(self) -> bool:
+        """An update started during backward whose grads are not all in yet."""
+        return self._future is not None and self._grads is not None
+
+    def start(self, run: Callable[[], None], *, before_grads: bool = False) -> None:
+        """Runs `run` on the worker. `before_grads`: it starts while backward is still handing in grads,
+        and calls `wait_grads(sg)` before it reads subgroup `sg`'s."""
         if self._future is not None:
             raise RuntimeError("an update is already in flight: finish() it first")
         self._ready, self._ended, self.waited_s = {}, False, 0.0
+        self._grads = {} if before_grads else None
         threads = torch.get_num_threads()
         self._future = self._pool.submit(self._run, run, threads)
 
@@ -54,6 +67,27 @@ class UpdateInFlight:
                 self._ended = True
                 self._cond.notify_all()
 
+    def grads_in(self, sg: int, event: torch.cuda.Event | None) -> None:
+        """Subgroup `sg`'s grads are all staged (their copy queued before `event`; None on CPU)."""
+        with self._cond:
+            self._grads[sg] = event
+            self._cond.notify_all()
+
+    def all_grads_in(self) -> None:
+        """Every grad of the step is staged and has landed: no subgroup waits any more."""
+        with self._cond:
+            self._grads = None
+            self._cond.notify_all()
+
+    def wait_grads(self, sg: int) -> None:
+        """On the worker: returns once subgroup `sg`'s grads are in host (or device) memory."""
+        with self._cond:
+            while self._grads is not None and sg not in self._grads:
+                self._cond.wait()
+            event = None if self._grads is None else self._grads[sg]
+        if event is not None:
+            event.synchronize()
+
     def params_ready(self, sg: int, event: torch.cuda.Event | None) -> None:
         """Called on the worker once subgroup `sg`'s new params are queued for the model (`event`
         recorded after the copy, None on CPU)."""
@@ -64,8 +98,8 @@ class UpdateInFlight:
     def wait_unit(self, unit: int) -> None:
         """Returns once unit `unit`'s params are all updated and in the model; raises the update's
         error if it stopped before them."""
-        if self._future is None:
-            return
+        if self._future is None or self._grads is not None:
+            return  # nothing in flight, or a forward during backward (a recompute): it needs the old params
         need = self._units[unit]
         start = time.perf_counter()
         with self._cond:
@@ -86,6 +120,8 @@ class UpdateInFlight:
         """Waits for the whole update and raises its error, if any (once)."""
         if self._future is None:
             return
+        if self._grads is not None:
+            raise RuntimeError("the update in flight still waits for grads: call all_grads_in() first")
         start = time.perf_counter()
         future, self._future = self._future, None
         try:

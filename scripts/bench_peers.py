@@ -6,6 +6,7 @@ checkpointing, clipping at --max-grad-norm, one GPU:
 
   host                   this product: `scripts/train.py offload=host` (FP32 state in host memory)
   host_noclip            the same without clipping (the other side of ratio_vs_fsdp_cpu_offload)
+  host_noclip_backward   the same, each subgroup updated as backward hands in its grads (overlap=backward)
   disk                   `offload=disk`: state on --tier-dir behind --host-budget-gb of host memory
   multipath              `offload=multipath`: --tier-dir and --shm-dir, same host budget
   fsdp_cpu_offload_clip  FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU + clip_grad_norm_
@@ -96,6 +97,9 @@ SYSTEMS = {
         System("zero_infinity", "DeepSpeed ZeRO-3, offload_optimizer nvme on the tier dir, DeepSpeedCPUAdam", "deepspeed",
                offload="nvme", disk=True),  # fmt: skip
         System("host_noclip", "this product, offload=host, no clipping", "train.py", clip=False, offload="host"),
+        System("host_noclip_backward", "this product, offload=host, no clipping, each subgroup updated as backward hands "
+               "in its grads (offload.overlap=backward)", "train.py", clip=False, offload="host",
+               overrides=("++offload.overlap=backward",)),  # fmt: skip
         System("host_sync", "this product, offload=host, the update not overlapped (offload.overlap=none)", "train.py",
                offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
         System("host_noclip_sync", "this product, offload=host, no clipping, the update not overlapped", "train.py",
@@ -116,6 +120,7 @@ SYSTEMS = {
 RATIOS = {
     "ratio_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host"),
     "ratio_vs_fsdp_cpu_offload": ("fsdp_cpu_offload", "host_noclip"),
+    "ratio_backward_overlap_vs_fsdp_cpu_offload": ("fsdp_cpu_offload", "host_noclip_backward"),
     "ratio_vs_zero_infinity": ("zero_infinity", "disk"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),

@@ -149,6 +149,12 @@ def train(cfg: DictConfig) -> list[dict]:
     if recipe.optimizer not in ("offload", "torch"):
         raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
     ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
+    if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
+        raise ValueError(
+            f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "
+            "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
+            "train.micro_batches=1 or offload.overlap=next_forward"
+        )
     margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
 
     device = init_distributed(tcfg.device)

@@ -5,15 +5,17 @@ forward of the first units runs while it is still going: that is what the run ch
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
 from dist_utils import run_ranks
-from test_fsdp import SG, batch, build_model, loss_of
+from test_fsdp import ARGS, SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.overlap import UpdateInFlight
+from fsdp_offload.parallelize import build_fsdp_model
 
 STEPS = 6
 
@@ -92,3 +94,99 @@ def test_overlapped_update_is_bit_exact_and_overlaps(tmp_path):
                 # waits for nearly everything)
                 early = [unit for unit, still_running in waits if still_running]
                 assert 0 in early and 1 in early, f"rank {rank} {key}: no forward ran beside the update ({waits})"
+
+
+# -- overlap="backward": subgroups updated as their grads arrive ----------------------------------
+
+
+def train_no_clip(rank: int, tmp: str, overlap: str, checkpointing: bool) -> tuple[list[float], list[torch.Tensor], int]:
+    args = dataclasses.replace(ARGS, activation_checkpointing=checkpointing)
+    model = build_fsdp_model(args, torch.device("cpu"))
+    budget = (2 * 40 * SG + 4 * 3 * SG * 4) / 2**30
+    cfg = OffloadConfig(tiers=[f"posix:{tmp}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch", overlap=overlap)
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
+    in_backward = [0]  # subgroups updated before step() was called
+    update = opt._update_subgroup
+
+    def spy(sg: int, state: torch.Tensor, scale: float) -> None:
+        in_backward[0] += opt._inflight is not None and opt._inflight.awaiting_grads
+        update(sg, state, scale)
+
+    opt._update_subgroup = spy
+    losses = []
+    for step in range(STEPS):
+        loss = loss_of(model, batch(rank, 0))
+        loss.backward()
+        if overlap == "backward":
+            time.sleep(0.05)  # let the worker catch up with the grads handed in
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = opt.state_dict()["state"]
+    masters = [state[i][k] for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq", "step")]
+    opt.close()
+    return losses, masters, in_backward[0]
+
+
+def worker_backward(rank: int, world: int, tmp: str) -> None:
+    out = {}
+    for overlap in ("none", "backward"):
+        for checkpointing in (False, True):
+            out[overlap, checkpointing] = train_no_clip(rank, f"{tmp}/{overlap}-{checkpointing}-{rank}", overlap, checkpointing)
+    torch.save(out, f"{tmp}/rank{rank}.pt")
+
+
+def test_update_overlapped_with_backward_is_bit_exact(tmp_path):
+    for overlap in ("none", "backward"):
+        for checkpointing in (False, True):
+            for rank in range(2):
+                (tmp_path / f"{overlap}-{checkpointing}-{rank}").mkdir()
+    run_ranks(2, worker_backward, str(tmp_path))
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        for checkpointing in (False, True):
+            base_losses, base_state, base_early = out["none", checkpointing]
+            losses, state, early = out["backward", checkpointing]
+            assert base_early == 0
+            assert losses == base_losses, f"rank {rank}, checkpointing={checkpointing}: losses differ"
+            for i, (a, b) in enumerate(zip(state, base_state)):
+                assert torch.equal(a, b), f"rank {rank}, checkpointing={checkpointing}: state tensor {i} differs"
+            # the subgroups in memory (4 cache slots of the layout's) were updated during backward, each step
+            assert early >= STEPS, f"rank {rank}: only {early} subgroup updates ran before step() in {STEPS} steps"
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(max_grad_norm=1.0), "max_grad_norm=None"),
+        (dict(param_dtype="float16"), "bfloat16"),
+        (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
+        (dict(update_order="alternating"), "update_order='forward'"),
+    ],
+)
+def test_backward_overlap_refuses_what_needs_every_grad_first(options, match):
+    with pytest.raises(ValueError, match=match):
+        OffloadConfig(overlap="backward", **options)
+
+
+def test_backward_overlap_needs_a_model():
+    with pytest.raises(ValueError, match="model=model"):
+        OffloadAdamW([torch.nn.Parameter(torch.ones(8))], offload=OffloadConfig(overlap="backward"))
+
+
+def worker_misuse(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    cfg = OffloadConfig(subgroup_numel=SG, kernel="torch", overlap="backward")
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model, offload=cfg)
+    loss_of(model, batch(rank, 0)).backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        opt.state_dict()
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="cannot accumulate"):
+        loss_of(model, batch(rank, 1)).backward()
+    opt.close()  # lets the update in flight end: no thread is left waiting for grads
+
+
+def test_backward_overlap_refuses_accumulation_and_reads_before_step():
+    run_ranks(2, worker_misuse, "")

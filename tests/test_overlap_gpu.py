@@ -1,0 +1,79 @@
+"""The overlapped update on a CUDA FSDP2 model (one NCCL rank): the side stream, the per-unit events
+and the grads' events are what the CPU tests cannot reach. Every overlap, with state in host memory,
+on disk and partly on the GPU, gives the synchronous step's losses and params bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from dist_utils import free_port
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.models import LlamaArgs
+from fsdp_offload.parallelize import build_fsdp_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA streams and events need a GPU")
+
+ARGS = LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128, activation_checkpointing=True)
+SG = 1 << 16
+STEPS = 5
+VARIANTS = {  # name: (overlap, gpu_fraction, on disk)
+    "sync": ("none", 0.0, False),
+    "next_forward": ("next_forward", 0.0, False),
+    "backward": ("backward", 0.0, False),
+    "backward_disk": ("backward", 0.0, True),
+    "backward_gpu": ("backward", 0.5, False),
+    "sync_gpu": ("none", 0.5, False),
+}
+
+
+def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool) -> tuple[list[float], list[torch.Tensor]]:
+    device = torch.device("cuda")
+    model = build_fsdp_model(ARGS, device)
+    extra = dict(tiers=[f"posix:{tmp}"], host_budget_gb=(2 * 60 * SG + 3 * 12 * SG) / 2**30) if disk else {}
+    cfg = OffloadConfig(subgroup_numel=SG, kernel="torch", overlap=overlap, gpu_fraction=gpu_fraction, **extra)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, model=model, offload=cfg)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, ARGS.vocab_size, (2, 65), generator=g).to(device)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    state = opt.state_dict()["state"]
+    out = [state[i][k] for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+    out += [p.to_local().detach().cpu() for p in model.parameters()]
+    opt.close()
+    return losses, out
+
+
+def _rank(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        out = {}
+        for name, (overlap, gpu_fraction, disk) in VARIANTS.items():
+            os.makedirs(f"{tmp}/{name}", exist_ok=True)
+            out[name] = train(f"{tmp}/{name}", overlap, gpu_fraction, disk)
+        torch.save(out, f"{tmp}/out.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_overlap_is_bit_exact_on_cuda(tmp_path):
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    out = torch.load(tmp_path / "out.pt")
+    for name, (losses, tensors) in out.items():
+        base_losses, base = out["sync_gpu" if name.endswith("_gpu") else "sync"]
+        assert losses == base_losses, f"{name}: losses {losses} differ from the synchronous step's {base_losses}"
+        for i, (a, b) in enumerate(zip(tensors, base)):
+            assert torch.equal(a, b), f"{name}: tensor {i} differs from the synchronous step's"
