@@ -26,7 +26,7 @@ from .fsdp import (
 from .grads import HostGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
 from .metrics import StepMetrics, step_metrics
-from .order import forward_order, grads_arrival_order, order_ending_with, update_order
+from .order import forward_order, order_ending_with, update_order
 from .overlap import UpdateInFlight
 from .staging import LowpStaging
 from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
@@ -93,6 +93,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             for _, params in units
         ]
         self._forward = forward_order(unit_subgroups, len(self.layout))
+        self._forward_rank = {sg: k for k, sg in enumerate(self._forward)}
         self.kernel_name, self._kernel = get_adamw_kernel(cfg.kernel)
         self._device = device
         on_gpu = gpu_resident_subgroups(self.layout, 0.0 if cfg.gpu_fraction == "auto" else cfg.gpu_fraction, device)
@@ -239,7 +240,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._size_gpu_share and self.last_metrics is not None:
             self._grow_gpu_share()
         self._plan_step(1.0)  # no clipping, bf16: the factor is known before the grads
-        self._pending = grads_arrival_order(self._pending, self.store.resident())
         self._grads_missing, self._grads_taken = list(self._grads_expected), set()
         self._after_backward = self._copies.mark_current()
         self._inflight.start(lambda: self._update(start), before_grads=True)
@@ -367,12 +367,25 @@ class OffloadAdamW(torch.optim.Optimizer):
             try:
                 for sg in sorted(self._unwritten):  # params a failed try updated but did not copy back
                     self._copy_back(sg, params)
-                self.store.run_update(self._pending, update)
+                if self._during_backward:
+                    self._update_as_grads_arrive(update)
+                self.store.run_update([sg for sg in self._pending if sg not in updated], update)
             finally:
                 self._pending = [sg for sg in self._pending if sg not in updated] or None
                 if self._inflight is None:
                     self._params_written()
             self._finish_step(start)
+
+    def _update_as_grads_arrive(self, update: Callable[[int, torch.Tensor], None]) -> None:
+        """overlap="backward": the subgroups in memory, each as soon as its grads are in; of those whose
+        grads are in, the one the next forward needs first (backward hands in the root unit's grads,
+        which the forward needs first, last of all)."""
+        resident = self.store.resident()
+        left = [sg for sg in self._pending if sg in resident]
+        while left:
+            sg = self._inflight.next_with_grads(left, self._forward_rank.__getitem__)
+            left.remove(sg)
+            self.store.run_update([sg], update)
 
     def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
         with self._copies.after_current():

@@ -35,14 +35,6 @@ def update_order(forward: Sequence[int], step: int, order: str, resident: Contai
     return ascending[::-1] if order == "alternating" and step % 2 else ascending
 
 
-def grads_arrival_order(planned: Sequence[int], resident: Container[int]) -> list[int]:
-    """overlap="backward" reorders a "forward" plan: the subgroups in memory go in the order backward
-    hands in their grads (the forward's, reversed), each updated as they arrive; the ones to read keep
-    their order after them. The step ends holding the same subgroups, so the cache hits are the same."""
-    first = [sg for sg in planned if sg in resident]
-    return first[::-1] + [sg for sg in planned if sg not in resident]
-
-
 def step_kinds(forward: Sequence[int], cache_slots: int, order: str) -> list[list[int]]:
     """The distinct orders that steady-state steps take in turn (two with alternating order, one with
     fixed; with forward order, the cycle the cache settles into, which a pass's fill starts it in)."""

@@ -79,6 +79,16 @@ class UpdateInFlight:
             self._grads = None
             self._cond.notify_all()
 
+    def next_with_grads(self, subgroups: list[int], rank: Callable[[int], int]) -> int:
+        """On the worker: of `subgroups`, the one ranked first by `rank` among those whose grads are in,
+        waiting until one's are."""
+        with self._cond:
+            while True:
+                ready = subgroups if self._grads is None else [sg for sg in subgroups if sg in self._grads]
+                if ready:
+                    return min(ready, key=rank)
+                self._cond.wait()
+
     def wait_grads(self, sg: int) -> None:
         """On the worker: returns once subgroup `sg`'s grads are in host (or device) memory."""
         with self._cond:
