@@ -182,19 +182,18 @@ def worker_device(args: argparse.Namespace):
 
 
 def build_fsdp_cpu_offload(args: argparse.Namespace, device):
-    """fully_shard per block and on the root with CPUOffloadPolicy and bf16 compute; FP32 params on CPU."""
+    """The product's FSDP units (`shard_units`) with CPUOffloadPolicy and bf16 compute; FP32 params on CPU."""
     import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from fsdp_offload.models import Transformer
+    from fsdp_offload.parallelize import shard_units
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs CUDA
     with torch.device("meta"):
         model = Transformer(model_args(args))
-    for block in model.layers:
-        fully_shard(block, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    shard_units(model, mp_policy=mp, offload_policy=offload)
     model.to_empty(device="cpu")  # the sharded params live on CPU under CPUOffloadPolicy
     torch.manual_seed(args.seed)
     model.init_weights()
