@@ -37,6 +37,7 @@ from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, latest_c
 from fsdp_offload.data import DataConfig, TokenBatches
 from fsdp_offload.models import LlamaArgs, num_params
 from fsdp_offload.parallelize import build_fsdp_model
+from fsdp_offload.threads import cpu_threads_per_rank
 from fsdp_offload.storage import TierError
 
 @dataclass
@@ -95,30 +96,6 @@ def init_distributed(device: str) -> torch.device:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(minutes=30))
     return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-
-
-def physical_cores() -> int:
-    """Physical cores this process may run on (hyperthread siblings count once): OpenMP threads on
-    sibling hyperthreads slow the CPU update down rather than up."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cores = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                cores.add(f.read().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, len(cores))
-
-
-def cpu_threads_per_rank(threads: int | None) -> int:
-    """`train.cpu_threads`, or the node's physical cores divided among its ranks. torchrun sets one
-    OpenMP thread per rank when it starts several, which would leave the CPU update on one core each."""
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"train.cpu_threads={threads} must be >= 1 (null: the physical cores per local rank)")
-        return threads
-    return max(1, physical_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def rng_state() -> dict:

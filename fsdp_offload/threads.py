@@ -1,0 +1,35 @@
+"""How many threads each rank's CPU update gets: the node's physical cores divided among its ranks.
+
+torchrun sets OMP_NUM_THREADS=1 when it starts several ranks per node, which would leave each rank's
+CPU update on one core; the recipes and benchmarks give each rank its share of the cores instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def physical_cores() -> int:
+    """Physical cores this process may run on (hyperthread siblings count once): OpenMP threads on
+    sibling hyperthreads slow the CPU update down rather than up."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None) -> int:
+    """`threads` (train.cpu_threads) if given, else the physical cores divided among the node's ranks
+    (`local_ranks`, by default $LOCAL_WORLD_SIZE as torchrun sets it)."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"train.cpu_threads={threads} must be >= 1 (null: the physical cores per local rank)")
+        return threads
+    if local_ranks is None:
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, physical_cores() // local_ranks)
