@@ -29,9 +29,13 @@ OVERLAPS = ("next_forward", "backward", "none")
 class OffloadConfig:
     # Storage paths for FP32 state that does not fit the host cache, e.g. ["posix:/local/nvme"].
     tiers: list[str] = field(default_factory=list)
-    # All page-locked host memory of this rank's optimizer, in GiB: the low-precision grad/param
-    # staging buffer (2 bytes/param) plus the FP32 state cache. None: keep all state in host memory.
-    host_budget_gb: float | None = None
+    # The host memory this rank's optimizer keeps, in GiB: the low-precision grad/param staging buffer
+    # (2 bytes/param, page-locked), the FP32 state cache and, with grad_path="tier_fp32", its FP32 grad
+    # buffer. None: keep all state in host memory. "auto": the node's available memory (MemAvailable)
+    # less host_headroom_gb, divided among the node's ranks; the optimizer logs what it chose.
+    host_budget_gb: float | str | None = None
+    # host_budget_gb="auto" only: GiB of the node's available memory left to everything else.
+    host_headroom_gb: float = 8.0
     # Elements per subgroup (one I/O unit); a multiple of 1024. 100Mi by default, as in DeepSpeed.
     subgroup_numel: int = 100 * (1 << 20)
     # Subgroups fetched ahead of the one being updated.
@@ -94,8 +98,13 @@ class OffloadConfig:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.tiers = list(self.tiers)
         self.tier_specs  # parses every spec: a bad one fails here, naming itself
-        if self.host_budget_gb is not None and not self.host_budget_gb >= 0:
+        if isinstance(self.host_budget_gb, str):
+            if self.host_budget_gb != "auto":
+                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb!r}: give GiB, 'auto' or None (all state in host memory)")
+        elif self.host_budget_gb is not None and not self.host_budget_gb >= 0:
             raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
+        if not self.host_headroom_gb >= 0:
+            raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
         if self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
             raise ValueError(
                 f"offload.subgroup_numel={self.subgroup_numel} must be a positive multiple of {ALIGN_NUMEL} "
@@ -160,6 +169,9 @@ class OffloadConfig:
 
     @property
     def host_budget_bytes(self) -> int | None:
+        """The budget in bytes when given in GiB (None: no limit); "auto" is sized by memory.py."""
+        if self.host_budget_gb == "auto":
+            raise ValueError("offload.host_budget_gb='auto' has no size until the optimizer measures the node (memory.py)")
         return None if self.host_budget_gb is None else int(self.host_budget_gb * GIB)
 
 

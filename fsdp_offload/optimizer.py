@@ -25,6 +25,7 @@ from .fsdp import (
 )  # fmt: skip
 from .grads import HostGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
+from .memory import resolve_host_budget
 from .metrics import StepMetrics, step_metrics
 from .order import forward_order, order_ending_with, update_order
 from .overlap import UpdateInFlight
@@ -104,15 +105,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._size_gpu_share = False
         staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", on_gpu, device)
         fp32_grads = cfg.grad_path == "tier_fp32"
+        grad_slots = TierFP32Grads.slot_bytes(self.layout) if fp32_grads else []
         try:
+            budget, budget_name = resolve_host_budget(cfg, mesh_group(self._params), device)
             self.store = SubgroupStore(
-                cfg, self.layout, on_gpu, device, staging.nbytes,
-                TierFP32Grads.slot_bytes(self.layout) if fp32_grads else [], self._load_params_from_master,
-                self._forward,
+                cfg, self.layout, on_gpu, device, budget, budget_name,
+                staging.nbytes + max(grad_slots, default=0),  # the FP32 grad path's one buffer
+                grad_slots, self._load_params_from_master, self._forward,
             )  # fmt: skip
         except BaseException:
             staging.close()  # its pinned pages, before the memory can be reused
             raise
+        if cfg.host_budget_gb == "auto":
+            log.info("%s: %d of %d subgroups off the GPU kept in host memory", budget_name,
+                     self.store.cache.num_slots, len(self.store.host_subgroups))  # fmt: skip
         if cfg.overlap == "backward" and not units:
             raise ValueError(
                 "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "

@@ -62,10 +62,11 @@ def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torc
     return frozenset(chosen)
 
 
-def host_cache_slots(cfg: OffloadConfig, streamed: int, slot_bytes: int, reserved_bytes: int) -> int:
-    """Host cache slots that the budget allows after `reserved_bytes` (the grad staging), or a clear
-    error when it is too small."""
-    budget = cfg.host_budget_bytes
+def host_cache_slots(
+    cfg: OffloadConfig, budget: int | None, budget_name: str, streamed: int, slot_bytes: int, reserved_bytes: int
+) -> int:
+    """Host cache slots that `budget` (named `budget_name` in errors) allows after `reserved_bytes`
+    (the grad staging and buffers), or a clear error when it is too small."""
     if budget is None:
         return streamed
     slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
@@ -74,14 +75,14 @@ def host_cache_slots(cfg: OffloadConfig, streamed: int, slot_bytes: int, reserve
     minimum = cfg.prefetch + 1
     if slots < minimum:
         raise ValueError(
-            f"offload.host_budget_gb={cfg.host_budget_gb} is below the pipeline's minimum of "
+            f"{budget_name} is below the pipeline's minimum of "
             f"{format_bytes(reserved_bytes + minimum * slot_bytes)}: {format_bytes(reserved_bytes)} of grad "
-            f"staging + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={cfg.prefetch}; raise the "
+            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={cfg.prefetch}; raise the "
             "budget, or lower subgroup_numel or prefetch"
         )
     if not cfg.tiers:
         raise ValueError(
-            f"offload.host_budget_gb={cfg.host_budget_gb} holds {slots} of {streamed} subgroups and no tier "
+            f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
             "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
             f"{format_bytes(reserved_bytes + streamed * slot_bytes)}"
         )
@@ -96,7 +97,8 @@ def _rank_tag() -> str:
 class SubgroupStore:
     """Every subgroup's FP32 state, at the GPU, host-cache or tier level.
 
-    `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
+    `host_budget` is the host memory it may keep in bytes (None: no limit), `budget_name` how errors
+    name it; `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
     `extra_slot_bytes` are slots a tier file keeps after the subgroups' (the FP32 grad path's);
     `on_overwrite(sg, masters)` runs after a load overwrote subgroup `sg` (the model's params follow);
     `forward` is every subgroup in the order the model's forward uses them (the placement plans for it).
@@ -108,6 +110,8 @@ class SubgroupStore:
         layout: SubgroupLayout,
         gpu_subgroups: frozenset[int],
         device: torch.device,
+        host_budget: int | None,
+        budget_name: str,
         reserved_host_bytes: int,
         extra_slot_bytes: list[int],
         on_overwrite: Callable[[int, torch.Tensor], None],
@@ -125,7 +129,7 @@ class SubgroupStore:
         # deletes tier files too.
         resources: list = []
         self._closer = weakref.finalize(self, _close_all, resources)
-        slots = host_cache_slots(cfg, len(self.host_subgroups), layout.slot_bytes, reserved_host_bytes)
+        slots = host_cache_slots(cfg, host_budget, budget_name, len(self.host_subgroups), layout.slot_bytes, reserved_host_bytes)
         # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
         self.cache = HostCache(layout.slot_bytes, slots, pin=False)
         resources.append(self.cache)

@@ -380,3 +380,50 @@ def test_clip_norm_is_taken_per_param_as_grads_arrive():
     accumulated = [a.clone().add_(b) for a, b in zip(once, twice)]
     assert opt.last_grad_norm == float(torch.stack([square_sum(g.reshape(-1)) for g in accumulated]).sum().sqrt())
     opt.close()
+
+
+def leaf_params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(t) for t in make_params()]
+
+
+def test_host_budget_auto_takes_available_memory_less_headroom(tmp_path, monkeypatch, caplog):
+    from fsdp_offload import memory
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    headroom = 0.5
+    # available such that each of 2 local ranks gets the staging plus 5 slots
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: int(2 * (STAGING + 5 * SLOT) + headroom * 2**30))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb="auto", host_headroom_gb=headroom)
+    with caplog.at_level("INFO", logger="fsdp_offload.optimizer"):
+        opt = OffloadAdamW(leaf_params(), offload=cfg)
+    assert opt.store.cache.num_slots == 5
+    assert "host_budget_gb=auto" in caplog.text and "over 2 local rank(s)" in caplog.text and "5 of 11 subgroups" in caplog.text
+    opt.close()
+    # the same node with all of it: every subgroup in memory, no tier needed
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 64 * 2**30)
+    opt = OffloadAdamW(leaf_params(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb="auto"))
+    assert opt.store.cache.num_slots == 11
+    opt.close()
+
+
+def test_host_budget_auto_errors_name_what_it_measured(tmp_path, monkeypatch):
+    from fsdp_offload import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**30)
+    with pytest.raises(ValueError, match=r"host_budget_gb=auto .*1.00 GiB available less host_headroom_gb=8.0.*lower offload.host_headroom_gb"):
+        OffloadAdamW(leaf_params(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb="auto"))
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: int(STAGING + 4 * SLOT + 0.25 * 2**30))
+    with pytest.raises(ValueError, match=r"host_budget_gb=auto .* holds 4 of 11 subgroups and no tier"):
+        OffloadAdamW(leaf_params(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb="auto", host_headroom_gb=0.25))
+    with pytest.raises(ValueError, match="give GiB, 'auto' or None"):
+        OffloadConfig(host_budget_gb="lots")
+
+
+def test_fp32_grad_buffer_counts_towards_the_host_budget(tmp_path):
+    base = dict(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(5))
+    plain = OffloadAdamW(leaf_params(), offload=OffloadConfig(**base))
+    fp32 = OffloadAdamW(leaf_params(), offload=OffloadConfig(**base, grad_path="tier_fp32"))
+    # its one buffer holds a subgroup's FP32 grads (4 bytes x SG): one 12-byte slot fewer fits
+    assert (plain.store.cache.num_slots, fp32.store.cache.num_slots) == (5, 4)
+    plain.close()
+    fp32.close()
