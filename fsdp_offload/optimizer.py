@@ -17,6 +17,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .config import OffloadConfig
 from .fsdp import (
@@ -56,10 +57,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         offload: OffloadConfig | None = None,
         model: torch.nn.Module | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
+        _refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                              differentiable=differentiable, fused=fused)  # fmt: skip
         if not 0.0 <= lr:
             raise ValueError(f"invalid lr {lr}: must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -73,6 +82,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        self._models = [] if model is None else [model]
         self._check_params()
         self._root = None
         units = []
@@ -156,12 +166,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.store.fill(self._pass_order(), {"master_param": lambda i: masters[i]})  # moments start at zero
         if model is not None:
             model.to(self.param_dtype)  # FSDP2 re-points its sharded storage (FSDPModule._apply)
+            setattr(model, _CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
             if self._inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], self._inflight.wait_unit)
         else:
             for p in self._params:
                 p.data = p.data.to(self.param_dtype)
+                setattr(p, _CAST_MARK, True)
+        self._show_steps()
 
     def _check_params(self) -> None:
         if not self._params:
@@ -170,6 +183,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
         for i, p in enumerate(self._params):
+            if p.dtype != torch.float32 and any(getattr(x, _CAST_MARK, False) for x in [p, *self._models]):
+                raise ValueError(
+                    f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: an earlier OffloadAdamW cast this model and "
+                    "holds its FP32 master weights. Keep using that optimizer; to rebuild one (other options, "
+                    "another tier), save the old one's state (state_dict() or a DCP checkpoint), close() it, "
+                    "build the model again in FP32, build the new optimizer on it and load the state"
+                )
             if p.dtype != torch.float32:
                 raise ValueError(
                     f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
@@ -185,9 +205,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "OffloadAdamW lays out its subgroups when it is built; params cannot be added later. "
                 "Build a new optimizer over all params"
             )
-        for k in ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable"):
-            if param_group.get(k):
-                raise ValueError(f"OffloadAdamW does not support {k}=True")
+        _refuse_torch_options(**{k: param_group[k] for k in _TORCH_OPTIONS if k in param_group})
         super().add_param_group(param_group)
 
     # -- grads ----------------------------------------------------------------------------------
@@ -480,8 +498,16 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._finished.subgroups_on_gpu = len(self.store.gpu_state)
         for i, has in enumerate(self.grads.staged):
             self._steps[i] += has
+        self._show_steps()
         self.step_count += 1
         self.grads.clear()
+
+    def _show_steps(self) -> None:
+        """`self.state[p]` holds each param's Adam step count, as torch's AdamW does (the moments and
+        masters are out of core: `state_dict()` gathers them). A non-empty `state` also tells torch's
+        distributed state-dict API that the state exists (it would otherwise run a zero-lr step)."""
+        for p, n in zip(self._params, self._steps):
+            self.state[p] = {"step": torch.tensor(float(n))}
 
     def _check_no_pending_step(self) -> None:
         self.finish_update()
@@ -506,44 +532,61 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
-        """Like torch.optim.AdamW's, plus each param's FP32 'master_param' (all gathered in host memory).
+        """Like torch.optim.AdamW's, plus each param's FP32 'master_param', all gathered in host memory:
+        for an FSDP2-sharded param each tensor is a DTensor sharded as the param is (its local shard in
+        host memory), as torch's optimizers give, so torch's distributed state-dict API and DCP see
+        whole tensors. The offload's own counters ride in the first param group ("fsdp_offload"),
+        which that API keeps.
 
         For models whose state does not fit host memory, checkpoint through the DCP Stateful instead.
         """
         self._check_no_pending_step()
         out = [{k: torch.empty(local_data(p).shape, dtype=torch.float32) for k in STATE_KEYS} for p in self._params]
         self.store.gather(self._pass_order(), out)
-        state = {i: {"step": torch.tensor(float(self._steps[i])), **out[i]} for i in range(len(self._params))}
+        state = {
+            i: {"step": torch.tensor(float(self._steps[i])), **{k: _like_param(t, p) for k, t in out[i].items()}}
+            for i, p in enumerate(self._params)
+        }
         groups, start = [], 0
         for g in self.param_groups:
             n = len(g["params"])
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
             start += n
-        return {"state": state, "param_groups": groups, "offload": self._offload_meta()}
+        groups[0][_META_KEY] = self._offload_meta()
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores masters, moments, step counts and hyperparameters, and rewrites the model's params
         from the restored masters."""
         self._check_no_pending_step()
-        groups, state = state_dict["param_groups"], state_dict["state"]
+        groups = state_dict["param_groups"]
         self._check_groups([len(g["params"]) for g in groups])
+        # params are matched by position: keys are indices from state_dict(), or the names torch's
+        # distributed state-dict API gives them (in this optimizer's order)
+        keys = [k for g in groups for k in g["params"]]
+        state = [state_dict["state"].get(k, {}) for k in keys]
         for i, p in enumerate(self._params):
             want = tuple(local_data(p).shape)
+            for key in ("step", *STATE_KEYS):
+                if key not in state[i]:
+                    raise ValueError(f"state_dict param {i} ({keys[i]!r}) has no {key!r}: it was not saved by OffloadAdamW")
             for key in STATE_KEYS:
-                got = tuple(state[i][key].shape) if i in state and key in state[i] else None
+                got = tuple(local_data(state[i][key]).shape)
                 if got != want:
-                    raise ValueError(f"state_dict param {i} {key}: shape {got}, expected {want} (another model or sharding?)")
+                    raise ValueError(
+                        f"state_dict param {i} ({keys[i]!r}) {key}: local shape {got}, expected {want} (another model or sharding?)"
+                    )
 
         def flat(key: str) -> Callable[[int], torch.Tensor]:
-            return lambda i: state[i][key].reshape(-1).to(torch.float32)
+            return lambda i: local_data(state[i][key]).reshape(-1).to(torch.float32)
 
         self.begin_load()
         self.store.fill(self._pass_order(), {key: flat(key) for key in STATE_KEYS}, then=self._load_params_from_master)
         self._end_load(
-            [{k: v for k, v in g.items() if k != "params"} for g in groups],
-            [int(state[i]["step"]) for i in range(len(self._params))],
-            state_dict.get("offload", {}),
+            [{k: v for k, v in g.items() if k not in ("params", _META_KEY)} for g in groups],
+            [int(s["step"]) for s in state],
+            groups[0].get(_META_KEY, {}),
         )
 
     def _check_groups(self, sizes: list[int]) -> None:
@@ -570,6 +613,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for mine, g in zip(self.param_groups, groups):
             mine.update(g)
         self._steps = list(steps)
+        self._show_steps()
         self.step_count = int(meta.get("step_count", 0))
         self.grads.load_state_dict(meta.get("loss_scaler"))
         if meta.get("placement"):
@@ -609,6 +653,34 @@ class OffloadAdamW(torch.optim.Optimizer):
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
             self._closer()
+
+
+_META_KEY = "fsdp_offload"  # the first param group's entry for the offload's own counters
+_CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
+_TORCH_OPTIONS = {
+    "amsgrad": "it keeps a fourth FP32 state tensor (the running max of exp_avg_sq) that the out-of-core layout has no room for",
+    "maximize": "the fused kernels descend; negate the loss instead",
+    "foreach": "torch's implementation choice: OffloadAdamW always runs its own kernels (choose with offload.kernel)",
+    "fused": "torch's implementation choice: OffloadAdamW always runs its own kernels (choose with offload.kernel)",
+    "capturable": "the update runs on the CPU and storage, outside any CUDA graph",
+    "differentiable": "the update is not part of autograd",
+}
+
+
+def _refuse_torch_options(**given: Any) -> None:
+    """torch AdamW's options other than the math ones: their defaults are accepted, any other value is
+    refused by name with why."""
+    for name, value in given.items():
+        if value:
+            raise ValueError(f"OffloadAdamW does not support {name}={value!r}: {_TORCH_OPTIONS[name]}")
+
+
+def _like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`t` (the local part of a state tensor of `p`) shaped as `p`: a DTensor sharded like `p` when
+    `p` is one."""
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _triton_kernel() -> Callable:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import LlamaArgs, Transformer
 from fsdp_offload.parallelize import build_fsdp_model
 
@@ -68,7 +69,7 @@ def train_offload(rank: int, variant: dict, tiers: list[str], budget: float | No
         opt.zero_grad()
         losses.append(total)
     state = opt.state_dict()["state"]
-    masters = [state[i]["master_param"] for i in range(len(state))]
+    masters = [local_data(state[i]["master_param"]) for i in range(len(state))]
     opt.close()
     return losses, masters
 

@@ -427,3 +427,24 @@ def test_fp32_grad_buffer_counts_towards_the_host_budget(tmp_path):
     assert (plain.store.cache.num_slots, fp32.store.cache.num_slots) == (5, 4)
     plain.close()
     fp32.close()
+
+
+def test_torch_adamw_options_are_accepted_at_defaults_and_refused_by_name_otherwise():
+    opt = OffloadAdamW(leaf_params(), amsgrad=False, maximize=False, foreach=None, capturable=False,
+                       differentiable=False, fused=None, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))  # fmt: skip
+    assert [float(opt.state[p]["step"]) for p in opt._params] == [0.0] * len(SHAPES)  # torch's tools see the state
+    opt.close()
+    for name, why in [("amsgrad", "fourth FP32 state"), ("maximize", "negate the loss"), ("foreach", "offload.kernel"),
+                      ("fused", "offload.kernel"), ("capturable", "CUDA graph"), ("differentiable", "autograd")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"does not support {name}=True: .*{why}"):
+            OffloadAdamW(leaf_params(), **{name: True})
+        with pytest.raises(ValueError, match=f"does not support {name}=True"):
+            OffloadAdamW([{"params": leaf_params(), name: True}])
+
+
+def test_a_second_optimizer_on_a_cast_model_says_what_happened():
+    params = leaf_params()
+    first = OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    with pytest.raises(ValueError, match="an earlier OffloadAdamW cast this model and holds its FP32 master weights"):
+        OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    first.close()

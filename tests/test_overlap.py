@@ -14,6 +14,7 @@ from dist_utils import run_ranks
 from test_fsdp import ARGS, SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.fsdp import local_data
 from fsdp_offload.overlap import UpdateInFlight
 from fsdp_offload.parallelize import build_fsdp_model
 
@@ -58,7 +59,7 @@ def train(rank: int, tmp: str, overlap: str, order: str) -> tuple[list[float], l
     state = opt.state_dict()["state"]  # waits for the last update
     if opt.last_metrics not in metrics:
         metrics.append(opt.last_metrics)
-    masters = [state[i][k] for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+    masters = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
     opt.close()
     monkeypatch.undo()
     return losses, masters, waits, [(m.step, m.update_s, m.exposed_update_s) for m in metrics]
@@ -123,7 +124,7 @@ def train_no_clip(rank: int, tmp: str, overlap: str, checkpointing: bool) -> tup
         opt.zero_grad()
         losses.append(loss.item())
     state = opt.state_dict()["state"]
-    masters = [state[i][k] for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq", "step")]
+    masters = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq", "step")]
     opt.close()
     return losses, masters, in_backward[0]
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from dist_utils import free_port
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import LlamaArgs
 from fsdp_offload.parallelize import build_fsdp_model
 
@@ -49,7 +50,7 @@ def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool) -> tuple[list
         opt.zero_grad()
         losses.append(loss.item())
     state = opt.state_dict()["state"]
-    out = [state[i][k] for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
     out += [p.to_local().detach().cpu() for p in model.parameters()]
     opt.close()
     return losses, out
