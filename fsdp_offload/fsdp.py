@@ -75,6 +75,16 @@ class CopyStream:
         return event
 
 
+def cast_params(model: nn.Module, dtype: torch.dtype) -> None:
+    """Casts the model's params to `dtype` and keeps its buffers as they were (as FSDP2's mixed
+    precision does: a bf16 RoPE table loses phase). `model.to()` is what casts, because on an FSDP2
+    model it also re-points the sharded storage (FSDPModule._apply); the buffers it made are put back."""
+    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    model.to(dtype)
+    for m, name, b in buffers:
+        m._buffers[name] = b
+
+
 def root_fsdp_module(model: nn.Module) -> FSDPModule:
     """The model itself, checked to be an FSDP2 root (fully_shard applied to it and its blocks)."""
     if not isinstance(model, FSDPModule):

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .config import OffloadConfig
 from .fsdp import (
-    CopyStream, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
+    CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
 )  # fmt: skip
 from .grads import HostGrads, StepGrads, TierFP32Grads
@@ -165,7 +165,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         masters = [t.detach().reshape(-1) for t in locals_]
         self.store.fill(self._pass_order(), {"master_param": lambda i: masters[i]})  # moments start at zero
         if model is not None:
-            model.to(self.param_dtype)  # FSDP2 re-points its sharded storage (FSDPModule._apply)
+            cast_params(model, self.param_dtype)
             setattr(model, _CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
             if self._inflight is not None:

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.models import MODEL_PRESETS, num_params
+from fsdp_offload.fsdp import cast_params
 from fsdp_offload.parallelize import build_fsdp_model
 from fsdp_offload.results import record
 
@@ -114,7 +115,7 @@ def main() -> None:
 
     def no_hook():
         model = build(args, None)
-        model.to(torch.bfloat16)
+        cast_params(model, torch.bfloat16)  # as OffloadAdamW casts it
         return model, None
 
     def offload():

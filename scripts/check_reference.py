@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.data import DataConfig, TokenBatches
+from fsdp_offload.fsdp import cast_params
 from fsdp_offload.models import MODEL_PRESETS, num_params
 from fsdp_offload.parallelize import build_fsdp_model
 from fsdp_offload.results import record
@@ -60,7 +61,7 @@ def run_reference(args, margs) -> list[float]:
     model = build_fsdp_model(margs, DEVICE)
     # FP32 masters in host memory, updated by torch.optim.AdamW's single-tensor CPU path
     masters = [torch.nn.Parameter(p.to_local().detach().cpu().clone()) for p in model.parameters()]
-    model.to(torch.bfloat16)
+    cast_params(model, torch.bfloat16)  # as OffloadAdamW casts it
     params = list(model.parameters())
     ref = torch.optim.AdamW(masters, lr=args.lr, weight_decay=1e-2, foreach=False)
 

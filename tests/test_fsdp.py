@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from dist_utils import run_ranks
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.fsdp import local_data
+from fsdp_offload.fsdp import cast_params, local_data
 from fsdp_offload.models import LlamaArgs, Transformer
 from fsdp_offload.parallelize import build_fsdp_model
 
@@ -80,7 +80,7 @@ def train_reference(rank: int, variant: dict) -> list[float]:
     params = list(model.parameters())
     masters = [torch.nn.Parameter(p.to_local().detach().clone()) for p in params]
     dtype = torch.float16 if variant.get("dtype") == "float16" else torch.bfloat16
-    model.to(dtype)
+    cast_params(model, dtype)  # as OffloadAdamW casts it: params only
     params = list(model.parameters())
     ref = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
     scale, micro, losses = (2.0**10 if dtype == torch.float16 else 1.0), variant.get("micro_batches", 1), []

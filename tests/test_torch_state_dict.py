@@ -54,6 +54,8 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
 
 def worker(rank: int, world: int, tmp: str) -> None:
     model, opt = make(rank, f"{tmp}/a{rank}")
+    # params only are cast, as FSDP2's mixed precision does: the RoPE tables stay fp32
+    assert model.rope_cos.dtype == torch.float32 and model.layers[0].attention.wq.weight.dtype == torch.bfloat16
     train(model, opt, range(3), rank)
     before = snapshot(opt)
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * len(before[::4])

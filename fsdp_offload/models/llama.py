@@ -155,8 +155,8 @@ def precompute_rope(
     """cos and sin of the RoPE angles, (max_seq_len, head_dim // 2) each, in fp32.
 
     Real-valued rather than torchtitan's complex `freqs_cis`, so it works in bf16 on any device.
-    `model.to(torch.bfloat16)` casts these buffers too; apply_rope still rotates in fp32 (HF LLaMA
-    likewise hands bf16 cos/sin to its bf16 layers).
+    OffloadAdamW and FSDP2's mixed precision keep them in fp32 (they cast params only); a plain
+    `model.to(torch.bfloat16)` casts them too, and apply_rope still rotates in fp32.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device).float(), inv_freq)
