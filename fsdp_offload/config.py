@@ -19,6 +19,21 @@ from .storage.lock import access_slots
 from .subgroups import ALIGN_NUMEL
 
 GIB = 1 << 30
+SIZE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": GIB, "TiB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def parse_size(text: str) -> tuple[float, str]:
+    """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB."""
+    text = text.strip()
+    for unit in sorted(SIZE_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return float(text[: -len(unit)].strip()), unit
+    return float(text), "GiB"
+
+
+def in_unit(nbytes: float, unit: str) -> str:
+    """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
+    return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
 PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
@@ -31,8 +46,9 @@ class OffloadConfig:
     tiers: list[str] = field(default_factory=list)
     # The host memory this rank's optimizer keeps, in GiB: the low-precision grad/param staging buffer
     # (2 bytes/param, page-locked), the FP32 state cache and, with grad_path="tier_fp32", its FP32 grad
-    # buffer. None: keep all state in host memory. "auto": the node's available memory (MemAvailable)
-    # less host_headroom_gb, divided among the node's ranks; the optimizer logs what it chose.
+    # buffer. A number of GiB or a size ("6GiB", "512MiB", "8GB"). None: keep all state in host
+    # memory. "auto": the node's available memory (MemAvailable) less host_headroom_gb, divided among
+    # the node's ranks; the optimizer logs what it chose.
     host_budget_gb: float | str | None = None
     # host_budget_gb="auto" only: GiB of the node's available memory left to everything else.
     host_headroom_gb: float = 8.0
@@ -98,11 +114,16 @@ class OffloadConfig:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.tiers = list(self.tiers)
         self.tier_specs  # parses every spec: a bad one fails here, naming itself
-        if isinstance(self.host_budget_gb, str):
-            if self.host_budget_gb != "auto":
-                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb!r}: give GiB, 'auto' or None (all state in host memory)")
-        elif self.host_budget_gb is not None and not self.host_budget_gb >= 0:
-            raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
+        if self.host_budget_gb not in (None, "auto"):
+            try:
+                size = parse_size(self.host_budget_gb)[0] if isinstance(self.host_budget_gb, str) else float(self.host_budget_gb)
+            except ValueError:
+                raise ValueError(
+                    f"offload.host_budget_gb={self.host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
+                    f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto' or None (all state in host memory)"
+                ) from None
+            if not size >= 0:
+                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
         if self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
@@ -172,7 +193,15 @@ class OffloadConfig:
         """The budget in bytes when given in GiB (None: no limit); "auto" is sized by memory.py."""
         if self.host_budget_gb == "auto":
             raise ValueError("offload.host_budget_gb='auto' has no size until the optimizer measures the node (memory.py)")
-        return None if self.host_budget_gb is None else int(self.host_budget_gb * GIB)
+        if self.host_budget_gb is None:
+            return None
+        number, unit = parse_size(str(self.host_budget_gb))
+        return int(number * SIZE_UNITS[unit])
+
+    @property
+    def host_budget_unit(self) -> str:
+        """The unit the budget was written in (GiB for a number or "auto"): errors answer in it."""
+        return parse_size(self.host_budget_gb)[1] if isinstance(self.host_budget_gb, str) and self.host_budget_gb != "auto" else "GiB"
 
 
 def format_bytes(nbytes: float) -> str:

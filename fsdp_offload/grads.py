@@ -114,11 +114,21 @@ class StepGrads:
             else None
         )
         self.last_norm: float | None = None
+        self.step_max_norm: float | None = None  # this step's clip, set by clip_grad_norm_ (over max_grad_norm)
+        self._total: float | None = None  # this step's all-reduced sum of squares, once taken
         # Each param's grad's sum of squares, taken as it is staged; summed in param order at the step,
         # so the norm does not depend on subgroup cuts, cache state or timing.
-        needs_norm = self.max_grad_norm is not None or self.loss_scaler is not None
-        self._square_sums = torch.zeros(len(local_shapes), dtype=torch.float64, device=device) if needs_norm else None
-        self._accumulated: set[int] = set()  # staged twice or more: the sum is of the accumulated grad, at the step
+        self._square_sums: torch.Tensor | None = None
+        self._accumulated: set[int] = set()  # staged twice or more (or before sums were taken): summed at the step
+        if self.max_grad_norm is not None or self.loss_scaler is not None:
+            self.take_square_sums()
+
+    def take_square_sums(self) -> None:
+        """From now on, each grad's sum of squares is taken as it is staged (where the grad is: on the
+        GPU in the hook). Grads staged before are summed from the staging buffer when the norm is asked."""
+        if self._square_sums is None:
+            self._square_sums = torch.zeros(len(self._local_shapes), dtype=torch.float64, device=self._device)
+            self._accumulated.update(i for i, has in enumerate(self.staged) if has)
 
     @property
     def staged(self) -> list[bool]:
@@ -138,6 +148,7 @@ class StepGrads:
             )
         accumulating = self.staged[index]
         self.staging.stage(index, grad)
+        self._total = None  # a norm taken before this grad is stale
         if self._square_sums is not None:
             if accumulating:
                 self._accumulated.add(index)
@@ -155,32 +166,43 @@ class StepGrads:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
+    def norm(self) -> float:
+        """The global L2 norm of this step's grads, unscaled (inf/nan if any grad is): one all-reduce
+        of one scalar per step, however often it is asked."""
+        self.take_square_sums()
+        if self._total is None:
+            for i in self._accumulated:
+                self._square_sums[i] = square_sum(self.staging.param_grad(i).to(self._device))
+            self._accumulated.clear()
+            sq = self._square_sums.sum().reshape(1)
+            if self._group is not None:
+                dist.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
+            self._total = float(sq.item())
+        unscale = 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale  # the scale backward ran with
+        return math.sqrt(self._total) * unscale
+
     def grad_scale(self) -> float | None:
         """The factor applied to every grad in flight (1 / loss scale x clip factor), or None when the
         fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
-        if self._square_sums is None:
+        max_norm = self.max_grad_norm if self.step_max_norm is None else self.step_max_norm
+        if max_norm is None and self.loss_scaler is None:
             return 1.0
-        for i in self._accumulated:
-            self._square_sums[i] = square_sum(self.staging.param_grad(i).to(self._device))
-        sq = self._square_sums.sum().reshape(1)
-        if self._group is not None:
-            dist.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
-        total = float(sq.item())
+        norm = self.norm()
         unscale = 1.0
         if self.loss_scaler is not None:
-            unscale = 1.0 / self.loss_scaler.scale  # the scale this backward ran with
-            found_inf = not math.isfinite(total)
+            unscale = 1.0 / self.loss_scaler.scale
+            found_inf = not math.isfinite(norm)
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return None
-        norm = math.sqrt(total) * unscale
         self.last_norm = norm
-        clip = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
         return unscale * clip
 
     def clear(self) -> None:
         self.staging.clear()
         self._accumulated.clear()
+        self._total, self.step_max_norm = None, None
         if self._square_sums is not None:
             self._square_sums.zero_()
 

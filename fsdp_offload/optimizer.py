@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -277,6 +278,33 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         if self._pending is None and not (self._inflight is not None and self._inflight.busy):
             self.grads.clear()  # (an update in flight clears them when it ends)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for this optimizer's params, whose grads the hooks took out
+        of `p.grad` (so torch's own function sees none): returns the global L2 norm of this step's
+        grads (all ranks, every backward since the last step) as a tensor, and has the next `step()`
+        scale them so that it is at most `max_norm`, in flight. The first call on an optimizer built
+        without `offload.max_grad_norm` sums the grads already staged on the CPU; from then on the
+        hooks take each grad's sum of squares where it is, as `max_grad_norm` does."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): OffloadAdamW clips by the L2 norm (2.0) only")
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): give a positive number")
+        if self._inflight is not None and self._inflight.awaiting_grads:
+            raise RuntimeError(
+                "clip_grad_norm_() with offload.overlap='backward': backward has already updated subgroups with "
+                "unclipped grads; use offload.overlap='next_forward' to clip"
+            )
+        self.finish_update()
+        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+        if not any(self.grads.staged):
+            raise RuntimeError("clip_grad_norm_() called before any backward: no param has a grad")
+        norm = self.grads.norm()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"the total norm of the grads is {norm}: clip_grad_norm_(error_if_nonfinite=True)")
+        self.grads.step_max_norm = max_norm
+        return torch.tensor(norm, dtype=torch.float64, device=self._device)  # the value the step clips by
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""

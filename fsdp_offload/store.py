@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .cache import HostCache, aligned_host_buffer
-from .config import OffloadConfig, format_bytes
+from .config import OffloadConfig, format_bytes, in_unit
 from .pipeline import SubgroupPipeline
 from .placement import make_placement
 from .storage import Tier, Transfer, open_tiers
@@ -76,7 +76,8 @@ def host_cache_slots(
     if slots < minimum:
         raise ValueError(
             f"{budget_name} is below the pipeline's minimum of "
-            f"{format_bytes(reserved_bytes + minimum * slot_bytes)}: {format_bytes(reserved_bytes)} of grad "
+            f"{in_unit(reserved_bytes + minimum * slot_bytes, cfg.host_budget_unit)} "
+            f"({format_bytes(reserved_bytes + minimum * slot_bytes)}): {format_bytes(reserved_bytes)} of grad "
             f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={cfg.prefetch}; raise the "
             "budget, or lower subgroup_numel or prefetch"
         )
@@ -84,7 +85,8 @@ def host_cache_slots(
         raise ValueError(
             f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
             "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
-            f"{format_bytes(reserved_bytes + streamed * slot_bytes)}"
+            f"{in_unit(reserved_bytes + streamed * slot_bytes, cfg.host_budget_unit)} "
+            f"({format_bytes(reserved_bytes + streamed * slot_bytes)})"
         )
     return slots
 

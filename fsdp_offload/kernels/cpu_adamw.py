@@ -14,16 +14,20 @@ refuses, with ValueError, an ISA the CPU lacks.
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
 import sysconfig
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .contract import adamw_scalars, check_adamw_args
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 EXTENSION_NAME = "fsdp_offload_cpu_adamw"
@@ -61,8 +65,14 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
+    build_dir = cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False)
+    fresh = not list(Path(build_dir).glob(f"{EXTENSION_NAME}*.so"))
+    if fresh:  # said once: the first use on a machine compiles for tens of seconds
+        log.warning("building the fused CPU AdamW kernel with %s into %s (first use on this machine, about 30 s; "
+                    "$TORCH_EXTENSIONS_DIR moves it, offload.kernel=torch skips it)", cxx, build_dir)  # fmt: skip
+    start = time.perf_counter()
     try:
-        return cpp_extension.load(
+        module = cpp_extension.load(
             name=EXTENSION_NAME,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
@@ -71,6 +81,9 @@ def _build() -> ModuleType:
         )
     except Exception as exc:
         raise RuntimeError(f"building {SOURCE} with {cxx} failed: {exc}") from exc
+    if fresh:
+        log.warning("built the fused CPU AdamW kernel in %.0f s", time.perf_counter() - start)
+    return module
 
 
 def load_extension() -> ModuleType:
