@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .config import OffloadConfig
@@ -582,6 +583,33 @@ class OffloadAdamW(torch.optim.Optimizer):
             start += n
         groups[0][_META_KEY] = self._offload_meta()
         return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def full_fp32_state_dict(self, model: torch.nn.Module | None = None, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The FP32 master weights as whole tensors keyed by parameter name (`model`'s, by default the
+        one given at construction), in host memory: for `model.load_state_dict` of an FP32 copy of the
+        model, `torch.save`, or `save_pretrained`. Collective under FSDP2: every rank calls it, and with
+        `rank0_only` only rank 0 gets the tensors (one whole param at a time crosses the others). Each
+        rank first gathers its own masters' shards (4 bytes per local param) in host memory."""
+        self._check_no_pending_step()
+        model = model if model is not None else (self._models[0] if self._models else None)
+        if model is None:
+            raise ValueError("full_fp32_state_dict() names params by the model's names: pass model= (here or at construction)")
+        names = {id(p): name for name, p in model.named_parameters()}
+        missing = [i for i, p in enumerate(self._params) if id(p) not in names]
+        if missing:
+            raise ValueError(f"params {missing[:5]} of this optimizer are not parameters of the model given")
+        out = [{"master_param": torch.empty(local_data(p).shape, dtype=torch.float32)} for p in self._params]
+        self.store.gather(self._pass_order(), out)
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        full: dict[str, torch.Tensor] = {}
+        for p, o in zip(self._params, out):
+            t = o["master_param"]
+            if isinstance(p, DTensor):  # the local shard goes where the mesh's collectives run
+                t = _like_param(t.to(local_data(p).device), p).full_tensor().cpu()
+            if keep:
+                full[names[id(p)]] = t
+        return full
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

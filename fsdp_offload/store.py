@@ -187,13 +187,15 @@ class SubgroupStore:
         self.visit(order, fill, load=False)
 
     def gather(self, order: list[int], out: list[dict[str, torch.Tensor]]) -> None:
-        """Copies every subgroup's state, in `order`, into per-param FP32 tensors `out[param][key]`."""
+        """Copies every subgroup's state, in `order`, into per-param FP32 tensors `out[param][key]` (the
+        keys of STATE_KEYS that `out[param]` has)."""
 
         def gather(sg: int, state: torch.Tensor) -> None:
             parts = self.layout.subgroups[sg].parts(state)
             for seg in self.layout.subgroups[sg].segments:
                 for key, part in zip(STATE_KEYS, parts):
-                    out[seg.param][key].view(-1)[seg.in_param].copy_(part[seg.in_subgroup])
+                    if key in out[seg.param]:
+                        out[seg.param][key].view(-1)[seg.in_param].copy_(part[seg.in_subgroup])
 
         self.require_loaded()
         self.visit(order, gather, dirty=False)

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
-from test_fsdp import SG, batch, build_model, loss_of
+from test_fsdp import ARGS, SG, batch, build_model, loss_of
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
+from fsdp_offload.models import Transformer
 
 KEYS = ("step", "master_param", "exp_avg", "exp_avg_sq")
 
@@ -52,6 +53,23 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
         assert torch.equal(x, y), f"{what}: state tensor {i} ({KEYS[i % 4]}) differs"
 
 
+def check_fp32_export(model, opt, osd, rank: int) -> None:
+    """opt.full_fp32_state_dict() on rank 0: whole FP32 masters by name, which an unsharded FP32 copy
+    of the model loads strictly, equal to the masters torch's API gathers, rounding to the model's bf16."""
+    full = opt.full_fp32_state_dict()
+    gathered = {fqn: s["master_param"].full_tensor() for fqn, s in osd["state"].items()}
+    bf16 = {name: p.full_tensor() for name, p in model.named_parameters()}
+    if rank != 0:
+        assert full == {}
+        return
+    copy = Transformer(ARGS)
+    copy.load_state_dict(full, strict=True)
+    assert set(full) == set(gathered) == set(bf16)
+    for name, t in full.items():
+        assert t.dtype == torch.float32 and torch.equal(t, gathered[name]), name
+        assert torch.equal(t.bfloat16(), bf16[name]), name
+
+
 def worker(rank: int, world: int, tmp: str) -> None:
     model, opt = make(rank, f"{tmp}/a{rank}")
     # params only are cast, as FSDP2's mixed precision does: the RoPE tables stay fp32
@@ -69,6 +87,7 @@ def worker(rank: int, world: int, tmp: str) -> None:
     same(snapshot(opt), before, "the full get_optimizer_state_dict changed the optimizer")
     if rank == 0:
         assert not hasattr(full["state"][fqn]["exp_avg"], "device_mesh")  # plain, whole tensors
+    check_fp32_export(model, opt, osd, rank)
     expected = train(model, opt, range(3, 5), rank)
 
     # sharded, through DCP, into a fresh model and optimizer
