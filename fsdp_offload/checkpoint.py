@@ -60,14 +60,16 @@ def _barrier() -> None:
 
 def _pack(obj: Any) -> bytes:
     """Per-rank state goes to DCP as opaque bytes under a rank-unique key (DCP would dedup
-    equal keys across ranks as replicated)."""
+    equal keys across ranks as replicated). Tensors, containers and plain values only (what a
+    weights_only load reads back)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    # weights_only: tensors, containers and plain values only; a checkpoint cannot run code on load
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _fsync_dir(path: str) -> None:

@@ -132,3 +132,18 @@ def test_bad_token_files(tmp_path):
     odd.write_bytes(b"\x01\x02\x03")  # not a whole number of uint16 tokens
     out = train(tmp_path / "b", "data.kind=memmap", f"data.path={odd}", check=False)
     assert out.returncode == 2 and "dtype" in out.stderr, out.stderr[-2000:]
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_rank_state_loads_no_code():
+    from fsdp_offload.checkpoint import _pack, _unpack
+
+    state = {"step": 3, "rng": torch.get_rng_state(), "python": (3, (1, 2), None), "lrs": [0.1]}
+    back = _unpack(_pack(state))
+    assert back["step"] == 3 and torch.equal(back["rng"], state["rng"]) and back["python"] == (3, (1, 2), None)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        _unpack(_pack({"evil": _RunsCode()}))
