@@ -101,8 +101,9 @@ class OffloadConfig:
     # Node-local dir for the tier lock files (a shared file system would make the locks span nodes).
     tier_lock_dir: str = "/dev/shm"
     # JSON file of measured and learned bandwidths per host and tier: a run starts from the last run's
-    # numbers and measures only tiers it lacks. None: measure every run and keep nothing.
-    bandwidth_profile: str | None = "~/.cache/fsdp-offload/bandwidth.json"
+    # numbers and measures only tiers it lacks (the multipath recipe keeps one in ~/.cache/fsdp-offload).
+    # None: measure every run (2+ tiers only) and write nothing outside the tiers.
+    bandwidth_profile: str | None = None
     # GiB written then read per tier by the calibration microbenchmark, when the profile lacks a tier.
     calibration_gb: float = 1.0
 
