@@ -118,6 +118,14 @@ def worker(rank: int, world: int, tmp: str) -> None:
     assert losses == ref_losses, f"rank {rank}: losses {losses} vs the reference's {ref_losses}"
     for name, t in masters.items():
         assert torch.equal(t, ref_masters[name]), f"rank {rank}: FP32 master {name} differs from the reference's"
+    if rank == 0:  # the FP32 export is a Hugging Face checkpoint: save_pretrained, then from_pretrained
+        plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+        plain.load_state_dict(masters, strict=True)
+        plain.save_pretrained(f"{tmp}/hf")
+        loaded = transformers.LlamaForCausalLM.from_pretrained(f"{tmp}/hf", torch_dtype=torch.float32)
+        for name, t in loaded.state_dict().items():
+            if name in masters:
+                assert torch.equal(t, masters[name]), f"{name} changed through save_pretrained/from_pretrained"
     resumed, resumed_masters = product(rank, tmp, range(SAVE_AFTER, STEPS), resume=True)
     assert resumed == losses[SAVE_AFTER:], f"rank {rank}: resumed losses {resumed} vs {losses[SAVE_AFTER:]}"
     for name, t in resumed_masters.items():
