@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
@@ -176,7 +177,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             for p in self._params:
                 p.data = p.data.to(self.param_dtype)
                 setattr(p, _CAST_MARK, True)
-        self._show_steps()
+        self._show_state()
 
     def _check_params(self) -> None:
         if not self._params:
@@ -527,16 +528,26 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._finished.subgroups_on_gpu = len(self.store.gpu_state)
         for i, has in enumerate(self.grads.staged):
             self._steps[i] += has
-        self._show_steps()
         self.step_count += 1
         self.grads.clear()
 
-    def _show_steps(self) -> None:
-        """`self.state[p]` holds each param's Adam step count, as torch's AdamW does (the moments and
-        masters are out of core: `state_dict()` gathers them). A non-empty `state` also tells torch's
-        distributed state-dict API that the state exists (it would otherwise run a zero-lr step)."""
-        for p, n in zip(self._params, self._steps):
-            self.state[p] = {"step": torch.tensor(float(n))}
+    def _show_state(self) -> None:
+        """`self.state[p]` answers as torch's AdamW's does: 'step' at once, the moments and the FP32
+        master when asked (`ParamState`). A non-empty `state` also tells torch's distributed state-dict
+        API that the state exists (it would otherwise run a zero-lr step to create it)."""
+        for i, p in enumerate(self._params):
+            self.state[p] = ParamState(self, i)
+
+    @torch.no_grad()
+    def param_state(self, index: int, key: str) -> torch.Tensor:
+        """Param `index`'s `key` (one of STATE_KEYS), this rank's part read from wherever its subgroups
+        live, shaped as the param (a DTensor for a sharded one)."""
+        self._check_no_pending_step()
+        p = self._params[index]
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self._params]
+        out[index][key] = torch.empty(local_data(p).shape, dtype=torch.float32)
+        self.store.gather(list(self._subgroups_of[index]), out)  # (a pass reorders its list)
+        return _like_param(out[index][key], p)
 
     def _check_no_pending_step(self) -> None:
         self.finish_update()
@@ -669,7 +680,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         for mine, g in zip(self.param_groups, groups):
             mine.update(g)
         self._steps = list(steps)
-        self._show_steps()
         self.step_count = int(meta.get("step_count", 0))
         self.grads.load_state_dict(meta.get("loss_scaler"))
         if meta.get("placement"):
@@ -709,6 +719,28 @@ class OffloadAdamW(torch.optim.Optimizer):
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
             self._closer()
+
+
+class ParamState(Mapping):
+    """`opt.state[p]` of an OffloadAdamW: 'step' (a tensor, as torch's AdamW), and 'exp_avg',
+    'exp_avg_sq' and 'master_param' read from the store on access (each a copy: writing to it changes
+    nothing; load_state_dict does)."""
+
+    def __init__(self, opt: OffloadAdamW, index: int) -> None:
+        self._opt, self._index = opt, index
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "step":
+            return torch.tensor(float(self._opt._steps[self._index]))
+        if key in STATE_KEYS:
+            return self._opt.param_state(self._index, key)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(("step", *STATE_KEYS))
+
+    def __len__(self) -> int:
+        return 1 + len(STATE_KEYS)
 
 
 _META_KEY = "fsdp_offload"  # the first param group's entry for the offload's own counters

@@ -76,6 +76,10 @@ def assert_same_as_reference(opt, ref_opt, mine, ref) -> None:
         assert torch.equal(sd[i]["exp_avg"], st["exp_avg"]), f"param {i} exp_avg differs"
         assert torch.equal(sd[i]["exp_avg_sq"], st["exp_avg_sq"]), f"param {i} exp_avg_sq differs"
         assert int(sd[i]["step"]) == int(st["step"])
+        # opt.state[p] answers as torch's: the step at once, the moments read from the store on access
+        mine_st = opt.state[mine[i]]
+        assert set(mine_st) == {"step", "master_param", "exp_avg", "exp_avg_sq"} and int(mine_st["step"]) == int(st["step"])
+        assert torch.equal(mine_st["exp_avg_sq"], st["exp_avg_sq"]) and torch.equal(mine_st["master_param"], r.data)
         assert mine[i].dtype == torch.bfloat16
         assert torch.equal(mine[i].data, r.data.to(torch.bfloat16)), f"param {i} bf16 copy differs"
 

@@ -78,6 +78,8 @@ def worker(rank: int, world: int, tmp: str) -> None:
     before = snapshot(opt)
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * len(before[::4])
 
+    first = next(iter(model.parameters()))
+    assert torch.equal(local_data(opt.state[first]["exp_avg"]), before[2])  # opt.state[p] reads the store
     osd = get_optimizer_state_dict(model, opt)
     same(snapshot(opt), before, "get_optimizer_state_dict changed the optimizer")
     fqn = next(iter(osd["state"]))
