@@ -11,6 +11,7 @@ overlap="backward" it starts during backward, each subgroup in memory as soon as
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -81,7 +82,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
-        self.offload = cfg = offload or OffloadConfig()
+        self.offload = cfg = _offload_config(offload)
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -753,6 +754,21 @@ _TORCH_OPTIONS = {
     "capturable": "the update runs on the CPU and storage, outside any CUDA graph",
     "differentiable": "the update is not part of autograd",
 }
+
+
+def _offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
+    """`offload=` as given: an OffloadConfig, a mapping of its options (a Hydra/YAML section), or None."""
+    if offload is None:
+        return OffloadConfig()
+    if isinstance(offload, OffloadConfig):
+        return offload
+    if isinstance(offload, Mapping):
+        known = {f.name for f in dataclasses.fields(OffloadConfig)}
+        unknown = sorted(set(offload) - known)
+        if unknown:
+            raise ValueError(f"offload={dict(offload)!r}: unknown option(s) {unknown}; OffloadConfig has {sorted(known)}")
+        return OffloadConfig(**offload)
+    raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
 
 
 def _refuse_torch_options(**given: Any) -> None:

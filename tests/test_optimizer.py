@@ -464,3 +464,13 @@ def test_host_budget_takes_sizes_as_people_write_them(tmp_path):
         OffloadAdamW(leaf_params(), offload=OffloadConfig(**base, host_budget_gb="0.2MiB"))
     with pytest.raises(ValueError, match="units KiB, MiB, GiB"):
         OffloadConfig(host_budget_gb="6 gigs")
+
+
+def test_offload_options_as_a_dict():
+    opt = OffloadAdamW(leaf_params(), offload={"kernel": "torch", "subgroup_numel": SG, "tiers": []})
+    assert opt.offload.subgroup_numel == SG and len(opt.layout) == 11
+    opt.close()
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['tierz'\]"):
+        OffloadAdamW(leaf_params(), offload={"tierz": []})
+    with pytest.raises(TypeError, match="not str"):
+        OffloadAdamW(leaf_params(), offload="posix:/tmp")
