@@ -14,10 +14,12 @@ refuses, with ValueError, an ISA the CPU lacks.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shlex
 import shutil
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -58,6 +60,18 @@ def missing_toolchain() -> str | None:
     return None
 
 
+def build_directory() -> str:
+    """Where the kernel is built: under torch's extensions root ($TORCH_EXTENSIONS_DIR), one dir per
+    Python environment and torch version, so switching virtual environments does not rebuild it."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    env = hashlib.sha1(f"{sys.prefix}|{sys.version}|{torch.__version__}".encode()).hexdigest()[:10]
+    path = os.path.join(root, f"{EXTENSION_NAME}-{env}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def _build() -> ModuleType:
     missing = missing_toolchain()
     if missing is not None:
@@ -65,7 +79,7 @@ def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
-    build_dir = cpp_extension._get_build_directory(EXTENSION_NAME, verbose=False)
+    build_dir = build_directory()
     fresh = not list(Path(build_dir).glob(f"{EXTENSION_NAME}*.so"))
     if fresh:  # said once: the first use on a machine compiles for tens of seconds
         log.warning("building the fused CPU AdamW kernel with %s into %s (first use on this machine, about 30 s; "
@@ -77,6 +91,7 @@ def _build() -> ModuleType:
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=build_dir,
             verbose=False,
         )
     except Exception as exc:
