@@ -40,11 +40,16 @@ RUN_FILE = "run.json"
 class CheckpointConfig:
     dir: str | None = None  # None: no checkpoints
     every: int = 0  # save every this many steps (0: only at the end)
-    resume: bool = True  # start from the latest checkpoint in `dir` if there is one
+    # "auto": the latest checkpoint in `dir` if there is one, else a fresh start (said in one line);
+    # "required": the latest, refusing to start without one; "never": a fresh start; or the path of
+    # one checkpoint (a step_* dir). true/false mean auto/never.
+    resume: str | bool = "auto"
     keep: int = 2  # checkpoints kept; older ones are deleted
     io_threads: int = 2  # writers of optimizer subgroups per rank: each holds one subgroup in host memory at a time
 
     def __post_init__(self) -> None:
+        if isinstance(self.resume, bool):
+            self.resume = "auto" if self.resume else "never"
         if self.io_threads < 1:
             raise ValueError(f"checkpoint.io_threads={self.io_threads}: at least 1 writer is needed")
 
@@ -78,6 +83,37 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def is_checkpoint(path: str) -> bool:
+    """Whether `path` is one complete checkpoint (a step_* dir with both parts)."""
+    return all(os.path.isfile(os.path.join(path, part, ".metadata")) for part in ("model", "optimizer"))
+
+
+def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
+    """The checkpoint a run starts from (None: fresh) and one line that says which, per
+    `checkpoint.resume`; a clear error where that cannot be honoured."""
+    if cfg.dir and is_checkpoint(cfg.dir):
+        raise ValueError(
+            f"checkpoint.dir={cfg.dir} is one checkpoint, not the dir of a run's checkpoints: give "
+            f"checkpoint.dir={os.path.dirname(os.path.abspath(cfg.dir))}, or checkpoint.resume={cfg.dir} to start from it"
+        )
+    if cfg.resume == "never":
+        return None, "checkpoint.resume=never: starting fresh"
+    if cfg.resume not in ("auto", "required"):
+        if not is_checkpoint(cfg.resume):
+            raise ValueError(
+                f"checkpoint.resume={cfg.resume}: not a complete checkpoint (it needs model/ and optimizer/ with their "
+                ".metadata); give a step_* dir, or auto, required or never"
+            )
+        return cfg.resume, f"resuming from {cfg.resume}"
+    latest = latest_checkpoint(cfg.dir)
+    if latest is not None:
+        return latest, f"resuming from {latest}"
+    if cfg.resume == "required":
+        where = "checkpoint.dir is not set" if not cfg.dir else f"checkpoint.dir={cfg.dir} holds no complete checkpoint"
+        raise ValueError(f"checkpoint.resume=required, but {where}: start with checkpoint.resume=auto or never")
+    return None, f"no checkpoint in checkpoint.dir={cfg.dir}: starting fresh" if cfg.dir else "starting fresh"
 
 
 def latest_checkpoint(directory: str | None) -> str | None:

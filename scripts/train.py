@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.config import register_tmpdir_resolver
-from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp_offload.checkpoint import CheckpointConfig, check_checkpoint, load_checkpoint, resume_point, save_checkpoint
 from fsdp_offload.data import DataConfig, TokenBatches
 from fsdp_offload.models import LlamaArgs, num_params
 from fsdp_offload.parallelize import build_fsdp_model
@@ -118,6 +118,16 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def run_dir() -> str:
+    """The job's one output dir: rank 0's Hydra run dir, which every rank writes its files into (each
+    rank's Hydra picks a dir of its own from its own clock: under torchrun they can differ)."""
+    out = [hydra.core.hydra_config.HydraConfig.get().runtime.output_dir]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(out, src=0)
+    os.makedirs(out[0], exist_ok=True)
+    return out[0]
+
+
 def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
@@ -151,7 +161,7 @@ def train(cfg: DictConfig) -> list[dict]:
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
                "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
-    resume_from = latest_checkpoint(ckcfg.dir) if ckcfg.resume else None
+    resume_from, resume_line = resume_point(ckcfg)
     if resume_from:
         check_checkpoint(resume_from, run_key)
 
@@ -177,14 +187,14 @@ def train(cfg: DictConfig) -> list[dict]:
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
 
-    out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    out_dir = run_dir()
     metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
         print(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
-              + (f", resuming from {resume_from}" if resume_from else ""), flush=True)  # fmt: skip
+              + f"; {resume_line}; metrics in {out_dir}", flush=True)  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)

@@ -71,7 +71,9 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     train(tmp_path / "a", *common, f"checkpoint.dir={tmp_path}/ck_a", ranks=2)
     killed = train(tmp_path / "b", *common, f"checkpoint.dir={tmp_path}/ck_b", "train.kill_at_step=4", ranks=2, check=False)
     assert killed.returncode != 0  # SIGKILLed right after the step-4 checkpoint
-    train(tmp_path / "b2", *common, f"checkpoint.dir={tmp_path}/ck_b", ranks=2)
+    resumed_run = train(tmp_path / "b2", *common, f"checkpoint.dir={tmp_path}/ck_b", "checkpoint.resume=required", ranks=2)
+    assert f"resuming from {tmp_path}/ck_b/step_00000004" in resumed_run.stdout
+    assert (tmp_path / "b2" / "rank1.metrics.jsonl").exists()  # every rank writes into the one run dir
     whole = {r["step"]: r["loss"] for r in rows(tmp_path / "a" / "metrics.jsonl")}
     resumed = {r["step"]: r["loss"] for r in rows(tmp_path / "b2" / "metrics.jsonl")}
     assert sorted(resumed) == [4, 5, 6, 7]
@@ -147,3 +149,29 @@ def test_checkpoint_rank_state_loads_no_code():
     assert back["step"] == 3 and torch.equal(back["rng"], state["rng"]) and back["python"] == (3, (1, 2), None)
     with pytest.raises(Exception, match="Weights only load failed"):
         _unpack(_pack({"evil": _RunsCode()}))
+
+
+def fake_checkpoint(path: Path) -> Path:
+    for part in ("model", "optimizer"):
+        (path / part).mkdir(parents=True)
+        (path / part / ".metadata").write_bytes(b"")
+    return path
+
+
+def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
+    from fsdp_offload.checkpoint import CheckpointConfig, resume_point
+
+    runs = tmp_path / "ck"
+    assert resume_point(CheckpointConfig(dir=str(runs))) == (None, f"no checkpoint in checkpoint.dir={runs}: starting fresh")
+    with pytest.raises(ValueError, match="checkpoint.resume=required, but checkpoint.dir=.* holds no complete checkpoint"):
+        resume_point(CheckpointConfig(dir=str(runs), resume="required"))
+    step4 = fake_checkpoint(runs / "step_00000004")
+    fake_checkpoint(runs / "step_00000008")
+    assert resume_point(CheckpointConfig(dir=str(runs)))[0] == str(runs / "step_00000008")
+    assert resume_point(CheckpointConfig(dir=str(runs), resume="required"))[0] == str(runs / "step_00000008")
+    assert resume_point(CheckpointConfig(dir=str(runs), resume=str(step4)))[0] == str(step4)
+    assert resume_point(CheckpointConfig(dir=str(runs), resume=False))[0] is None  # false means never
+    with pytest.raises(ValueError, match="is one checkpoint, not the dir of a run's checkpoints: give checkpoint.dir="):
+        resume_point(CheckpointConfig(dir=str(step4)))
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "nowhere")))
