@@ -50,3 +50,17 @@ def test_experiments_compose(experiment):
     OffloadConfig(**raw)
     LlamaArgs(**OmegaConf.to_container(cfg.model))
     DataConfig(**OmegaConf.to_container(cfg.data))
+
+
+def test_base_offload_recipe_is_the_dataclass_defaults():
+    base = OmegaConf.to_container(OmegaConf.load(RECIPES / "offload" / "base.yaml"))
+    assert base.pop("optimizer") == "offload"
+    assert base == dataclasses.asdict(OffloadConfig()), "recipes/offload/base.yaml drifted from OffloadConfig"
+
+
+@pytest.mark.parametrize("offload", [n for n in names("offload") if n != "base"])
+def test_every_option_is_settable_without_a_plus_and_typos_are_refused(offload):
+    cfg = composed(f"offload={offload}", "offload.gpu_headroom_gb=2.5", "offload.calibration_gb=0.5")
+    assert cfg.offload.gpu_headroom_gb == 2.5 and cfg.offload.calibration_gb == 0.5
+    with pytest.raises(Exception, match="tierz"):
+        composed(f"offload={offload}", "offload.tierz=1")
