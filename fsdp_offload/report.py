@@ -53,7 +53,23 @@ def load_run(path: str, name: str | None = None) -> Run:
         from omegaconf import OmegaConf
 
         offload = OmegaConf.to_container(OmegaConf.load(config).get("offload", {}), resolve=False)
-    return Run(name or os.path.basename(os.path.normpath(path)), path, rows, offload)
+    return Run(name or _run_name(path), path, rows, offload)
+
+
+def _run_name(path: str) -> str:
+    """The dir's name; for a Hydra multirun job (dirs 0, 1, ...), the swept overrides that made it."""
+    base = os.path.basename(os.path.normpath(path))
+    overrides = os.path.join(path, ".hydra", "overrides.yaml")
+    if not (base.isdigit() and os.path.isfile(overrides)):
+        return base
+    from omegaconf import OmegaConf
+
+    mine = [str(o) for o in OmegaConf.load(overrides)]
+    sweep = os.path.join(os.path.dirname(os.path.normpath(path)), "multirun.yaml")
+    if os.path.isfile(sweep):  # keep the overrides the sweep varied (those given as a,b,...)
+        swept = {str(o).split("=", 1)[0] for o in OmegaConf.load(sweep).hydra.overrides.task if "," in str(o)}
+        mine = [o for o in mine if o.split("=", 1)[0] in swept] or mine
+    return ",".join(mine) or base
 
 
 def summarize(run: Run, skip: int = 1) -> dict[str, Any]:
@@ -142,7 +158,8 @@ def write_figures(runs: list[Run], out_dir: str, skip: int = 1) -> list[str]:
         if len({t for r in run.rows for t in (r.get("subgroups_per_tier") or {})}) > 1:
             fig, ax = plt.subplots(figsize=(6, 3.5))
             plot_tier_split(run, ax)
-            paths.append(_save(fig, out_dir, f"tiers_{run.name}.png"))
+            slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in run.name)
+            paths.append(_save(fig, out_dir, f"tiers_{slug}.png"))
     return paths
 
 
