@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -20,7 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 import hydra
 import numpy as np
@@ -39,6 +40,8 @@ from fsdp_offload.models import LlamaArgs, num_params
 from fsdp_offload.parallelize import build_fsdp_model
 from fsdp_offload.threads import cpu_threads_per_rank
 from fsdp_offload.storage import TierError
+
+log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
 @dataclass
 class TrainConfig:
@@ -181,7 +184,7 @@ def train(cfg: DictConfig) -> list[dict]:
         t0 = time.perf_counter()
         rank_state = load_checkpoint(resume_from, model, optimizer)
         if rank == 0:
-            print(f"resumed from {resume_from} in {time.perf_counter() - t0:.1f} s", flush=True)
+            log.info("resumed from %s in %.1f s", resume_from, time.perf_counter() - t0)
         batches.load_state_dict(rank_state["data"])
         scheduler.load_state_dict(rank_state["scheduler"])
         set_rng_state(rank_state["rng"])
@@ -191,15 +194,15 @@ def train(cfg: DictConfig) -> list[dict]:
     metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
-        print(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
+        log.info(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
-              + f"; {resume_line}; metrics in {out_dir}", flush=True)  # fmt: skip
+              + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
     seen = [None]  # the optimizer's last metrics already given to a row
-    with open(metrics_path, "a") as log:
+    with open(metrics_path, "a") as jsonl:
 
         def write_finished() -> None:
             # An OffloadAdamW publishes each update's metrics once it has finished, in step order.
@@ -210,13 +213,14 @@ def train(cfg: DictConfig) -> list[dict]:
             while waiting and "update_s" in waiting[0]:
                 row = waiting.pop(0)
                 if row["step"] % tcfg.log_every == 0 or row["step"] == tcfg.steps - 1:
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                    jsonl.write(json.dumps(row) + "\n")
+                    jsonl.flush()
 
         for step in range(start_step, tcfg.steps):
             row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
             scheduler.step()
-            row.update(step=step, lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
+            row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                       lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
                        host_peak_gib=host_peak_gib(), cpu_threads=torch.get_num_threads())  # fmt: skip
             if device.type == "cuda":
                 row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -235,15 +239,15 @@ def train(cfg: DictConfig) -> list[dict]:
                 path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,
                                        io_threads=ckcfg.io_threads)
                 if rank == 0:
-                    bar.write(f"saved {path} in {time.perf_counter() - t0:.1f} s")
+                    log.info("saved %s in %.1f s", path, time.perf_counter() - t0)
             if tcfg.kill_at_step is not None and step + 1 == tcfg.kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
     if rank == 0 and rows:
         tail = rows[len(rows) // 2 :]
         mean = {k: sum(r[k] for r in tail) / len(tail) for k in ("forward_s", "backward_s", "update_s", "tokens_per_s")}
-        print(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; second half: "
-              + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()) + f"; metrics in {metrics_path}", flush=True)  # fmt: skip
+        log.info(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; second half: "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()) + f"; metrics in {metrics_path}")  # fmt: skip
     if isinstance(optimizer, OffloadAdamW):
         optimizer.close()
     dist.destroy_process_group()
