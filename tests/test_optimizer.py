@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -474,3 +477,21 @@ def test_offload_options_as_a_dict():
         OffloadAdamW(leaf_params(), offload={"tierz": []})
     with pytest.raises(TypeError, match="not str"):
         OffloadAdamW(leaf_params(), offload="posix:/tmp")
+
+
+def test_a_killed_runs_tier_file_is_removed_at_the_next_start_and_no_live_one(tmp_path):
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(3))
+    # a process of rank 0 that builds its optimizer and is killed: its file stays behind
+    code = ("import os, signal, torch; from fsdp_offload import OffloadAdamW, OffloadConfig;"
+            f"OffloadAdamW([torch.nn.Parameter(torch.ones(43120))], offload=OffloadConfig(kernel='torch', "
+            f"tiers=['posix:{tmp_path}'], subgroup_numel={SG}, host_budget_gb={budget_for(3)}));"
+            "os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code])
+    leftovers = list(tmp_path.rglob("rank0-pid*.subgroups"))
+    assert len(leftovers) == 1
+    live = OffloadAdamW(leaf_params(), offload=cfg)  # a live rank-0 optimizer: removes the dead one's file
+    assert not leftovers[0].exists()
+    other = OffloadAdamW(leaf_params(), offload=cfg)  # another live one of the same rank keeps its file
+    assert Path(live.store.tiers[0].path).exists() and Path(other.store.tiers[0].path).exists()
+    live.close()
+    other.close()

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import fcntl
+import logging
 import os
+import re
 import stat
 import time
 import zlib
@@ -24,6 +27,8 @@ import torch
 
 from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, gather, transfer
 from .spec import TierSpec, io_settings
+
+log = logging.getLogger(__name__)
 
 
 def make_private_dir(root: str, spec: str) -> str:
@@ -81,6 +86,48 @@ def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.detach().reshape(-1).view(torch.uint8)
 
 
+_TIER_FILE = re.compile(r"^rank(\d+)-pid(\d+)-[0-9a-f]+\.subgroups$")
+
+
+def remove_stale_files(directory: str, tag: str) -> list[str]:
+    """Removes the files that a killed process of the same rank as `tag` ("rank<r>-pid<p>-<id>") left
+    in `directory`: those whose process is gone and whose lock no process holds. Another job's live
+    files are held (and their processes alive), so they stay."""
+    mine = _TIER_FILE.match(f"{tag}.subgroups")
+    if mine is None:
+        return []
+    removed = []
+    for name in os.listdir(directory):
+        m = _TIER_FILE.match(name)
+        if m is None or m.group(1) != mine.group(1) or _alive(int(m.group(2))):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any owner holds it
+            os.unlink(path)
+            removed.append(path)
+            log.info("removed %s: left by process %s, which is gone", path, m.group(2))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 class ChunkedFileTier(Tier):
     """A tier that keeps this rank's subgroups in one file under `<dir>/fsdp-offload-<uid>/`.
 
@@ -93,6 +140,7 @@ class ChunkedFileTier(Tier):
         self.root = spec.path
         self.threads, self.chunk_bytes = io_settings(spec)
         self._path = ""
+        self._held = -1  # a shared flock on this rank's file, while it is in use
         # Per subgroup: ("crc32" | "sum64", one checksum per chunk), as of its last good write.
         self._sums: dict[int, tuple[str, list[int]]] = {}
         self._workers: IOWorkers | None = None
@@ -129,8 +177,12 @@ class ChunkedFileTier(Tier):
     # -- the skeleton -------------------------------------------------------------------------------
 
     def _open(self, tag: str, total_bytes: int) -> None:
+        remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
         self._create(total_bytes)
+        # held while the file is in use: a later start that finds it unheld knows its owner died
+        self._held = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+        fcntl.flock(self._held, fcntl.LOCK_SH)
         self._workers = IOWorkers(self.threads, self.spec)
 
     def _submit(self, priority: int, nbytes: int, job: Callable[[int, int], None], done: Callable[[], Transfer]) -> Future:
@@ -200,3 +252,6 @@ class ChunkedFileTier(Tier):
         if self._close_file():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
+        if self._held >= 0:
+            os.close(self._held)
+            self._held = -1
