@@ -141,7 +141,7 @@ def product_clip_overrides(max_grad_norm: float | None) -> list[str]:
 def train_recipe_keys() -> set[str]:
     from omegaconf import OmegaConf
 
-    return set(OmegaConf.load(REPO / "recipes" / "train.yaml").get("train", {}))
+    return set(OmegaConf.load(REPO / "fsdp_offload" / "recipes" / "train.yaml").get("train", {}))
 
 
 # ------------------------------------------------------------------------------------------------

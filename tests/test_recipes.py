@@ -14,7 +14,7 @@ from fsdp_offload.config import register_tmpdir_resolver
 from fsdp_offload.data import DataConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = Path(__file__).resolve().parents[1] / "fsdp_offload" / "recipes"
 register_tmpdir_resolver()
 
 
@@ -55,7 +55,7 @@ def test_experiments_compose(experiment):
 def test_base_offload_recipe_is_the_dataclass_defaults():
     base = OmegaConf.to_container(OmegaConf.load(RECIPES / "offload" / "base.yaml"))
     assert base.pop("optimizer") == "offload"
-    assert base == dataclasses.asdict(OffloadConfig()), "recipes/offload/base.yaml drifted from OffloadConfig"
+    assert base == dataclasses.asdict(OffloadConfig()), "fsdp_offload/recipes/offload/base.yaml drifted from OffloadConfig"
 
 
 @pytest.mark.parametrize("offload", [n for n in names("offload") if n != "base"])

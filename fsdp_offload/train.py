@@ -1,0 +1,337 @@
+"""Train a LLaMA-style model with FSDP2 and the out-of-core OffloadAdamW (Hydra recipes in
+fsdp_offload/recipes/). The same job three ways: the console command, the script, and `run(cfg)`.
+
+    fsdp-offload-train                                        # tiny model, CPU, state in a temp dir
+    torchrun --nproc-per-node 8 scripts/train.py model=13b offload=multipath train.steps=1000
+    python scripts/train.py offload=none                      # plain FSDP2 + torch AdamW, to compare
+    run(compose("train", overrides=[...]))                    # from Python (a notebook, a test)
+
+Every rank logs per-step metrics as JSONL (rank 0 also to the console, with a progress bar) and
+checkpoints are saved and resumed through fsdp_offload.checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import hydra
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from tqdm import tqdm
+
+from .checkpoint import CheckpointConfig, check_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from .config import OffloadConfig, register_tmpdir_resolver
+from .data import DataConfig, TokenBatches
+from .models import LlamaArgs, num_params
+from .optimizer import OffloadAdamW
+from .parallelize import build_fsdp_model
+from .storage import TierError
+from .threads import cpu_threads_per_rank
+
+log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    micro_batches: int = 1  # gradient accumulation
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int | None = None  # threads of the CPU update; null: the node's physical cores / local ranks
+    log_every: int = 1
+    metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
+    out_dir: str | None = None  # the run's output dir; null: Hydra's run dir (rank 0's, for every rank)
+    progress: bool = True
+    kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+
+
+@dataclass
+class OffloadRecipe:
+    optimizer: str = "offload"  # offload (OffloadAdamW) | torch (plain FSDP2 + torch AdamW)
+    config: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+def to_dataclass(cls, node: DictConfig | dict, option: str):
+    """Builds dataclass `cls` from a config node; an unknown key is an error naming the option."""
+    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{option}: unknown key(s) {unknown}; known: {sorted(names)}")
+    return cls(**raw)
+
+
+def lr_lambda(cfg: TrainConfig):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def init_distributed(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible: use train.device=cpu")
+    if "RANK" not in os.environ:  # plain `python scripts/train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if dist.is_initialized():  # the caller's group (run() from a notebook or a test)
+        return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def rng_state() -> dict:
+    """Every RNG's state as tensors and plain values (a checkpoint is loaded with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def run_dir(out_dir: str | None) -> str:
+    """The job's one output dir: `train.out_dir`, else rank 0's Hydra run dir, which every rank writes
+    its files into (each rank's Hydra picks a dir of its own from its own clock: under torchrun they
+    can differ)."""
+    if out_dir is None:
+        if not hydra.core.hydra_config.HydraConfig.initialized():
+            raise ValueError("train.out_dir is not set and no Hydra run dir exists (run() outside @hydra.main): set train.out_dir")
+        out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    out = [out_dir]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(out, src=0)
+    os.makedirs(out[0], exist_ok=True)
+    return out[0]
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Trains as the composed config `cfg` says; returns this rank's per-step rows. Callable again
+    in the same process: a process group it started is destroyed when it returns or raises (one that
+    was there before is the caller's, and stays)."""
+    owned = not dist.is_initialized()
+    try:
+        return _run(cfg)
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: DictConfig) -> list[dict]:
+    tcfg = to_dataclass(TrainConfig, cfg.train, "train")
+    margs = to_dataclass(LlamaArgs, cfg.model, "model")
+    dcfg = to_dataclass(DataConfig, cfg.data, "data")
+    ocfg = OmegaConf.to_container(cfg.offload, resolve=True)
+    recipe = OffloadRecipe(ocfg.pop("optimizer", "offload"), to_dataclass(OffloadConfig, ocfg, "offload"))
+    if recipe.optimizer not in ("offload", "torch"):
+        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
+    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
+    if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
+        raise ValueError(
+            f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "
+            "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
+            "train.micro_batches=1 or offload.overlap=next_forward"
+        )
+    margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
+
+    device = init_distributed(tcfg.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    threads = cpu_threads_per_rank(tcfg.cpu_threads)
+    if threads != torch.get_num_threads():
+        # Only when it changes the count: torch.set_num_threads also turns MKL's dynamic threading off,
+        # and then the fused kernel's MKL sqrt, called inside its OpenMP loop, oversubscribes the cores
+        # (the CPU update ran 2x slower on nvidia-h100-x1 at the same 16 threads).
+        torch.set_num_threads(threads)
+    # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
+    batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
+    run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
+               "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
+    resume_from, resume_line = resume_point(ckcfg)
+    if resume_from:
+        check_checkpoint(resume_from, run_key)
+
+    if recipe.optimizer == "offload":
+        model = build_fsdp_model(margs, device, seed=tcfg.seed)
+        optimizer = OffloadAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                                 model=model, offload=recipe.config)  # fmt: skip
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                                      fused=device.type == "cuda")  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+
+    start_step = 0
+    if resume_from:
+        t0 = time.perf_counter()
+        rank_state = load_checkpoint(resume_from, model, optimizer)
+        if rank == 0:
+            log.info("resumed from %s in %.1f s", resume_from, time.perf_counter() - t0)
+        batches.load_state_dict(rank_state["data"])
+        scheduler.load_state_dict(rank_state["scheduler"])
+        set_rng_state(rank_state["rng"])
+        start_step = rank_state["step"]
+
+    out_dir = run_dir(tcfg.out_dir)
+    metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
+    tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
+    if rank == 0:
+        log.info(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
+              + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
+                 f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
+              + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip
+    bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
+    rows = []
+    waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
+    seen = [None]  # the optimizer's last metrics already given to a row
+    with open(metrics_path, "a") as jsonl:
+
+        def write_finished() -> None:
+            # An OffloadAdamW publishes each update's metrics once it has finished, in step order.
+            m = getattr(optimizer, "last_metrics", None)
+            if waiting and m is not None and m is not seen[0]:
+                add_update_metrics(waiting[0], m)
+                seen[0] = m
+            while waiting and "update_s" in waiting[0]:
+                row = waiting.pop(0)
+                if row["step"] % tcfg.log_every == 0 or row["step"] == tcfg.steps - 1:
+                    jsonl.write(json.dumps(row) + "\n")
+                    jsonl.flush()
+
+        for step in range(start_step, tcfg.steps):
+            row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
+            scheduler.step()
+            row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                       lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
+                       host_peak_gib=host_peak_gib(), cpu_threads=torch.get_num_threads())  # fmt: skip
+            if device.type == "cuda":
+                row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(row)
+            waiting.append(row)
+            last = step + 1 == tcfg.steps
+            write_finished()
+            if last and isinstance(optimizer, OffloadAdamW):
+                optimizer.finish_update()
+                write_finished()
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
+                rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
+                t0 = time.perf_counter()
+                path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,
+                                       io_threads=ckcfg.io_threads)
+                if rank == 0:
+                    log.info("saved %s in %.1f s", path, time.perf_counter() - t0)
+            if tcfg.kill_at_step is not None and step + 1 == tcfg.kill_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+    if rank == 0 and rows:
+        tail = rows[len(rows) // 2 :]
+        mean = {k: sum(r[k] for r in tail) / len(tail) for k in ("forward_s", "backward_s", "update_s", "tokens_per_s")}
+        log.info(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; second half: "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()) + f"; metrics in {metrics_path}")  # fmt: skip
+    if isinstance(optimizer, OffloadAdamW):
+        optimizer.close()
+    return rows
+
+
+def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
+    start = time.perf_counter()
+    for _ in range(tcfg.micro_batches):
+        tokens = next(batches).to(device)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / tcfg.micro_batches
+        sync()
+        t1 = time.perf_counter()
+        (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
+        sync()
+        row["forward_s"] += t1 - t0
+        row["backward_s"] += time.perf_counter() - t1
+        row["loss"] += loss.item()
+    t2 = time.perf_counter()
+    if not isinstance(optimizer, OffloadAdamW) and max_grad_norm is not None:  # OffloadAdamW clips in step()
+        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad()
+    sync()
+    row["step_call_s"] = time.perf_counter() - t2  # with the update overlapped, only its start
+    row["step_s"] = time.perf_counter() - start
+    loss_sum = torch.tensor([row["loss"]], device=device)
+    dist.all_reduce(loss_sum)
+    row["loss"] = loss_sum.item() / dist.get_world_size()
+    if isinstance(optimizer, OffloadAdamW):
+        row["grad_norm"] = optimizer.last_grad_norm
+        if optimizer.loss_scaler is not None:
+            row["loss_scale"] = optimizer.loss_scaler.scale
+    else:
+        row["update_s"] = row["exposed_update_s"] = row["step_call_s"]
+    return row
+
+
+def add_update_metrics(row: dict, m) -> None:
+    """Adds the metrics of the row's own update (an OffloadAdamW's StepMetrics) to it."""
+    row.update(update_s=m.update_s, exposed_update_s=m.exposed_update_s, overlap_s=m.overlap_s,
+               update_mparams_per_s=m.update_mparams_per_s, effective_io_gbps=m.effective_io_gbps,
+               bytes_read=m.bytes_read, bytes_written=m.bytes_written, cache_hits=m.cache_hits,
+               subgroups_per_tier=m.subgroups_per_tier, subgroups_on_gpu=m.subgroups_on_gpu, skipped=m.skipped,
+               lock_wait_s=m.lock_wait_s)  # fmt: skip
+
+
+register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
+
+
+@hydra.main(config_path="recipes", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line."""
+    try:
+        run(cfg)
+    except (ValueError, FileNotFoundError, TierError) as exc:  # bad input: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
