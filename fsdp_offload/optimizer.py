@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .config import OffloadConfig
 from .fsdp import (
@@ -33,7 +34,7 @@ from .kernels import get_adamw_kernel
 from .memory import resolve_host_budget
 from .metrics import StepMetrics, step_metrics
 from .order import forward_order, order_ending_with, update_order
-from .overlap import UpdateInFlight
+from .overlap import UpdateAborted, UpdateInFlight
 from .staging import LowpStaging
 from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
 from .subgroups import SubgroupLayout
@@ -341,7 +342,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._publish_metrics(0.0)
         else:
             self._after_backward = self._copies.mark_current()
-            self._inflight.start(lambda: self._update(start))
+            everything = range(len(self.layout))  # a retry: what the failed try finished is in the model
+            done = set(everything) - set(self._pending) - self._unwritten
+            self._inflight.start(lambda: self._update(start), in_model=done)
         return loss
 
     def _hand_in_last_grads(self) -> None:
@@ -654,7 +657,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._end_load(
             [{k: v for k, v in g.items() if k not in ("params", _META_KEY)} for g in groups],
             [int(s["step"]) for s in state],
-            groups[0].get(_META_KEY, {}),
+            groups[0].get(_META_KEY) or state_dict.get("offload", {}),  # (state dicts saved before it moved)
         )
 
     def _check_groups(self, sizes: list[int]) -> None:
@@ -714,8 +717,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Waits for the update in flight, then deletes this rank's tier files and releases pinned memory."""
         try:
             if self._inflight is not None and self._inflight.awaiting_grads:
-                self._copies.wait_host()
-                self._inflight.all_grads_in()  # closed between backward and step(): the update ends with these grads
+                # closed between backward and step() (backward raised, say): the step is dropped, not applied
+                self._inflight.abort()
+                with contextlib.suppress(UpdateAborted):
+                    self._inflight.finish()
             self.finish_update()
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
@@ -732,6 +737,7 @@ class ParamState(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "step":
+            self._opt.finish_update()  # the update in flight counts its step when it ends
             return torch.tensor(float(self._opt._steps[self._index]))
         if key in STATE_KEYS:
             return self._opt.param_state(self._index, key)
@@ -784,7 +790,10 @@ def _like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     `p` is one."""
     if not isinstance(p, DTensor):
         return t
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    # Built as FSDP2 builds its CPU-offloaded params: DTensor.from_local would copy `t` to the mesh's
+    # device (all FP32 state onto the GPU); the local part stays where it is.
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
+    return DTensor(t.view(local_data(p).shape), spec, requires_grad=False)
 
 
 def _triton_kernel() -> Callable:

@@ -14,21 +14,33 @@ or until `step()` says that all of them are (`all_grads_in`).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from concurrent.futures import Future
+from typing import Callable, Iterable
 
 import torch
 
 
+class UpdateAborted(RuntimeError):
+    """The update was closed while it waited for grads that will not come."""
+
+
 class UpdateInFlight:
     """At most one update at a time, on one worker thread. `unit_subgroups[u]`: the subgroups whose
-    params FSDP unit `u` all-gathers."""
+    params FSDP unit `u` all-gathers.
+
+    The worker is a daemon thread: an update left waiting for grads (backward raised before step())
+    must not keep the interpreter from exiting; `close()`, which the optimizer's finalizer calls at
+    exit too, aborts such an update and lets one that is running end."""
 
     def __init__(self, unit_subgroups: list[frozenset[int]]) -> None:
         self._units = unit_subgroups
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-update")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="fsdp-offload-update", daemon=True)
+        self._thread.start()
+        self._aborted = False
         self._cond = threading.Condition()
         self._ready: dict[int, torch.cuda.Event | None] = {}  # subgroup -> the event after its copy
         self._ended = False
@@ -46,15 +58,26 @@ class UpdateInFlight:
         """An update started during backward whose grads are not all in yet."""
         return self._future is not None and self._grads is not None
 
-    def start(self, run: Callable[[], None], *, before_grads: bool = False) -> None:
+    def start(self, run: Callable[[], None], *, before_grads: bool = False, in_model: Iterable[int] = ()) -> None:
         """Runs `run` on the worker. `before_grads`: it starts while backward is still handing in grads,
-        and calls `wait_grads(sg)` before it reads subgroup `sg`'s."""
+        and calls `wait_grads(sg)` before it reads subgroup `sg`'s. `in_model`: subgroups whose params
+        are already in the model (a retry's, which an earlier try updated)."""
         if self._future is not None:
             raise RuntimeError("an update is already in flight: finish() it first")
-        self._ready, self._ended, self.waited_s = {}, False, 0.0
+        self._ready, self._ended, self.waited_s = dict.fromkeys(in_model), False, 0.0
         self._grads = {} if before_grads else None
+        self._aborted = False
         threads = torch.get_num_threads()
-        self._future = self._pool.submit(self._run, run, threads)
+        self._future = Future()
+        self._jobs.put((lambda: self._run(run, threads), self._future))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # raised where the update is waited for
+                future.set_exception(exc)
 
     def _run(self, run: Callable[[], None], threads: int) -> None:
         # The intra-op thread count is per thread: give the worker the caller's.
@@ -84,6 +107,7 @@ class UpdateInFlight:
         waiting until one's are."""
         with self._cond:
             while True:
+                self._check_aborted()
                 ready = subgroups if self._grads is None else [sg for sg in subgroups if sg in self._grads]
                 if ready:
                     return min(ready, key=rank)
@@ -93,6 +117,7 @@ class UpdateInFlight:
         """On the worker: returns once subgroup `sg`'s grads are in host (or device) memory."""
         with self._cond:
             while self._grads is not None and sg not in self._grads:
+                self._check_aborted()
                 self._cond.wait()
             event = None if self._grads is None else self._grads[sg]
         if event is not None:
@@ -130,7 +155,7 @@ class UpdateInFlight:
         """Waits for the whole update and raises its error, if any (once)."""
         if self._future is None:
             return
-        if self._grads is not None:
+        if self._grads is not None and not self._aborted:
             raise RuntimeError("the update in flight still waits for grads: call all_grads_in() first")
         start = time.perf_counter()
         future, self._future = self._future, None
@@ -139,5 +164,19 @@ class UpdateInFlight:
         finally:
             self.waited_s += time.perf_counter() - start
 
+    def _check_aborted(self) -> None:
+        if self._aborted:
+            raise UpdateAborted("closed while the update waited for grads: the step was not finished")
+
+    def abort(self) -> None:
+        """Makes an update that waits for grads stop with UpdateAborted (one that runs goes on)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Aborts an update left waiting for grads, lets a running one end, and stops the worker."""
+        if self._grads is not None:
+            self.abort()
+        self._jobs.put(None)
+        self._thread.join()

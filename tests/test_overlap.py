@@ -6,11 +6,15 @@ forward of the first units runs while it is still going: that is what the run ch
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 from test_fsdp import ARGS, SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -191,3 +195,74 @@ def worker_misuse(rank: int, world: int, tmp: str) -> None:
 
 def test_backward_overlap_refuses_accumulation_and_reads_before_step():
     run_ranks(2, worker_misuse, "")
+
+
+ABANDONED = """
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from test_fsdp import SG, batch, build_model, loss_of
+from fsdp_offload import OffloadAdamW, OffloadConfig
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = build_model(0)
+opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch", overlap="backward"))
+
+def fail(*_):
+    raise RuntimeError("backward broke")
+
+model.layers[0].register_full_backward_hook(fail)  # after the later units' grads are in
+try:
+    loss_of(model, batch(0, 0)).backward()
+except RuntimeError as exc:
+    print("raised:", exc, "| waiting for grads:", opt._inflight.awaiting_grads, flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["", "opt.close(); print('closed', flush=True)"])
+def test_an_update_abandoned_by_a_failed_backward_does_not_hang(tmp_path, end):
+    """Backward raised after it started the update: the interpreter still exits (the worker is a
+    daemon and the finalizer aborts the update), and close() drops the step."""
+    code = ABANDONED.format(tests=str(Path(__file__).parent), port=str(free_port()), end=end)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "raised: backward broke | waiting for grads: True" in out.stdout
+    if end:
+        assert "closed" in out.stdout
+
+
+def retry_losses(rank: int, inject: bool) -> list[float]:
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
+    update, failed = opt._update_subgroup, []
+
+    def flaky(sg: int, state: torch.Tensor, scale: float) -> None:
+        if inject and not failed and opt.step_count == 2 and sg == opt._forward[len(opt._forward) // 2]:
+            failed.append(sg)
+            raise OSError("injected I/O error")
+        update(sg, state, scale)
+
+    opt._update_subgroup = flaky
+    losses = []
+    for _ in range(5):
+        try:
+            loss = loss_of(model, batch(rank, 0))
+        except OSError:  # the update of the step before failed part-way: the forward says so
+            opt.step()  # finishes that step; the forward right after must find every param in the model
+            loss = loss_of(model, batch(rank, 0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.close()
+    assert failed or not inject
+    return losses
+
+
+def worker_retry(rank: int, world: int, tmp: str) -> None:
+    assert retry_losses(rank, True) == retry_losses(rank, False)
+
+
+def test_a_retried_update_lets_the_next_forward_through():
+    run_ranks(1, worker_retry, "")
