@@ -4,6 +4,7 @@ headroom, shared among the node's ranks."""
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -24,16 +25,25 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _local_ranks(group: dist.ProcessGroup | None) -> int:
+    """Ranks of `group` on this node (by host name): launchers other than torchrun (srun, mp.spawn)
+    set no LOCAL_WORLD_SIZE. Without a group: $LOCAL_WORLD_SIZE, else 1."""
+    if group is None:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return hosts.count(socket.gethostname())
+
+
 def resolve_host_budget(
     cfg: OffloadConfig, group: dist.ProcessGroup | None, device: torch.device
 ) -> tuple[int | None, str]:
     """This rank's host budget in bytes (None: no limit) and how to name it in messages. With "auto":
-    (available - host_headroom_gb) / local ranks, the smallest any rank saw (read before any of them
-    allocates, since each waits in the reduction first)."""
+    (available - host_headroom_gb) / the node's ranks, the smallest any rank saw."""
     if cfg.host_budget_gb != "auto":
         return cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
     available = available_host_bytes()
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = _local_ranks(group)
     mine = torch.tensor([(available - cfg.host_headroom_gb * GIB) / local_ranks], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)

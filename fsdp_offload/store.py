@@ -13,6 +13,7 @@ written.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 import weakref
 from typing import Callable
@@ -92,8 +93,11 @@ def host_cache_slots(
 
 
 def _rank_tag() -> str:
+    """rank<r>-<host>-pid<p>-<id>: unique per process, and what tells a later start whether the file's
+    process is gone (only processes of its own host are judged)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return f"rank{rank}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
+    return f"rank{rank}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 class SubgroupStore:

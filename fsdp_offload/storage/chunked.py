@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -86,20 +87,21 @@ def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.detach().reshape(-1).view(torch.uint8)
 
 
-_TIER_FILE = re.compile(r"^rank(\d+)-pid(\d+)-[0-9a-f]+\.subgroups$")
+_TIER_FILE = re.compile(r"^rank(\d+)-(.+)-pid(\d+)-[0-9a-f]+\.subgroups$")  # rank, host, pid
 
 
 def remove_stale_files(directory: str, tag: str) -> list[str]:
-    """Removes the files that a killed process of the same rank as `tag` ("rank<r>-pid<p>-<id>") left
-    in `directory`: those whose process is gone and whose lock no process holds. Another job's live
-    files are held (and their processes alive), so they stay."""
+    """Removes the files that a killed process of the same rank and host as `tag`
+    ("rank<r>-<host>-pid<p>-<id>") left in `directory`: those whose process is gone and whose lock
+    no process holds. Live files are held, and their processes alive, so they stay; other hosts'
+    files (a shared file system) are never judged."""
     mine = _TIER_FILE.match(f"{tag}.subgroups")
     if mine is None:
         return []
     removed = []
     for name in os.listdir(directory):
         m = _TIER_FILE.match(name)
-        if m is None or m.group(1) != mine.group(1) or _alive(int(m.group(2))):
+        if m is None or m.group(1, 2) != mine.group(1, 2) or _alive(int(m.group(3))):
             continue
         path = os.path.join(directory, name)
         try:
@@ -110,7 +112,7 @@ def remove_stale_files(directory: str, tag: str) -> list[str]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any owner holds it
             os.unlink(path)
             removed.append(path)
-            log.info("removed %s: left by process %s, which is gone", path, m.group(2))
+            log.info("removed %s: left by process %s, which is gone", path, m.group(3))
         except OSError:
             pass
         finally:
@@ -182,7 +184,12 @@ class ChunkedFileTier(Tier):
         self._create(total_bytes)
         # held while the file is in use: a later start that finds it unheld knows its owner died
         self._held = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
-        fcntl.flock(self._held, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_SH)
+        except OSError as exc:  # a file system without flock (Lustre noflock, NFS without lockd)
+            if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            log.info("%s: no flock on %s (%s): the process id alone marks it as in use", self.spec, self.root, exc.strerror)
         self._workers = IOWorkers(self.threads, self.spec)
 
     def _submit(self, priority: int, nbytes: int, job: Callable[[int, int], None], done: Callable[[], Transfer]) -> Future:
