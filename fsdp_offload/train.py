@@ -12,6 +12,7 @@ checkpoints are saved and resumed through fsdp_offload.checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -60,6 +61,7 @@ class TrainConfig:
     log_every: int = 1
     metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
     out_dir: str | None = None  # the run's output dir; null: Hydra's run dir (rank 0's, for every rank)
+    tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
     progress: bool = True
     kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
 
@@ -139,6 +141,27 @@ def run_dir(out_dir: str | None) -> str:
         dist.broadcast_object_list(out, src=0)
     os.makedirs(out[0], exist_ok=True)
     return out[0]
+
+
+def tensorboard_writer(path: str):
+    """A TensorBoard SummaryWriter at `path` (train.tensorboard=true)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ValueError(
+            "train.tensorboard=true needs the tensorboard package: pip install 'fsdp-offload[tensorboard]'"
+        ) from exc
+    return SummaryWriter(path)
+
+
+def add_scalars(board, row: dict) -> None:
+    """A JSONL row as TensorBoard scalars: its numbers, and the bytes it moved summed over tiers."""
+    for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            board.add_scalar(f"train/{key}", value, row["step"])
+    for key in ("bytes_read", "bytes_written"):
+        if isinstance(row.get(key), dict):
+            board.add_scalar(f"train/{key}", sum(row[key].values()), row["step"])
 
 
 def host_peak_gib() -> float:
@@ -224,7 +247,8 @@ def _run(cfg: DictConfig) -> list[dict]:
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
     seen = [None]  # the optimizer's last metrics already given to a row
-    with open(metrics_path, "a") as jsonl:
+    board = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if tcfg.tensorboard and rank == 0 else None
+    with open(metrics_path, "a") as jsonl, contextlib.closing(board) if board is not None else contextlib.nullcontext():
 
         def write_finished() -> None:
             # An OffloadAdamW publishes each update's metrics once it has finished, in step order.
@@ -237,6 +261,8 @@ def _run(cfg: DictConfig) -> list[dict]:
                 if row["step"] % tcfg.log_every == 0 or row["step"] == tcfg.steps - 1:
                     jsonl.write(json.dumps(row) + "\n")
                     jsonl.flush()
+                    if board is not None:
+                        add_scalars(board, row)
 
         for step in range(start_step, tcfg.steps):
             row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)

@@ -175,3 +175,15 @@ def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
         resume_point(CheckpointConfig(dir=str(step4)))
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "nowhere")))
+
+
+def test_tensorboard_gets_every_logged_row(tmp_path):
+    pytest.importorskip("tensorboard", reason="train.tensorboard=true needs tensorboard (the dev extra has it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tmp_path / "run", "train.steps=3", "train.tensorboard=true")
+    board = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    board.Reload()
+    losses = [e.value for e in board.Scalars("train/loss")]
+    assert losses == pytest.approx([r["loss"] for r in rows(tmp_path / "run" / "metrics.jsonl")])
+    assert {"train/update_s", "train/exposed_update_s", "train/bytes_read"} <= set(board.Tags()["scalars"])
