@@ -24,14 +24,15 @@ METRICS = {
 }  # fmt: skip
 
 
-def train(tmp: Path, *overrides: str, ranks: int = 0, check: bool = True) -> subprocess.CompletedProcess:
+def train(tmp: Path | None, *overrides: str, ranks: int = 0, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, TRAIN] if ranks == 0 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(29000 + os.getpid() % 500),
         TRAIN,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_dir = [] if tmp is None else [f"hydra.run.dir={tmp}"]  # None: Hydra's own, timestamped, per process
     out = subprocess.run(
-        cmd + [f"hydra.run.dir={tmp}", "train.progress=false", *overrides], capture_output=True, text=True, env=env, timeout=300
+        cmd + [*run_dir, "train.progress=false", *overrides], capture_output=True, text=True, env=env, timeout=300, cwd=cwd
     )
     if check and out.returncode != 0:
         raise AssertionError(f"train.py failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -69,9 +70,13 @@ def final_state(ckpt: str, out: Path) -> dict:
 def test_killed_run_resumes_bit_for_bit(tmp_path):
     common = ["train.steps=8", "checkpoint.every=4"]
     train(tmp_path / "a", *common, f"checkpoint.dir={tmp_path}/ck_a", ranks=2)
-    killed = train(tmp_path / "b", *common, f"checkpoint.dir={tmp_path}/ck_b", "train.kill_at_step=4", ranks=2, check=False)
+    (tmp_path / "tier_b").mkdir()
+    tier_b = f"offload.tiers=[posix:{tmp_path}/tier_b]"
+    killed = train(tmp_path / "b", *common, tier_b, f"checkpoint.dir={tmp_path}/ck_b", "train.kill_at_step=4", ranks=2, check=False)
     assert killed.returncode != 0  # SIGKILLed right after the step-4 checkpoint
-    resumed_run = train(tmp_path / "b2", *common, f"checkpoint.dir={tmp_path}/ck_b", "checkpoint.resume=required", ranks=2)
+    assert len(list((tmp_path / "tier_b").rglob("*.subgroups"))) == 2  # the killed ranks' tier files
+    resumed_run = train(tmp_path / "b2", *common, tier_b, f"checkpoint.dir={tmp_path}/ck_b", "checkpoint.resume=required", ranks=2)
+    assert not list((tmp_path / "tier_b").rglob("*.subgroups"))  # its start removed them, its close its own
     assert f"resuming from {tmp_path}/ck_b/step_00000004" in resumed_run.stdout
     assert (tmp_path / "b2" / "rank1.metrics.jsonl").exists()  # every rank writes into the one run dir
     whole = {r["step"]: r["loss"] for r in rows(tmp_path / "a" / "metrics.jsonl")}
@@ -187,3 +192,11 @@ def test_tensorboard_gets_every_logged_row(tmp_path):
     losses = [e.value for e in board.Scalars("train/loss")]
     assert losses == pytest.approx([r["loss"] for r in rows(tmp_path / "run" / "metrics.jsonl")])
     assert {"train/update_s", "train/exposed_update_s", "train/bytes_read"} <= set(board.Tags()["scalars"])
+
+
+def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
+    # each rank's Hydra names its dir from its own clock; every rank writes into rank 0's
+    train(None, "train.steps=2", ranks=2, cwd=tmp_path)
+    dirs = {p.parent for p in tmp_path.rglob("*metrics.jsonl")}
+    assert len(dirs) == 1, dirs
+    assert {p.name for p in next(iter(dirs)).glob("*metrics.jsonl")} == {"metrics.jsonl", "rank1.metrics.jsonl"}
