@@ -1,0 +1,63 @@
+"""torch's distributed state-dict API on a CUDA FSDP2 model (one NCCL rank): the optimizer's state
+stays in host memory (DTensors whose local parts are CPU tensors, as FSDP2's CPU offload builds them),
+the full state dict gathers through the GPU one tensor at a time, and a round trip is bit-exact."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from dist_utils import free_port
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.fsdp import local_data
+from fsdp_offload.models import MODEL_PRESETS
+from fsdp_offload.parallelize import build_fsdp_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh needs a GPU")
+
+
+def make():
+    model = build_fsdp_model(MODEL_PRESETS["tiny"], torch.device("cuda"))
+    return model, OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=1 << 14, kernel="torch"))
+
+
+def _rank(rank: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        model, opt = make()
+        for _ in range(3):
+            tokens = torch.randint(0, 256, (2, 33), device="cuda")
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        before = torch.cuda.memory_allocated()
+        osd = get_optimizer_state_dict(model, opt)
+        for state in osd["state"].values():
+            assert local_data(state["exp_avg"]).device.type == "cpu"  # host memory, not the GPU
+        assert torch.cuda.memory_allocated() - before < 1 << 20
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model_b, opt_b = make()
+        set_optimizer_state_dict(model_b, opt_b, full, options=StateDictOptions(full_state_dict=True))
+        a, b = opt.state_dict()["state"], opt_b.state_dict()["state"]
+        for i in a:
+            for key in ("master_param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(local_data(a[i][key]), local_data(b[i][key])), (i, key)
+        for p, q in zip(model.parameters(), model_b.parameters()):
+            assert torch.equal(p.to_local(), q.to_local())
+        opt.close()
+        opt_b.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_state_dict_api_keeps_state_in_host_memory_on_a_cuda_mesh(tmp_path):
+    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
