@@ -229,14 +229,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._during_backward:
             self._stage_grad_during_update(index, grad)
             return
-        if self._inflight is not None and self._inflight.busy:
-            self.finish_update()  # the update writes the new params where the grads go
+        self._ready_for_grads()
+        self.grads.stage(index, grad)
+
+    def _stage_param_grads(self) -> None:
+        """Stages the `.grad` of params that no hook handed over (params without model=)."""
+        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+
+    def _ready_for_grads(self) -> None:
+        """Before a backward's grads go into the staging buffer: the last update has ended (it writes
+        the new params there) and did not stop part-way (its grads are still there)."""
+        self.finish_update()
         if self._pending is not None:
             raise RuntimeError(
                 f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
                 "buffers hold its grads: call step() again to finish it before the next backward"
             )
-        self.grads.stage(index, grad)
 
     def _stage_grad_during_update(self, index: int, grad: torch.Tensor) -> None:
         """overlap="backward": the step's first grad starts its update; a subgroup whose grads are all in
@@ -258,12 +266,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._inflight.grads_in(sg, self._copies.record())
 
     def _start_update_in_backward(self) -> None:
-        self.finish_update()
-        if self._pending is not None:
-            raise RuntimeError(
-                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
-                "buffers hold its grads: call step() again to finish it before the next backward"
-            )
+        self._ready_for_grads()
         start = time.perf_counter()
         self.store.require_loaded()
         if self._size_gpu_share and self.last_metrics is not None:
@@ -301,7 +304,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "unclipped grads; use offload.overlap='next_forward' to clip"
             )
         self.finish_update()
-        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+        self._stage_param_grads()
         if not any(self.grads.staged):
             raise RuntimeError("clip_grad_norm_() called before any backward: no param has a grad")
         norm = self.grads.norm()
@@ -350,7 +353,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _hand_in_last_grads(self) -> None:
         """overlap="backward": the update started during backward; the rest of the subgroups may go now."""
         start = time.perf_counter()
-        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+        self._stage_param_grads()
         self._inflight.all_grads_in()
         self._begin_s = time.perf_counter() - start
 
@@ -455,7 +458,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _begin_step(self, start: float) -> bool:
         """Stages what backward left, writes the FP32 grads (that path only) and takes the grad scale;
         False when fp16 grads overflowed and the step is skipped."""
-        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self._params], self._copies)
+        self._stage_param_grads()
         staged = self.grads.staged
         if not any(staged):
             raise RuntimeError("step() called before any backward: no param has a grad")

@@ -22,6 +22,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .threads import use_cpu_threads
+
 
 class UpdateAborted(RuntimeError):
     """The update was closed while it waited for grads that will not come."""
@@ -80,9 +82,7 @@ class UpdateInFlight:
                 future.set_exception(exc)
 
     def _run(self, run: Callable[[], None], threads: int) -> None:
-        # The intra-op thread count is per thread: give the worker the caller's.
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        use_cpu_threads(threads)  # the intra-op thread count is per thread: give the worker the caller's
         try:
             run()
         finally:

@@ -90,10 +90,10 @@ def summarize(run: Run, skip: int = 1) -> dict[str, Any]:
     return out
 
 
-def plot_phases(runs: list[Run], skip: int, ax) -> None:
-    rows = [summarize(r, skip) for r in runs]
-    x = range(len(runs))
-    bottom = [0.0] * len(runs)
+def plot_phases(rows: list[dict[str, Any]], ax) -> None:
+    """`rows`: the runs' `summarize`d metrics."""
+    x = range(len(rows))
+    bottom = [0.0] * len(rows)
     for key, label in zip(PHASES, ("forward", "backward", "step() call")):
         values = [r[key] or 0.0 for r in rows]
         ax.bar([i - 0.2 for i in x], values, 0.4, bottom=bottom, label=label)
@@ -104,15 +104,15 @@ def plot_phases(runs: list[Run], skip: int, ax) -> None:
     hidden = [max(0.0, (r["update_s"] or 0.0) - e) for r, e in zip(rows, exposed)]
     ax.bar([i + 0.2 for i in x], exposed, 0.4, label="update: exposed", color="tab:red")
     ax.bar([i + 0.2 for i in x], hidden, 0.4, bottom=exposed, label="update: hidden", color="tab:red", alpha=0.35)
-    ax.set_xticks(list(x), [r.name for r in runs], rotation=20, ha="right")
+    ax.set_xticks(list(x), [r["name"] for r in rows], rotation=20, ha="right")
     ax.set_ylabel("seconds per step")
     ax.set_title("iteration by phase (left) and the update (right)")
     ax.legend(fontsize=7)
 
 
-def plot_io(runs: list[Run], skip: int, ax_rate, ax_bytes) -> None:
-    rows = [summarize(r, skip) for r in runs]
-    x = list(range(len(runs)))
+def plot_io(rows: list[dict[str, Any]], ax_rate, ax_bytes) -> None:
+    """`rows`: the runs' `summarize`d metrics."""
+    x = list(range(len(rows)))
     ax_rate.bar(x, [r["effective_io_gbps"] or 0.0 for r in rows], color="tab:green")
     ax_rate.set_ylabel("GB/s")
     ax_rate.set_title("effective I/O of the update")
@@ -122,7 +122,7 @@ def plot_io(runs: list[Run], skip: int, ax_rate, ax_bytes) -> None:
     ax_bytes.set_title("bytes moved per step")
     ax_bytes.legend(fontsize=7)
     for ax in (ax_rate, ax_bytes):
-        ax.set_xticks(x, [r.name for r in runs], rotation=20, ha="right")
+        ax.set_xticks(x, [r["name"] for r in rows], rotation=20, ha="right")
 
 
 def plot_tier_split(run: Run, ax) -> None:
@@ -148,11 +148,12 @@ def write_figures(runs: list[Run], out_dir: str, skip: int = 1) -> list[str]:
     """Writes phases.png, io.png and one tiers_<run>.png per run with 2+ tiers; returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
+    rows = [summarize(r, skip) for r in runs]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(runs)), 4.5))
-    plot_phases(runs, skip, ax)
+    plot_phases(rows, ax)
     paths.append(_save(fig, out_dir, "phases.png"))
     fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 2 * len(runs)), 4))
-    plot_io(runs, skip, a, b)
+    plot_io(rows, a, b)
     paths.append(_save(fig, out_dir, "io.png"))
     for run in runs:
         if len({t for r in run.rows for t in (r.get("subgroups_per_tier") or {})}) > 1:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 
 def physical_cores() -> int:
     """Physical cores this process may run on (hyperthread siblings count once): OpenMP threads on
@@ -33,3 +35,12 @@ def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None) ->
     if local_ranks is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, physical_cores() // local_ranks)
+
+
+def use_cpu_threads(threads: int) -> None:
+    """Sets this thread's intra-op threads, only when that changes the count: torch.set_num_threads
+    also turns MKL's dynamic threading off, and then the fused kernel's MKL sqrt, called inside its
+    OpenMP loop, oversubscribes the cores (the CPU update ran 2x slower on nvidia-h100-x1 at the same
+    16 threads)."""
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)

@@ -42,7 +42,7 @@ from .models import LlamaArgs, num_params
 from .optimizer import OffloadAdamW
 from .parallelize import build_fsdp_model
 from .storage import TierError
-from .threads import cpu_threads_per_rank
+from .threads import cpu_threads_per_rank, use_cpu_threads
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -199,12 +199,7 @@ def _run(cfg: DictConfig) -> list[dict]:
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    threads = cpu_threads_per_rank(tcfg.cpu_threads)
-    if threads != torch.get_num_threads():
-        # Only when it changes the count: torch.set_num_threads also turns MKL's dynamic threading off,
-        # and then the fused kernel's MKL sqrt, called inside its OpenMP loop, oversubscribes the cores
-        # (the CPU update ran 2x slower on nvidia-h100-x1 at the same 16 threads).
-        torch.set_num_threads(threads)
+    use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,

@@ -21,14 +21,13 @@ import torch.multiprocessing as mp
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.models import MODEL_PRESETS, num_params
 from fsdp_offload.results import record
-from fsdp_offload.threads import cpu_threads_per_rank, physical_cores
+from fsdp_offload.threads import cpu_threads_per_rank, physical_cores, use_cpu_threads
 
 CHUNK = 1 << 26  # elements per param tensor
 
 
 def rank_steps(rank: int, numel: int, threads: int, args: argparse.Namespace, barrier, queue) -> None:
-    if threads != torch.get_num_threads():  # as train.py: only when it changes the count (see there)
-        torch.set_num_threads(threads)
+    use_cpu_threads(threads)  # as train.py does
     g = torch.Generator().manual_seed(rank)
     sizes = [min(CHUNK, numel - lo) for lo in range(0, numel, CHUNK)]
     params = [torch.nn.Parameter(torch.randn(n, generator=g) * 0.02) for n in sizes]
