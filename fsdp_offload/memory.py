@@ -25,7 +25,7 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _local_ranks(group: dist.ProcessGroup | None) -> int:
+def node_ranks(group: dist.ProcessGroup | None) -> int:
     """Ranks of `group` on this node (by host name): launchers other than torchrun (srun, mp.spawn)
     set no LOCAL_WORLD_SIZE. Without a group: $LOCAL_WORLD_SIZE, else 1."""
     if group is None:
@@ -43,7 +43,7 @@ def resolve_host_budget(
     if cfg.host_budget_gb != "auto":
         return cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
     available = available_host_bytes()
-    local_ranks = _local_ranks(group)
+    local_ranks = node_ranks(group)
     mine = torch.tensor([(available - cfg.host_headroom_gb * GIB) / local_ranks], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)

@@ -53,6 +53,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         optimizer = OffloadAdamW(model.parameters(), lr=3e-4, model=model, offload=OffloadConfig(...))
 
     which also hooks each sharded param so its grad shard goes to host memory as soon as it is reduced.
+
+    `masters`: for a model already built in `offload.param_dtype` (never whole in FP32), the source of
+    its FP32 master weights: `masters(p)` gives param p's local FP32 values (flat); it is asked in
+    param order, a param once per subgroup it spans, and the model's params are set from what it gives
+    (parallelize.StreamedMasters draws the init one module at a time).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
+        masters: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         _refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                               differentiable=differentiable, fused=fused)  # fmt: skip
@@ -88,7 +94,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._models = [] if model is None else [model]
-        self._check_params()
+        self._check_params(streamed=masters is not None)
         self._root = None
         units = []
         if model is not None:
@@ -118,11 +124,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._size_gpu_share and device.type != "cuda":
             log.info("offload.gpu_fraction=auto: the params are on %s, so all state stays off the GPU", device)
             self._size_gpu_share = False
+        # sized before the staging buffer takes its share of the host memory that "auto" measures
+        budget, budget_name = resolve_host_budget(cfg, mesh_group(self._params), device)
         staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", on_gpu, device)
         fp32_grads = cfg.grad_path == "tier_fp32"
         grad_slots = TierFP32Grads.slot_bytes(self.layout) if fp32_grads else []
         try:
-            budget, budget_name = resolve_host_budget(cfg, mesh_group(self._params), device)
             self.store = SubgroupStore(
                 cfg, self.layout, on_gpu, device, budget, budget_name,
                 staging.nbytes + max(grad_slots, default=0),  # the FP32 grad path's one buffer
@@ -167,35 +174,50 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
 
-        masters = [t.detach().reshape(-1) for t in locals_]
-        self.store.fill(self._pass_order(), {"master_param": lambda i: masters[i]})  # moments start at zero
+        if masters is None:  # the FP32 params are the masters
+            flat = [t.detach().reshape(-1) for t in locals_]
+            self.store.fill(self._pass_order(), {"master_param": flat.__getitem__})  # moments start at zero
+        else:  # in param order, as a streamed source draws them; the model's params follow the masters
+            self.store.fill(list(range(len(self.layout))), {"master_param": lambda i: masters(self._params[i])},
+                            then=self._load_params_from_master)  # fmt: skip
+            self._copies.wait_host()
         if model is not None:
-            cast_params(model, self.param_dtype)
+            if masters is None:
+                cast_params(model, self.param_dtype)
             setattr(model, _CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
             if self._inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], self._inflight.wait_unit)
         else:
             for p in self._params:
-                p.data = p.data.to(self.param_dtype)
+                if masters is None:
+                    p.data = p.data.to(self.param_dtype)
                 setattr(p, _CAST_MARK, True)
         self._show_state()
 
-    def _check_params(self) -> None:
+    def _check_params(self, streamed: bool) -> None:
+        """`streamed`: the params are already in param_dtype and `masters=` gives the FP32 values."""
         if not self._params:
             raise ValueError("OffloadAdamW got an empty parameter list")
         devices = {local_data(p).device.type for p in self._params}
         if len(devices) > 1:
             raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
         for i, p in enumerate(self._params):
-            if p.dtype != torch.float32 and any(getattr(x, _CAST_MARK, False) for x in [p, *self._models]):
+            if streamed:
+                if p.dtype != self.param_dtype:
+                    raise ValueError(
+                        f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: with masters= the model is built in "
+                        f"offload.param_dtype={self.offload.param_dtype} and the masters come from the source "
+                        "(parallelize.build_offloaded_model does both); without masters=, give FP32 params"
+                    )
+            elif p.dtype != torch.float32 and any(getattr(x, _CAST_MARK, False) for x in [p, *self._models]):
                 raise ValueError(
                     f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: an earlier OffloadAdamW cast this model and "
                     "holds its FP32 master weights. Keep using that optimizer; to rebuild one (other options, "
                     "another tier), save the old one's state (state_dict() or a DCP checkpoint), close() it, "
                     "build the model again in FP32, build the new optimizer on it and load the state"
                 )
-            if p.dtype != torch.float32:
+            elif p.dtype != torch.float32:
                 raise ValueError(
                     f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
                     "master weights from the model's FP32 params and casts the model to "

@@ -89,6 +89,7 @@ class SubgroupPipeline:
         *,
         load: bool = True,
         dirty: bool = True,
+        in_order: bool = False,
     ) -> None:
         """Calls `visit(sg, state)` on each subgroup of `order` with its state resident.
 
@@ -97,7 +98,8 @@ class SubgroupPipeline:
         rearranged in place into the order of the visits, so that after an error `order[k:]` are the
         subgroups not visited, k being how many were.
         `load=False` skips reading stored copies (the visit overwrites the whole state);
-        `dirty=False` says the visit only reads the state.
+        `dirty=False` says the visit only reads the state; `in_order=True` keeps the visits in `order` (a
+        fill whose source is read in order).
         """
         self._position = {sg: k for k, sg in enumerate(order)}
         self._visited = set()
@@ -107,7 +109,7 @@ class SubgroupPipeline:
                 keep = set(window)
                 for nxt in window:
                     self._start(nxt, load, keep)
-                ready = self._first_ready(window)
+                ready = 0 if in_order else self._first_ready(window)
                 if ready:
                     order.insert(i, order.pop(i + ready))
                 sg = order[i]

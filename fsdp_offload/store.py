@@ -42,6 +42,12 @@ def size_mismatch(sg: int, got: int, want: int, where: str = "") -> ValueError:
     )
 
 
+def gpu_share(layout: SubgroupLayout, fraction: float) -> frozenset[int]:
+    """The last `fraction` of the subgroups: the ones a fixed offload.gpu_fraction keeps in GPU memory."""
+    m = len(layout)
+    return frozenset(range(m - round(m * fraction), m))
+
+
 def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torch.device) -> frozenset[int]:
     """The subgroups whose state stays in GPU memory: the last `fraction` of them, if they fit."""
     if fraction == 0.0:
@@ -49,7 +55,7 @@ def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torc
     if device.type != "cuda":
         raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
     m = len(layout)
-    chosen = range(m - round(m * fraction), m)
+    chosen = gpu_share(layout, fraction)
     # state plus the bf16 grads and params it needs beside it
     need = sum(layout.subgroups[sg].state_bytes + 2 * layout.subgroups[sg].padded for sg in chosen)
     free = torch.cuda.mem_get_info(device)[0]
@@ -163,20 +169,23 @@ class SubgroupStore:
                 update(sg, self.gpu_state[sg])
         self.pipeline.run([sg for sg in order if sg not in self.gpu_state], update)
 
-    def visit(self, order: list[int], visit: Visit, *, load: bool = True, dirty: bool = True) -> None:
+    def visit(self, order: list[int], visit: Visit, *, load: bool = True, dirty: bool = True, in_order: bool = False) -> None:
         """Like `run_update`, for a pass that is not a step (a fill or a gather): its I/O is not counted.
-        `load=False`: the visit overwrites whole states; `dirty=False`: it only reads them."""
+        `load=False`: the visit overwrites whole states; `dirty=False`: it only reads them; `in_order`: no
+        subgroup of the prefetch window goes before its turn (see SubgroupPipeline.run). The GPU-resident
+        subgroups (the last ones) come after the others, so an ascending `order` stays ascending."""
+        try:
+            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], visit, load=load, dirty=dirty, in_order=in_order)
+        finally:
+            self.pipeline.take_transfers()
         for sg in order:
             if sg in self.gpu_state:
                 visit(sg, self.gpu_state[sg])
-        try:
-            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], visit, load=load, dirty=dirty)
-        finally:
-            self.pipeline.take_transfers()
 
     def fill(self, order: list[int], sources: dict[str, Callable[[int], torch.Tensor]], then: Visit | None = None) -> None:
-        """Overwrites every subgroup, in `order`, from flat per-param FP32 tensors: `sources[key](param)`
-        for each key of STATE_KEYS it has (a missing key: zeros); then calls `then(sg, masters)`."""
+        """Overwrites every subgroup, strictly in `order` (a streamed source gives its tensors in order),
+        from flat per-param FP32 tensors: `sources[key](param)` for each key of STATE_KEYS it has (a
+        missing key: zeros); then calls `then(sg, masters)`."""
 
         def fill(sg: int, state: torch.Tensor) -> None:
             state.zero_()
@@ -188,7 +197,7 @@ class SubgroupStore:
             if then is not None:
                 then(sg, parts[0])
 
-        self.visit(order, fill, load=False)
+        self.visit(order, fill, load=False, in_order=True)
 
     def gather(self, order: list[int], out: list[dict[str, torch.Tensor]]) -> None:
         """Copies every subgroup's state, in `order`, into per-param FP32 tensors `out[param][key]` (the

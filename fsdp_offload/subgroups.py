@@ -74,13 +74,18 @@ class SubgroupLayout:
             acc += n
 
         subgroups = []
+        first = 0  # the first param that may reach into the next subgroup (one sweep over both)
         for index, lo in enumerate(range(0, total, subgroup_numel)):
             hi = min(lo + subgroup_numel, total)
             segs = []
-            for p, (start, n) in enumerate(zip(starts, numels)):
-                a, b = max(lo, start), min(hi, start + n)
+            while first < len(numels) and starts[first] + numels[first] <= lo:
+                first += 1
+            p = first
+            while p < len(numels) and starts[p] < hi:
+                a, b = max(lo, starts[p]), min(hi, starts[p] + numels[p])
                 if a < b:
-                    segs.append(Segment(param=p, param_offset=a - start, offset=a - lo, numel=b - a))
+                    segs.append(Segment(param=p, param_offset=a - starts[p], offset=a - lo, numel=b - a))
+                p += 1
             numel = hi - lo
             padded = -(-numel // ALIGN_NUMEL) * ALIGN_NUMEL
             subgroups.append(Subgroup(index, numel, padded, tuple(segs)))

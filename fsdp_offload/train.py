@@ -40,7 +40,9 @@ from .config import OffloadConfig, register_tmpdir_resolver
 from .data import DataConfig, TokenBatches
 from .models import LlamaArgs, num_params
 from .optimizer import OffloadAdamW
-from .parallelize import build_fsdp_model
+from .memory import node_ranks
+from .parallelize import build_fsdp_model, build_offloaded_model
+from .plan import MachineConfig, make_plan, plan_summary, preset_name
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
 
@@ -209,9 +211,16 @@ def _run(cfg: DictConfig) -> list[dict]:
         check_checkpoint(resume_from, run_key)
 
     if recipe.optimizer == "offload":
-        model = build_fsdp_model(margs, device, seed=tcfg.seed)
-        optimizer = OffloadAdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
-                                 model=model, offload=recipe.config)  # fmt: skip
+        # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
+        local = node_ranks(dist.group.WORLD if world > 1 else None)
+        plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
+                         dcfg.seq_len, dcfg.micro_batch, device.type)  # fmt: skip
+        if rank == 0:
+            log.info("plan: %s", plan_summary(plan.ranks[0], recipe.config))
+        # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
+        model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
+                                                 betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
+                                                 offload=recipe.config)  # fmt: skip
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)

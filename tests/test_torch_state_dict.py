@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
-from fsdp_offload.memory import _local_ranks
+from fsdp_offload.memory import node_ranks
 from fsdp_offload.models import Transformer
 
 KEYS = ("step", "master_param", "exp_avg", "exp_avg_sq")
@@ -73,7 +73,7 @@ def check_fp32_export(model, opt, osd, rank: int) -> None:
 
 def worker(rank: int, world: int, tmp: str) -> None:
     model, opt = make(rank, f"{tmp}/a{rank}")
-    assert _local_ranks(dist.group.WORLD) == 2  # host_budget_gb=auto's split, counted without LOCAL_WORLD_SIZE
+    assert node_ranks(dist.group.WORLD) == 2  # host_budget_gb=auto's split, counted without LOCAL_WORLD_SIZE
     # params only are cast, as FSDP2's mixed precision does: the RoPE tables stay fp32
     assert model.rope_cos.dtype == torch.float32 and model.layers[0].attention.wq.weight.dtype == torch.bfloat16
     train(model, opt, range(3), rank)

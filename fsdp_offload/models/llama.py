@@ -283,17 +283,35 @@ class Transformer(nn.Module):
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
 
+    def init_modules(self) -> list[tuple[str, nn.Module]]:
+        """The modules whose params `init_weights` draws, by name, in the order it draws them (their
+        params in the order of `parameters()`): a streamed start-up draws them one at a time."""
+        named = [("tok_embeddings", self.tok_embeddings)]
+        named += [(f"layers.{i}", layer) for i, layer in enumerate(self.layers)]
+        named.append(("norm", self.norm))
+        if self.output is not None:
+            named.append(("output", self.output))
+        return named
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """The RoPE table, computed on the buffers' device (after `to_empty`)."""
+        cos, sin = precompute_rope(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialize every parameter and buffer in place; a fixed RNG draw order."""
-        cos, sin = precompute_rope(
-            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope_cos.device
-        )
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=INIT_STD)
-        for layer in self.layers:
-            layer.init_weights()
-        self.norm.init_weights()
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, mean=0.0, std=INIT_STD)
+        self.init_buffers()
+        for _, module in self.init_modules():
+            init_module(module)
+
+
+@torch.no_grad()
+def init_module(module: nn.Module) -> None:
+    """Draws the params of one of `Transformer.init_modules()` from the global torch RNG."""
+    if isinstance(module, (nn.Embedding, nn.Linear)):  # tok_embeddings, output
+        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+    else:  # TransformerBlock, RMSNorm
+        module.init_weights()

@@ -1,0 +1,451 @@
+"""What fits where, before anything is built: the planner.
+
+    python -m fsdp_offload.plan model=13b offload=disk                  # this machine
+    python -m fsdp_offload.plan model=70b offload=multipath machine.ranks_per_node=8 machine.gpu_gib=80
+
+Takes the same Hydra recipes as train.py, plus `machine.*` (MachineConfig: this machine unless stated),
+and says, for each rank: where its FP32 state goes (GPU-resident subgroups, host cache slots, each
+tier), the host memory beside it (grad staging, page-locked; the FP32 grad buffer), the GPU memory
+(low-precision params, the resident state, start-up and training estimates), the bytes a step moves
+through each tier, and the predicted update time; then the largest preset that fits the same recipe.
+
+The placement is computed by the functions the optimizer runs (the subgroup layout, the host cache's
+slots, the tier placement, the steady-state traffic), so it is the placement the run reports. The
+update time is a model: the busiest tier's I/O (placement.expected_step_seconds, from the tiers'
+bandwidths in the calibration profile, measured when it lacks them) against the CPU update (the fused
+kernel timed here on one subgroup, or `machine.cpu_mparams_per_s`), whichever is longer, plus the
+first subgroup's read that nothing hides. A plan that does not fit raises `PlanError` naming the
+level that is short and by how much; train.py runs the same check before it builds the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
+from .config import GIB, OffloadConfig, format_bytes, in_unit
+from .memory import available_host_bytes
+from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
+from .placement import expected_step_seconds, make_placement, steady_traffic
+from .store import gpu_share, host_cache_slots
+from .storage import TierError
+from .subgroups import SubgroupLayout
+from .threads import cpu_threads_per_rank, use_cpu_threads
+
+
+class PlanError(ValueError):
+    """The state does not fit: the message names the level, the shortfall and what to change."""
+
+
+@dataclass
+class MachineConfig:
+    """The machine a plan is for; a None field is read from the machine the planner runs on."""
+
+    ranks_per_node: int = 1
+    nodes: int = 1
+    gpu_gib: float | None = None  # GPU memory per rank; None: this GPU's (0: no GPU, the CPU trains)
+    host_gib: float | None = None  # host memory available to the node's ranks; None: MemAvailable here
+    cpu_mparams_per_s: float | None = None  # one rank's CPU update speed; None: the kernel timed here
+    gpu_update_gbps: float = 2000.0  # bytes/s the GPU update moves (28 bytes a param), in GB/s
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 1 or self.nodes < 1:
+            raise ValueError(f"machine.ranks_per_node={self.ranks_per_node} and machine.nodes={self.nodes} must be >= 1")
+        for name in ("gpu_gib", "host_gib", "cpu_mparams_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"machine.{name}={value} must be >= 0 (null: measured on this machine)")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+@dataclass
+class TierPlan:
+    spec: str
+    subgroups: int  # subgroups the placement puts here (each may be written here at some step)
+    bytes: int  # their state: the file space this rank needs on the tier
+    read_bytes_per_step: float
+    written_bytes_per_step: float
+    free_bytes: int | None  # free space of the tier's file system (None: not found here)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    params: int  # local (this rank's shard)
+    subgroups: int
+    state_bytes: int  # FP32 masters + moments, all levels
+    gpu_subgroups: int
+    gpu_state_bytes: int
+    cache_slots: int
+    cache_bytes: int
+    staging_bytes: int  # low-precision grad/param staging in host memory (page-locked on GPU machines)
+    fp32_grad_bytes: int  # grad_path=tier_fp32's buffer
+    host_bytes: int  # all the optimizer keeps in host memory
+    tiers: list[TierPlan] = field(default_factory=list)
+    gpu_params_bytes: int = 0  # the model's low-precision params, this rank's shard
+    gpu_startup_bytes: int = 0  # estimated GPU peak while the model is built (streamed start-up)
+    gpu_train_bytes: int = 0  # estimated GPU peak of a training step
+    io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
+    cpu_s: float | None = None  # CPU update (None: no CPU speed given)
+    gpu_s: float = 0.0  # GPU update of the resident subgroups
+    update_s: float | None = None  # predicted update phase (None: not predicted)
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    world_size: int
+    ranks: list[RankPlan]
+    cpu_mparams_per_s: float | None
+    gpu_bytes: int | None
+    host_bytes: int
+
+    @property
+    def predicted_update_s(self) -> float | None:
+        times = [r.update_s for r in self.ranks]
+        return None if None in times else max(times)
+
+
+def local_numels(args: LlamaArgs, world: int, rank: int) -> list[int]:
+    """This rank's element count of each param (in model.parameters() order) under FSDP2's Shard(0):
+    dim 0 cut as torch.chunk cuts it, the last ranks possibly empty."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    out = []
+    for p in model.parameters():
+        rows = p.shape[0]
+        per = math.ceil(rows / world)
+        mine = max(0, min(per, rows - rank * per))
+        out.append(mine * (p.numel() // rows if rows else 0))
+    return out
+
+
+def largest_init_module_bytes(args: LlamaArgs) -> int:
+    """FP32 bytes of the largest init module, drawn whole on the device during a streamed start-up."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()) * 4
+
+
+def train_gpu_bytes(args: LlamaArgs, world: int, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
+    """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
+    unsharded units (the one running and the one prefetched) with the grads of one, the checkpointed
+    block inputs (or every block's activations without checkpointing) and the logits with their FP32
+    loss and grad."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    unit = max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules())
+    tokens = seq_len * micro_batch
+    per_block = tokens * args.dim * itemsize * (1 if args.activation_checkpointing else 16)
+    block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
+    logits = tokens * args.vocab_size * (itemsize + 4 + 4)
+    return local_params * itemsize + 3 * unit * itemsize + args.n_layers * per_block + block_work + logits
+
+
+def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> float:
+    """Params per second of one rank's CPU update, timed here: the optimizer's kernel on one subgroup
+    (capped at 64M elements) of FP32 state and bf16 grads, best of three after a warm-up."""
+    from .kernels import get_adamw_kernel
+
+    n = min(subgroup_numel, 64 << 20)
+    _, kernel = get_adamw_kernel(kernel_name)
+    use_cpu_threads(threads)
+    p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    g = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    best = math.inf
+    for step in range(1, 5):
+        t0 = time.perf_counter()
+        kernel(p, m, v, g, out, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, grad_scale=1.0)
+        if step > 1:
+            best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def tier_speeds(cfg: OffloadConfig) -> list[TierSpeed]:
+    """The tiers' speeds from the bandwidth profile, measured (as the run would) when it lacks them."""
+    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
+    try:
+        return seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * GIB), 64 << 20)
+    finally:
+        if profile is not None:
+            profile.close()
+
+
+def free_bytes(spec_path: str) -> int | None:
+    """Free space of the file system holding `spec_path` (its nearest existing parent)."""
+    path = os.path.abspath(os.path.expanduser(spec_path))
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free if path else None
+
+
+def plan_rank(
+    args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, gpu_bytes: int | None, host_budget: int | None,
+    budget_name: str, speeds: list[TierSpeed] | None, cpu_rate: float | None, seq_len: int, micro_batch: int,
+) -> RankPlan:  # fmt: skip
+    """One rank's plan (see the module's note); raises PlanError when its host level is short."""
+    world = machine.world_size
+    itemsize = 2  # bf16 and fp16 alike
+    layout = SubgroupLayout(local_numels(args, world, rank), cfg.subgroup_numel)
+    local = sum(layout.numels)
+    startup = local * itemsize + largest_init_module_bytes(args)
+    train = train_gpu_bytes(args, world, local, seq_len, micro_batch, itemsize)
+    if gpu_bytes is None:  # CPU training: nothing on a GPU
+        on_gpu = frozenset()
+    elif cfg.gpu_fraction == "auto":
+        # what the run will size after its first step, from the training peak (estimated here)
+        room = gpu_bytes - train - int(cfg.gpu_headroom_gb * GIB)
+        on_gpu, count, used = [], 0, 0
+        for sg in reversed(range(len(layout))):
+            need = layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded
+            if used + need > room:
+                break
+            used += need
+            count += 1
+        on_gpu = frozenset(range(len(layout) - count, len(layout)))
+    else:
+        on_gpu = gpu_share(layout, cfg.gpu_fraction)
+    gpu_state = sum(layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded for sg in on_gpu)
+    host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
+    staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
+    fp32_grads = 4 * max(sg.padded for sg in layout.subgroups) if cfg.grad_path == "tier_fp32" else 0
+    try:
+        slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads)
+    except ValueError as exc:
+        raise PlanError(f"host memory, rank {rank}: {exc}") from None
+    state_bytes = sum(sg.state_bytes for sg in layout.subgroups)
+    plan = RankPlan(
+        rank=rank, params=local, subgroups=len(layout), state_bytes=state_bytes, gpu_subgroups=len(on_gpu),
+        gpu_state_bytes=gpu_state, cache_slots=slots, cache_bytes=slots * layout.slot_bytes, staging_bytes=staging,
+        fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + slots * layout.slot_bytes,
+        gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state,
+    )  # fmt: skip
+    streamed = len(host_sgs)
+    sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
+    if cfg.tiers and slots < streamed:
+        placement = make_placement(cfg, layout, slots, streamed, host_sgs)
+        tiers = [placement.tier_for(sg) for sg in host_sgs]
+        placement.close()
+        traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
+        kinds = len(traffic.orders)
+        for i, spec in enumerate(cfg.tiers):
+            mine = [sg for sg in host_sgs if tiers[sg] == i]
+            plan.tiers.append(TierPlan(
+                spec, len(mine), sum(sizes[sg] for sg in mine),
+                sum(sizes[sg] for k in range(kinds) for sg in traffic.reads[k] if tiers[sg] == i) / kinds,
+                sum(sizes[sg] for k in range(kinds) for sg in traffic.writes[k] if tiers[sg] == i) / kinds,
+                free_bytes(cfg.tier_specs[i].path),
+            ))  # fmt: skip
+        if speeds is not None:
+            plan.io_s = expected_step_seconds(tiers, speeds, sizes, traffic)
+            first = min(traffic.reads[0], default=None)
+            first_read = 0.0 if first is None else speeds[tiers[first]].seconds("read", sizes[first])
+    else:
+        plan.io_s, first_read = 0.0, 0.0
+    if cpu_rate is not None:
+        plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
+    plan.gpu_s = sum(layout.subgroups[sg].numel for sg in on_gpu) * 28 / (machine.gpu_update_gbps * 1e9)
+    if plan.io_s is not None and plan.cpu_s is not None:
+        plan.update_s = max(plan.io_s, plan.cpu_s) + first_read + plan.gpu_s
+    return plan
+
+
+def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
+              device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None) -> Plan:  # fmt: skip
+    """Plans every rank of a node and checks that it fits: the GPU, the host (budget or memory), and
+    each tier's free space (shared by the node's ranks). Raises PlanError naming the level that is short.
+    `cpu_rate` (params/s) and `speeds` (per tier) give the predicted update time; None: not predicted."""
+    gpu = machine.gpu_gib
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[1] / GIB if device_type == "cuda" and torch.cuda.is_available() else 0.0
+    gpu_bytes = int(gpu * GIB) if gpu > 0 and device_type == "cuda" else None
+    host = int(machine.host_gib * GIB) if machine.host_gib is not None else available_host_bytes()
+    if cfg.host_budget_gb == "auto":
+        host_budget = int((host - cfg.host_headroom_gb * GIB) / machine.ranks_per_node)
+        budget_name = f"offload.host_budget_gb=auto ({host_budget / GIB:.2f} GiB per rank)"
+        if host_budget <= 0:
+            raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
+    else:
+        host_budget, budget_name = cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
+    ranks = [plan_rank(args, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget, budget_name=budget_name,
+                       speeds=speeds, cpu_rate=cpu_rate, seq_len=seq_len, micro_batch=micro_batch)
+             for r in range(machine.ranks_per_node)]  # fmt: skip
+    plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
+                gpu_bytes, host)  # fmt: skip
+    check_fit(plan, cfg, machine)
+    return plan
+
+
+def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
+    """The CPU update speed (machine.cpu_mparams_per_s, else timed here) and the tiers' speeds (profile,
+    else measured), for a predicted update time."""
+    if machine.cpu_mparams_per_s:
+        rate = machine.cpu_mparams_per_s * 1e6
+    else:
+        rate = cpu_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node))
+    return rate, tier_speeds(cfg) if cfg.tiers else None
+
+
+def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
+    node_host = sum(r.host_bytes for r in plan.ranks)
+    unit = cfg.host_budget_unit
+    if node_host > plan.host_bytes:
+        raise PlanError(
+            f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
+            f"({format_bytes(node_host)}) but {in_unit(plan.host_bytes, unit)} is available: short by "
+            f"{in_unit(node_host - plan.host_bytes, unit)}; set offload.host_budget_gb (or 'auto') and a tier"
+        )
+    if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
+        for r in plan.ranks:
+            if r.gpu_startup_bytes > plan.gpu_bytes:
+                raise PlanError(
+                    f"GPU memory, rank {r.rank}: the model and its resident state need {r.gpu_startup_bytes / GIB:.1f} "
+                    f"GiB (params {r.gpu_params_bytes / GIB:.1f}, resident state {r.gpu_state_bytes / GIB:.1f}, the "
+                    f"largest module drawn in FP32) of {plan.gpu_bytes / GIB:.1f} GiB: short by "
+                    f"{(r.gpu_startup_bytes - plan.gpu_bytes) / GIB:.1f} GiB; lower offload.gpu_fraction, or shard "
+                    "over more GPUs (machine.ranks_per_node)"
+                )
+    for i, spec in enumerate(cfg.tiers):
+        need = sum(r.tiers[i].bytes for r in plan.ranks if r.tiers)
+        free = next((r.tiers[i].free_bytes for r in plan.ranks if r.tiers), None)
+        if need and free is not None and need > free:
+            raise PlanError(
+                f"tier {spec}: the node's ranks write up to {need / GIB:.1f} GiB there but its file system has "
+                f"{free / GIB:.1f} GiB free: short by {(need - free) / GIB:.1f} GiB; free space, add a tier, or "
+                "raise offload.host_budget_gb or offload.gpu_fraction"
+            )
+
+
+def preset_name(args: LlamaArgs) -> str:
+    """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
+    shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
+    return next((k for k, v in MODEL_PRESETS.items() if shape(v) == shape(args)), "model")
+
+
+def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
+                    checkpointing: bool) -> str | None:  # fmt: skip
+    """The largest preset whose plan fits with the same recipe and machine (None: not even the smallest),
+    trying them by size up to the first that does not fit (every level's need grows with the size)."""
+    best = None
+    for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
+        args = dataclasses.replace(args, activation_checkpointing=checkpointing)
+        try:
+            make_plan(name, args, cfg, machine, seq_len, micro_batch, device_type)
+        except PlanError:
+            break
+        best = name
+    return best
+
+
+def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
+    g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    lines = [
+        f"{plan.model}: {plan.params / 1e9:.3f}B params over {plan.world_size} rank(s); CPU update "
+        f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; GPU {g(plan.gpu_bytes or 0)} GiB per rank, host "
+        f"{g(plan.host_bytes)} GiB for the node",
+        "",
+        "rank  params  subgroups  state GiB | GPU: subgroups GiB  params GiB  start-up~ train~ | host: staging "
+        "cache(slots) GiB | " + "".join(f"{t}: subgroups GiB (read/written GiB a step) | " for t in cfg.tiers)
+        + "update s (io / cpu)",
+    ]
+    for r in plan.ranks:
+        tiers = " | ".join(f"{t.subgroups} sg {g(t.bytes)} ({g(t.read_bytes_per_step)}/{g(t.written_bytes_per_step)})"
+                           for t in r.tiers)  # fmt: skip
+        lines.append(
+            f"{r.rank:>4}  {r.params / 1e9:.3f}B  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
+            f"{g(r.gpu_state_bytes):>4}  {g(r.gpu_params_bytes):>10}  {g(r.gpu_startup_bytes):>9} {g(r.gpu_train_bytes):>6}"
+            f" | {g(r.staging_bytes):>13} {g(r.cache_bytes)}({r.cache_slots})"
+            + (f" | {tiers}" if tiers else "") + f" | {r.update_s:.2f} ({r.io_s:.2f} / {r.cpu_s:.2f})"
+        )
+    lines.append(f"predicted update phase: {plan.predicted_update_s:.2f} s a step (~: estimates)")
+    return "\n".join(lines)
+
+
+def plan_summary(r: RankPlan, cfg: OffloadConfig) -> str:
+    """One rank's placement in a line (train.py logs it before building the model)."""
+    tiers = ", ".join(f"{t.subgroups} on {t.spec}" for t in r.tiers)
+    return (f"rank {r.rank}: {r.subgroups} subgroups ({r.state_bytes / GIB:.1f} GiB of FP32 state): {r.gpu_subgroups} on the GPU"
+            + (" (to be sized after the first step)" if cfg.gpu_fraction == "auto" else "")
+            + f", {r.cache_slots} host cache slots" + (f", {tiers}" if tiers else "")
+            + f"; host memory {r.host_bytes / GIB:.1f} GiB (staging {r.staging_bytes / GIB:.1f})")  # fmt: skip
+
+
+def compose_plan_config(overrides: list[str]):
+    """The train.py config composed from `overrides` (machine.* ones apart) and the MachineConfig."""
+    from hydra import compose, initialize_config_module
+
+    from .config import register_tmpdir_resolver
+
+    register_tmpdir_resolver()
+    machine_kw = {}
+    rest = []
+    for o in overrides:
+        if o.startswith("machine."):
+            key, _, value = o[len("machine."):].partition("=")
+            names = {f.name: f for f in dataclasses.fields(MachineConfig)}
+            if key not in names:
+                raise ValueError(f"{o}: unknown machine option; known: {sorted(names)}")
+            machine_kw[key] = None if value in ("null", "None") else (int(value) if key in ("ranks_per_node", "nodes") else float(value))
+        else:
+            rest.append(o)
+    with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+        cfg = compose("train", overrides=rest)
+    return cfg, MachineConfig(**machine_kw)
+
+
+def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
+    """The plan of a composed train.py config (its model, offload, data and train groups)."""
+    from omegaconf import OmegaConf
+
+    from .data import DataConfig
+    from .train import to_dataclass
+
+    args = to_dataclass(LlamaArgs, cfg.model, "model")
+    data = to_dataclass(DataConfig, cfg.data, "data")
+    raw = OmegaConf.to_container(cfg.offload, resolve=True)
+    raw.pop("optimizer", None)
+    ocfg = to_dataclass(OffloadConfig, raw, "offload")
+    device = cfg.train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = preset_name(args)
+    rate, speeds = measured_speeds(ocfg, machine, cfg.train.cpu_threads)
+    return make_plan(name, args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        cfg, machine = compose_plan_config(argv)
+        plan, ocfg = plan_from_config(cfg, machine)
+    except PlanError as exc:
+        print(f"does not fit: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, TierError) as exc:  # a bad option, or a tier dir that is not there
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan, ocfg))
+    device = "cuda" if plan.gpu_bytes else "cpu"
+    best = largest_fitting(ocfg, machine, cfg.data.seq_len, cfg.data.micro_batch, device, cfg.model.activation_checkpointing)
+    print(f"largest preset that fits this recipe and machine: {best or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

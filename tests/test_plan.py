@@ -1,0 +1,99 @@
+"""The planner (fsdp_offload.plan): its placement is the one the optimizer builds (host cache slots,
+subgroups per tier) on 1 and 2 gloo ranks; a plan that does not fit names the level that is short and
+by how much (host, GPU, a tier's free space); train.py refuses such a run before it builds the model;
+the command prints the table and the largest preset that fits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from hydra import compose, initialize_config_module
+
+import fsdp_offload.train as train
+from fsdp_offload import OffloadConfig
+from fsdp_offload.models import MODEL_PRESETS
+from fsdp_offload.parallelize import build_offloaded_model
+from fsdp_offload.plan import MachineConfig, PlanError, main, make_plan
+from test_fsdp import ARGS, SG
+
+
+def offload(tmp: str, **kw) -> OffloadConfig:
+    budget = (2 * 40 * SG + 4 * 3 * SG * 4) / 2**30  # staging plus 4 slots
+    return OffloadConfig(host_budget_gb=budget, subgroup_numel=SG, prefetch=1, kernel="torch", **kw)
+
+
+def _same_placement(rank: int, world: int, tmp: str) -> None:
+    tiers = [f"posix:{tmp}/a{rank}", f"posix:{tmp}/b{rank}"]
+    for t in tiers:
+        os.makedirs(t[len("posix:"):], exist_ok=True)
+    cfg = offload(tmp, tiers=tiers, placement="fixed", tier_ratios=[2.0, 1.0])
+    plan = make_plan("test", ARGS, cfg, MachineConfig(ranks_per_node=world), seq_len=32, micro_batch=2, device_type="cpu")
+    mine = plan.ranks[rank]
+    model, opt = build_offloaded_model(ARGS, torch.device("cpu"), offload=cfg)
+    assert mine.params == sum(opt.layout.numels)
+    assert mine.subgroups == len(opt.layout)
+    assert mine.cache_slots == opt.store.cache.num_slots < mine.subgroups
+    assert mine.staging_bytes == opt.grads.staging.nbytes
+    placed = [opt.store.placement.tier_for(sg) for sg in opt.store.host_subgroups]
+    assert [t.subgroups for t in mine.tiers] == [placed.count(i) for i in range(len(tiers))]
+    assert mine.io_s is None and mine.update_s is None  # no speeds given: nothing predicted
+    opt.close()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_plan_is_the_placement_the_optimizer_builds(tmp_path, world):
+    run_ranks(world, _same_placement, str(tmp_path))
+
+
+def test_host_too_small_names_the_level_and_the_shortfall():
+    cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=4, subgroup_numel=100 * (1 << 20))
+    with pytest.raises(PlanError, match=r"host memory, rank 0: offload\.host_budget_gb=4 is below the pipeline's minimum of"):
+        make_plan("7b", MODEL_PRESETS["7b"], cfg, MachineConfig(host_gib=512), 2048, 1, "cpu")
+    everything_in_host = OffloadConfig(host_budget_gb=None)
+    with pytest.raises(PlanError, match=r"host memory: the node's 2 rank\(s\) keep .* GiB is available: short by"):
+        make_plan("7b", MODEL_PRESETS["7b"], everything_in_host, MachineConfig(ranks_per_node=2, host_gib=64), 2048, 1, "cpu")
+
+
+def test_gpu_too_small_names_the_shortfall():
+    cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
+    with pytest.raises(PlanError, match=r"GPU memory, rank 0: .* of 10\.0 GiB: short by \d+\.\d GiB"):
+        make_plan("7b", MODEL_PRESETS["7b"], cfg, MachineConfig(gpu_gib=10, host_gib=512), 2048, 1, "cuda")
+
+
+def test_tier_short_of_free_space(tmp_path):
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], host_budget_gb=600)
+    need = 280e9 * 12  # the 280b's FP32 state, nearly all of it on the tier
+    if shutil.disk_usage(tmp_path).free >= need:
+        pytest.skip(f"{tmp_path} has room for {need / 1e12:.1f} TB: no shortfall to show")
+    with pytest.raises(PlanError, match=rf"tier posix:{tmp_path}: the node's ranks write up to .* free: short by"):
+        make_plan("280b", MODEL_PRESETS["280b"], cfg, MachineConfig(host_gib=100_000), 2048, 1, "cpu")
+
+
+def test_train_refuses_a_plan_that_does_not_fit_before_building(tmp_path, monkeypatch):
+    def never(*args, **kw):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(train, "build_offloaded_model", never)
+    with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+        cfg = compose("train", overrides=["offload.host_budget_gb=0.0001", f"train.out_dir={tmp_path}", "train.device=cpu"])
+    with pytest.raises(PlanError, match=r"host memory, rank 0: offload\.host_budget_gb=0\.0001 is below"):
+        train.run(cfg)
+
+
+def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
+    rc = main(["offload.calibration_gb=0.01", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64",
+               "machine.cpu_mparams_per_s=500"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tiny: " in out and f"posix:{tmp_path}" in out
+    assert "predicted update phase:" in out
+    assert "largest preset that fits this recipe and machine:" in out
+    assert main(["machine.gpu=3"]) == 2
+    assert "machine.gpu=3: unknown machine option; known: ['cpu_mparams_per_s', 'gpu_gib'" in capsys.readouterr().err
+    assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
+    assert "does not exist" in capsys.readouterr().err
