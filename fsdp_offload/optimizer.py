@@ -195,6 +195,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 setattr(p, _CAST_MARK, True)
         self._show_state()
 
+    def placement(self) -> dict[str, Any]:
+        """Where this rank's subgroups live now: on the GPU, in host cache slots, and by tier (the one
+        each would be written to), as the planner (plan.py) predicts it."""
+        tiers = [self.store.placement.tier_for(sg) for sg in self.store.host_subgroups] if self.store.tiers else []
+        return {"subgroups": len(self.layout), "gpu_subgroups": len(self.store.gpu_state),
+                "cache_slots": self.store.cache.num_slots,
+                "tier_subgroups": {t.name: tiers.count(i) for i, t in enumerate(self.store.tiers)}}  # fmt: skip
+
     def _check_params(self, streamed: bool) -> None:
         """`streamed`: the params are already in param_dtype and `masters=` gives the FP32 values."""
         if not self._params:

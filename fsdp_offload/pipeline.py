@@ -116,11 +116,20 @@ class SubgroupPipeline:
                 state = self._acquire(sg, load, keep)
                 if dirty:  # before the visit: one that raises part-way may have changed the state
                     self.cache.mark_dirty(sg)
+                    self._discard_stored(sg)
                 visit(sg, state)
                 self._visited.add(sg)
         except BaseException:
             self.drain()
             raise
+
+    def _discard_stored(self, sg: int) -> None:
+        """Frees the tier space of `sg`'s stored copy, stale now that its host copy is dirty: a tier
+        then holds only what is not in host memory (plus the prefetch window), not every subgroup
+        that ever left the cache."""
+        tier = self.location.pop(sg, None)
+        if tier is not None:
+            self.tiers[tier].discard(sg)
 
     def _first_ready(self, window: list[int]) -> int:
         """Index in `window` of the first subgroup that is resident or whose fetch has finished,

@@ -72,8 +72,8 @@ class MachineConfig:
 @dataclass
 class TierPlan:
     spec: str
-    subgroups: int  # subgroups the placement puts here (each may be written here at some step)
-    bytes: int  # their state: the file space this rank needs on the tier
+    subgroups: int  # subgroups the placement puts here
+    bytes: int  # the file space this rank needs on the tier at most (what is not in host memory)
     read_bytes_per_step: float
     written_bytes_per_step: float
     free_bytes: int | None  # free space of the tier's file system (None: not found here)
@@ -241,10 +241,13 @@ def plan_rank(
         placement.close()
         traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
         kinds = len(traffic.orders)
+        # A tier holds what is not in host memory, and the prefetch window's reads: the copy of a subgroup
+        # that came back into host memory and changed is discarded (SubgroupPipeline._discard_stored).
+        at_once = (streamed - slots + cfg.prefetch + 1) * layout.slot_bytes
         for i, spec in enumerate(cfg.tiers):
             mine = [sg for sg in host_sgs if tiers[sg] == i]
             plan.tiers.append(TierPlan(
-                spec, len(mine), sum(sizes[sg] for sg in mine),
+                spec, len(mine), min(sum(sizes[sg] for sg in mine), at_once),
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.reads[k] if tiers[sg] == i) / kinds,
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.writes[k] if tiers[sg] == i) / kinds,
                 free_bytes(cfg.tier_specs[i].path),

@@ -210,6 +210,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     if resume_from:
         check_checkpoint(resume_from, run_key)
 
+    t_build = time.perf_counter()
     if recipe.optimizer == "offload":
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         local = node_ranks(dist.group.WORLD if world > 1 else None)
@@ -227,6 +228,10 @@ def _run(cfg: DictConfig) -> list[dict]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                                       fused=device.type == "cuda")  # fmt: skip
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
+    startup = {"startup_s": time.perf_counter() - t_build, "host_peak_startup_gib": host_peak_gib()}
+    if device.type == "cuda":  # the steps' rows then report the training peak alone
+        startup["gpu_peak_startup_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
 
     start_step = 0
     if resume_from:
@@ -240,6 +245,11 @@ def _run(cfg: DictConfig) -> list[dict]:
         start_step = rank_state["step"]
 
     out_dir = run_dir(tcfg.out_dir)
+    if rank == 0:
+        log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
+        if recipe.optimizer == "offload":  # what the planner said, and what was built
+            with open(os.path.join(out_dir, "placement.json"), "w") as f:
+                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), **startup}, f, indent=1)
     metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:

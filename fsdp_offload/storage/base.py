@@ -170,6 +170,11 @@ class Tier(abc.ABC):
     def read(self, key: int, buf: torch.Tensor) -> Future:
         """Starts reading subgroup `key` into `buf`; raises CorruptSubgroupError on a bad read."""
 
+    def discard(self, key: int) -> None:
+        """Gives back the file space of subgroup `key`'s stored copy, which a newer host copy has made
+        stale (its slot reads as never written until it is written again). A tier that cannot free
+        space keeps it; nothing is lost either way."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stops the workers and deletes this rank's file."""

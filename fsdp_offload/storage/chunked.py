@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -130,6 +131,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+
+
+def punch_hole(path: str, offset: int, nbytes: int) -> bool:
+    """Frees `nbytes` of `path`'s space at `offset` (the file keeps its size and reads zeros there);
+    False when its file system cannot (EOPNOTSUPP)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if _libc.fallocate(fd, _FALLOC_PUNCH_HOLE, offset, nbytes) == 0:
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        raise OSError(err, f"fallocate(PUNCH_HOLE) on {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 class ChunkedFileTier(Tier):
     """A tier that keeps this rank's subgroups in one file under `<dir>/fsdp-offload-<uid>/`.
 
@@ -146,6 +167,7 @@ class ChunkedFileTier(Tier):
         # Per subgroup: ("crc32" | "sum64", one checksum per chunk), as of its last good write.
         self._sums: dict[int, tuple[str, list[int]]] = {}
         self._workers: IOWorkers | None = None
+        self._no_punch_logged = False
         # Checks the dir at construction so a bad path fails before any training.
         self._dir = make_private_dir(self.root, self.spec)
 
@@ -251,6 +273,12 @@ class ChunkedFileTier(Tier):
             return transfer(self.spec, "read", key, nbytes, start)
 
         return self._submit(READ_PRIORITY, nbytes, read_chunk, done)
+
+    def discard(self, key: int) -> None:
+        self._sums.pop(key, None)  # a read now fails as never written, rather than returning stale bytes
+        if not punch_hole(self._path, self._slot_offsets[key], self._slot_bytes[key]) and not self._no_punch_logged:
+            log.info("%s: the file system of %s cannot punch holes: stale subgroup copies keep their space", self.spec, self.root)
+            self._no_punch_logged = True
 
     def close(self) -> None:
         if self._workers is not None:

@@ -102,6 +102,9 @@ class ThrottledTier(Tier):
         arrival = time.perf_counter()
         return self._pacer.submit(READ_PRIORITY, lambda: self._paced("read", key, buf, arrival))
 
+    def discard(self, key: int) -> None:
+        self.inner.discard(key)
+
     def close(self) -> None:
         if self._pacer is not None:
             self._pacer.shutdown()

@@ -1,0 +1,112 @@
+"""The planner's prediction beside the run: for each case (train.py overrides), plans it
+(fsdp_offload.plan, on this machine), trains it for a few steps with train.py (torchrun when
+--nproc > 1), and records the predicted and built placement, the predicted and measured update time,
+the start-up and training GPU peaks, the host peak and the bytes on each tier.
+
+    python scripts/bench_scale.py --device-kind nvidia-h100-x1 --steps 4 \\
+        --case "model=1b offload=host" --case "model=7b offload=disk offload.host_budget_gb=64"
+
+One JSON under --out with a row per case (result keys: command, device, commit, model,
+params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, tier_bytes, update_s,
+predicted_update_s, iteration_s), the logs under --log-dir. Steps after the first are averaged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fsdp_offload.plan import PlanError, compose_plan_config, plan_from_config
+from fsdp_offload.results import record
+
+TRAIN = str(Path(__file__).resolve().parent / "train.py")
+
+
+def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
+    overrides = shlex.split(case)
+    row: dict = {"case": case}
+    cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={args.nproc}"])
+    t0 = time.perf_counter()
+    try:
+        plan, _ = plan_from_config(cfg, machine)
+    except PlanError as exc:
+        row["error"] = f"plan: {exc}"
+        return row
+    row["plan_s"] = time.perf_counter() - t0
+    mine = plan.ranks[0]
+    row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
+               predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
+               predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
+               planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s)  # fmt: skip
+    out_dir = os.path.join(args.log_dir, f"case{index}")
+    os.makedirs(out_dir, exist_ok=True)
+    launch = [sys.executable, TRAIN] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), TRAIN]  # fmt: skip
+    cmd = launch + overrides + [f"train.steps={args.steps}", f"train.out_dir={out_dir}", "train.progress=false",
+                                f"hydra.run.dir={out_dir}/hydra"]  # fmt: skip
+    row["train_command"] = " ".join(cmd[1:])
+    t0 = time.perf_counter()
+    with open(os.path.join(out_dir, "train.log"), "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+    row["wall_s"] = time.perf_counter() - t0
+    if rc != 0:
+        tail = Path(out_dir, "train.log").read_text().strip().splitlines()[-3:]
+        row["error"] = f"train.py exited {rc}: " + " | ".join(tail)
+        return row
+    rows = [json.loads(line) for line in Path(out_dir, "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows
+    mean = lambda key: statistics.fmean(r[key] for r in steady)  # noqa: E731
+    placement = json.loads(Path(out_dir, "placement.json").read_text())
+    built = placement["built"]
+    row.update(iteration_s=mean("step_s"), update_s=mean("update_s"), exposed_update_s=mean("exposed_update_s"),
+               forward_s=mean("forward_s"), backward_s=mean("backward_s"), effective_io_gbps=mean("effective_io_gbps"),
+               gpu_peak_gib=max(r.get("gpu_peak_gib", 0.0) for r in rows), host_peak_gib=max(r["host_peak_gib"] for r in rows),
+               gpu_peak_startup_gib=placement.get("gpu_peak_startup_gib"), startup_s=placement["startup_s"],
+               subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
+               tier_bytes={t.spec: t.bytes for t in mine.tiers},
+               bytes_read_per_step=statistics.fmean(sum(r["bytes_read"].values()) for r in steady),
+               bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady),
+               losses=[r["loss"] for r in rows])  # fmt: skip
+    row["placement_equal"] = (built["gpu_subgroups"] == mine.gpu_subgroups and built["cache_slots"] == mine.cache_slots
+                              and list(built["tier_subgroups"].values()) == [t.subgroups for t in mine.tiers])  # fmt: skip
+    if plan.predicted_update_s:
+        row["predicted_over_measured"] = plan.predicted_update_s / row["update_s"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", action="append", required=True, help="train.py overrides, one run (repeat for more)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--nproc", type=int, default=1, help="ranks on this node (torchrun when > 1)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
+    ap.add_argument("--device-kind", required=True)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--log-dir", default="benchmarks/logs/bench_scale")
+    args = ap.parse_args()
+    rows = [run_case(case, args, i) for i, case in enumerate(args.case)]
+    path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "runs": rows})
+    print(f"{'case':58} {'plan s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
+          f"{'host GiB':>8} {'iter s':>7}")  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case'][:58]:58} error: {r['error'][:300]}")
+            continue
+        ratio = r.get("predicted_over_measured")
+        print(f"{r['case'][:58]:58} {r['predicted_update_s'] or float('nan'):7.2f} {r['update_s']:8.2f} "
+              f"{ratio or float('nan'):9.2f} {'equal' if r['placement_equal'] else 'differs':>9} "
+              f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {r['iteration_s']:7.2f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
