@@ -155,22 +155,26 @@ def train_gpu_bytes(args: LlamaArgs, world: int, local_params: int, seq_len: int
 
 
 def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> float:
-    """Params per second of one rank's CPU update, timed here: the optimizer's kernel on one subgroup
-    (capped at 64M elements) of FP32 state and bf16 grads, best of three after a warm-up."""
-    from .kernels import get_adamw_kernel
+    """Params per second of one rank's CPU update, timed here: an OffloadAdamW step (grad staging,
+    the kernel, the new params written back) over one subgroup's worth of params (at most 64M) held in
+    host memory, best of three after a warm-up."""
+    from .optimizer import OffloadAdamW
 
     n = min(subgroup_numel, 64 << 20)
-    _, kernel = get_adamw_kernel(kernel_name)
     use_cpu_threads(threads)
-    p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    g = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-    out = torch.empty(n, dtype=torch.bfloat16)
-    best = math.inf
-    for step in range(1, 5):
-        t0 = time.perf_counter()
-        kernel(p, m, v, g, out, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, grad_scale=1.0)
-        if step > 1:
-            best = min(best, time.perf_counter() - t0)
+    param = torch.nn.Parameter(torch.zeros(n))
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    opt = OffloadAdamW([param], lr=1e-4, offload=OffloadConfig(kernel=kernel_name, subgroup_numel=-(-n // 1024) * 1024))
+    try:
+        best = math.inf
+        for step in range(4):
+            param.grad = grad
+            t0 = time.perf_counter()
+            opt.step()
+            if step:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        opt.close()
     return n / best
 
 
