@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 import zlib
@@ -167,7 +168,7 @@ class ChunkedFileTier(Tier):
         # Per subgroup: ("crc32" | "sum64", one checksum per chunk), as of its last good write.
         self._sums: dict[int, tuple[str, list[int]]] = {}
         self._workers: IOWorkers | None = None
-        self._no_punch_logged = False
+        self._short_of_space = False  # no room for every slot of the node's ranks: stale copies are freed
         # Checks the dir at construction so a bad path fails before any training.
         self._dir = make_private_dir(self.root, self.spec)
 
@@ -203,6 +204,11 @@ class ChunkedFileTier(Tier):
     def _open(self, tag: str, total_bytes: int) -> None:
         remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of the node writing here too
+        self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * local_ranks
+        if self._short_of_space:
+            log.info("%s: %s has less free space than every subgroup of the node's ranks takes: the stale copy of a "
+                     "subgroup that changed in host memory is freed", self.spec, self.root)  # fmt: skip
         self._create(total_bytes)
         # held while the file is in use: a later start that finds it unheld knows its owner died
         self._held = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
@@ -275,10 +281,12 @@ class ChunkedFileTier(Tier):
         return self._submit(READ_PRIORITY, nbytes, read_chunk, done)
 
     def discard(self, key: int) -> None:
+        """Frees the slot's space only where the file system has no room for every slot (a hole costs
+        the next write of the slot its block allocation)."""
         self._sums.pop(key, None)  # a read now fails as never written, rather than returning stale bytes
-        if not punch_hole(self._path, self._slot_offsets[key], self._slot_bytes[key]) and not self._no_punch_logged:
+        if self._short_of_space and not punch_hole(self._path, self._slot_offsets[key], self._slot_bytes[key]):
             log.info("%s: the file system of %s cannot punch holes: stale subgroup copies keep their space", self.spec, self.root)
-            self._no_punch_logged = True
+            self._short_of_space = False
 
     def close(self) -> None:
         if self._workers is not None:

@@ -196,6 +196,9 @@ class LockedTier(Tier):
         self._check_slot(key, buf)
         return self._enqueue(lambda: self.inner.read(key, buf))
 
+    def discard(self, key: int) -> None:
+        self.inner.discard(key)  # file metadata, no bandwidth: not behind the node lock
+
     def _enqueue(self, issue: Callable[[], Future]) -> Future:
         out: Future = Future()
         with self._cv:
