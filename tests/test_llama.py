@@ -273,6 +273,28 @@ def test_presets_are_near_their_nominal_size():
     assert (one_b.dim, one_b.n_layers, one_b.ffn_dim, one_b.n_heads) == (2048, 24, 5504, 16)
 
 
+# (dim, layers, heads, KV heads, FFN) of each preset as its source gives it (models/llama.py names them)
+SOURCES = {
+    "125m": (768, 12, 12, 12, 2048),  # GPT-3 Small; FFN by LLaMA's rule
+    "1b": (2048, 24, 16, 16, 5504),  # Sheared-LLaMA-1.3B
+    "7b": (4096, 32, 32, 32, 11008),  # LLaMA-2 7B
+    "13b": (5120, 40, 40, 40, 13824),  # LLaMA-2 13B
+    "40b": (5120, 128, 40, 40, 13824),  # MLP-Offload artifact, FFN by LLaMA's rule
+    "52b": (8192, 64, 64, 64, 21824),  # MLP-Offload artifact (FLM-2-52B)
+    "70b": (8192, 80, 64, 8, 28672),  # MLP-Offload artifact (LLaMA-2-70B)
+    "100b": (8192, 124, 64, 8, 28672),  # MLP-Offload artifact
+    "120b": (10240, 96, 80, 80, 28672),  # MLP-Offload artifact (Galactica-120B width)
+    "130b": (12288, 70, 96, 96, 32768),  # GLM-130B
+    "280b": (16384, 72, 128, 128, 57344),  # MLP-Offload Table 2's 72 layers
+}
+
+
+def test_presets_match_their_sources():
+    for name, shape in SOURCES.items():
+        a = MODEL_PRESETS[name]
+        assert (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.ffn_dim) == shape, name
+
+
 def _fsdp2_worker(rank: int, world: int, store: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
