@@ -89,7 +89,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
-        self.offload = cfg = _offload_config(offload)
+        self.offload = cfg = offload_config(offload)
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -795,7 +795,7 @@ _TORCH_OPTIONS = {
 }
 
 
-def _offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
+def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
     """`offload=` as given: an OffloadConfig, a mapping of its options (a Hydra/YAML section), or None."""
     if offload is None:
         return OffloadConfig()

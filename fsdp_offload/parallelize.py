@@ -13,18 +13,18 @@ this rank's shard of it: the weights depend on the seed only, not on the world s
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from .config import OffloadConfig
 from .fsdp import cast_params, local_data
 from .models import LlamaArgs, Transformer
 from .models.llama import init_module
-from .optimizer import OffloadAdamW, _DTYPES
+from .optimizer import OffloadAdamW, offload_config
 
 
 def shard_units(model: Transformer, **kw) -> None:
@@ -139,11 +139,9 @@ def build_offloaded_model(
     optimizer's), with the FP32 init streamed into the optimizer's subgroups one module at a time.
     `init=False`: the masters start at zero and nothing is drawn, for a run that loads a checkpoint next.
     The weights equal build_fsdp_model's with the same seed, bit for bit."""
-    cfg = optimizer.get("offload") or OffloadConfig()
-    if not isinstance(cfg, OffloadConfig):
-        cfg = OffloadConfig(**cfg)
+    cfg = offload_config(optimizer.get("offload"))
     model = meta_fsdp_model(args)
-    cast_params(model, _DTYPES[cfg.param_dtype])  # on meta: nothing is allocated yet
+    cast_params(model, getattr(torch, cfg.param_dtype))  # on meta: nothing is allocated yet
     model.to_empty(device=device)
     model.init_buffers()
     masters = StreamedMasters(model, device, seed, zeros=not init)

@@ -35,8 +35,8 @@ from .config import GIB, OffloadConfig, format_bytes, in_unit
 from .memory import available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import expected_step_seconds, make_placement, steady_traffic
-from .store import gpu_share, host_cache_slots
 from .storage import TierError
+from .store import gpu_share, host_cache_slots
 from .subgroups import SubgroupLayout
 from .threads import cpu_threads_per_rank, use_cpu_threads
 
@@ -360,9 +360,9 @@ def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, mi
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     lines = [
-        f"{plan.model}: {plan.params / 1e9:.3f}B params over {plan.world_size} rank(s); CPU update "
-        f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; GPU {g(plan.gpu_bytes or 0)} GiB per rank, host "
-        f"{g(plan.host_bytes)} GiB for the node",
+        (f"{plan.model}: {plan.params / 1e9:.3f}B params over {plan.world_size} rank(s); CPU update "
+         f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; GPU {g(plan.gpu_bytes or 0)} GiB per rank, host "
+         f"{g(plan.host_bytes)} GiB for the node"),
         "",
         "rank  params  subgroups  state GiB | GPU: subgroups GiB  params GiB  start-up~ train~ | host: staging "
         "cache(slots) GiB | " + "".join(f"{t}: subgroups GiB (read/written GiB a step) | " for t in cfg.tiers)

@@ -55,7 +55,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     row["train_command"] = " ".join(cmd[1:])
     t0 = time.perf_counter()
     with open(os.path.join(out_dir, "train.log"), "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout, check=False).returncode
     row["wall_s"] = time.perf_counter() - t0
     if rc != 0:
         tail = Path(out_dir, "train.log").read_text().strip().splitlines()[-3:]

@@ -11,10 +11,9 @@ import pytest
 import torch
 from test_optimizer import SG, budget_for, grads_for, groups, make_params
 
-import fsdp_offload.storage.chunked as chunked
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.cache import aligned_host_buffer
-from fsdp_offload.storage import TierError, make_tier
+from fsdp_offload.storage import TierError, chunked, make_tier
 
 MIB = 1 << 20
 

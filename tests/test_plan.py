@@ -12,13 +12,12 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from hydra import compose, initialize_config_module
+from test_fsdp import ARGS, SG
 
-import fsdp_offload.train as train
-from fsdp_offload import OffloadConfig
+from fsdp_offload import OffloadConfig, train
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.plan import MachineConfig, PlanError, main, make_plan
-from test_fsdp import ARGS, SG
 
 
 def offload(tmp: str, **kw) -> OffloadConfig:
@@ -33,7 +32,7 @@ def _same_placement(rank: int, world: int, tmp: str) -> None:
     cfg = offload(tmp, tiers=tiers, placement="fixed", tier_ratios=[2.0, 1.0])
     plan = make_plan("test", ARGS, cfg, MachineConfig(ranks_per_node=world), seq_len=32, micro_batch=2, device_type="cpu")
     mine = plan.ranks[rank]
-    model, opt = build_offloaded_model(ARGS, torch.device("cpu"), offload=cfg)
+    _, opt = build_offloaded_model(ARGS, torch.device("cpu"), offload=cfg)
     assert mine.params == sum(opt.layout.numels)
     assert mine.subgroups == len(opt.layout)
     assert mine.cache_slots == opt.store.cache.num_slots < mine.subgroups

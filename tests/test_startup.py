@@ -5,19 +5,21 @@ initialised on one process, on 1 and 2 gloo ranks, with most subgroups on a tier
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from dist_utils import run_ranks
 from test_fsdp import ARGS, SG, batch, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import Transformer
-from fsdp_offload.parallelize import StreamedMasters, build_fsdp_model, build_offloaded_model
+from fsdp_offload.parallelize import (
+    StreamedMasters,
+    build_fsdp_model,
+    build_offloaded_model,
+)
 
 SEED = 5
 
@@ -86,7 +88,7 @@ def _zeros_then_load(rank: int, world: int, tmp: str) -> None:
     model, opt = build_offloaded_model(ARGS, torch.device("cpu"), seed=SEED, init=False, offload=config(f"{tmp}/z{rank}"))
     masters = opt.full_fp32_state_dict(model, rank0_only=False)
     assert all(not v.any() for v in masters.values())
-    src, src_opt = build_offloaded_model(ARGS, torch.device("cpu"), seed=SEED, offload=config(f"{tmp}/s{rank}"))
+    _, src_opt = build_offloaded_model(ARGS, torch.device("cpu"), seed=SEED, offload=config(f"{tmp}/s{rank}"))
     opt.load_state_dict(src_opt.state_dict())
     for name, value in reference().items():
         assert torch.equal(opt.full_fp32_state_dict(model, rank0_only=False)[name], value), name

@@ -12,7 +12,9 @@ the meta device and materialized later:
     model.init_weights()                  # params and the RoPE table, from the torch RNG
 
 `init_weights()` draws every parameter from the global torch RNG in a fixed order, so a model built
-on meta and one built on CPU give the same parameters after the same `torch.manual_seed`.
+on meta and one built on CPU give the same parameters after the same `torch.manual_seed`. That order is
+`init_modules()`, one module at a time (`init_module`): parallelize.py draws them so, each module whole
+on an unsharded replica, and keeps each rank's shard (the streamed start-up).
 """
 
 from __future__ import annotations
