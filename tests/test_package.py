@@ -53,3 +53,7 @@ def test_wheel_installs_and_trains_through_its_console_command(tmp_path):
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    plan = subprocess.run([str(bin_dir / "fsdp-offload-plan"), "offload.kernel=torch", "machine.cpu_mparams_per_s=100",
+                           "offload.calibration_gb=0.01"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert plan.returncode == 0, plan.stdout[-2000:] + plan.stderr[-2000:]
+    assert "largest preset that fits this recipe and machine:" in plan.stdout
