@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 import torch
 
 from .cache import HostCache
-from .storage.base import Tier, Transfer
+from .storage.base import Tier, TierError, Transfer
 from .subgroups import SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class _Fetch:
     done: Future = field(default_factory=Future)
     write: Transfer | None = None
     read: Transfer | None = None
+    read_tier: int | None = None  # the tier it is read from
     error: BaseException | None = None
     write_failed: bool = False
 
@@ -197,8 +198,22 @@ class SubgroupPipeline:
         except Exception:
             log.exception("placement failed to learn from %s", t)
 
+    def _read_error(self, sg: int, tier: int | None, error: BaseException) -> BaseException:
+        """A failed read as an error that names the subgroup, the tier and its file (a checksum error
+        already names them)."""
+        if tier is None or not isinstance(error, OSError):
+            return error
+        t = self.tiers[tier]
+        wrapped = TierError(
+            f"subgroup {sg}: reading it from {t.name} ({t.path}) failed: {error}. Its newest copy is there and "
+            "nowhere else: retry step() once the tier reads again, or resume from the last good checkpoint"
+        )
+        wrapped.__cause__ = error
+        return wrapped
+
     def _chain(self, f: _Fetch, read_tier: int | None) -> None:
         """Write the victim (if any), then read `f.sg` (if asked), then resolve `f.done`."""
+        f.read_tier = read_tier
 
         def finish(error: BaseException | None = None, write_failed: bool = False) -> None:
             f.error, f.write_failed = error, write_failed
@@ -244,7 +259,7 @@ class SubgroupPipeline:
             return f.error
         if f.error is not None:
             self.cache.give_back(f.slot)
-            return f.error
+            return self._read_error(sg, f.read_tier, f.error)
         if f.read is not None:
             self.transfers.append(f.read)
         self.cache.admit(sg, f.slot, dirty=False)
@@ -274,7 +289,11 @@ class SubgroupPipeline:
     def read_stored(self, sg: int, out: torch.Tensor) -> None:
         """Reads `sg`'s stored copy into `out` (an aligned host buffer), leaving the cache as it is."""
         self._check_idle()
-        self.tiers[self.location[sg]].read(sg, out).result()
+        tier = self.location[sg]
+        try:
+            self.tiers[tier].read(sg, out).result()
+        except OSError as exc:
+            raise self._read_error(sg, tier, exc) from exc
 
     def store(self, sg: int, state: torch.Tensor) -> None:
         """Writes `state` (an aligned host buffer) as `sg`'s stored copy, on the tier its placement picks
