@@ -254,7 +254,7 @@ def plan_rank(
                 spec, len(mine), min(sum(sizes[sg] for sg in mine), at_once),
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.reads[k] if tiers[sg] == i) / kinds,
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.writes[k] if tiers[sg] == i) / kinds,
-                free_bytes(cfg.tier_specs[i].path),
+                free_bytes(cfg.tier_specs[i].dir),
             ))  # fmt: skip
         if speeds is not None:
             plan.io_s = expected_step_seconds(tiers, speeds, sizes, traffic)
