@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
+from .optimizer_state import (
+    CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
+)  # fmt: skip
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"
@@ -189,7 +191,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     """Restores model shards and optimizer state; returns this rank's `rank_state`."""
     key = f"rank{_rank()}"
     state = {"model": get_model_state_dict(model), key: b""}
-    _load(state, os.path.join(path, "model"), None)
+    _load(state, os.path.join(path, "model"), WeightsOnlyLoadPlanner())
     set_model_state_dict(model, state["model"])
     optim = {"optimizer": _optimizer_state(model, optimizer)}
     _load(optim, os.path.join(path, "optimizer"), StreamingLoadPlanner())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import struct
 import threading
 import zlib
@@ -199,7 +200,27 @@ class StreamingSavePlanner(DefaultSavePlanner):
         return super().transform_object(write_item, object)
 
 
-class StreamingLoadPlanner(DefaultLoadPlanner):
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that an object entry (anything not a tensor) is unpickled
+    with `weights_only=True`: tensors and plain types load, and a crafted checkpoint cannot run code.
+    (DCP's own planner unpickles them with weights_only=False.) The object is checked, then handed on
+    re-serialised from what was loaded, so nothing of the file's pickle reaches the unsafe load."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"checkpoint entry {read_item.dest_index.fqn!r} holds more than tensors and plain values, so it is "
+                f"not loaded (it could run code): {str(exc).splitlines()[0]}"
+            ) from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
+
+
+class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
     """DCP's default load planner, checking each subgroup and writing it into the optimizer as it is
     read. The checkpoint must hold exactly this optimizer's subgroups at their sizes; else a
     ValueError says what differs before any rank changes anything."""
