@@ -198,7 +198,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def placement(self) -> dict[str, Any]:
         """Where this rank's subgroups live now: on the GPU, in host cache slots, and by tier (the one
         each would be written to), as the planner (plan.py) predicts it."""
-        tiers = [self.store.placement.tier_for(sg) for sg in self.store.host_subgroups] if self.store.tiers else []
+        streams = self.store.cache.num_slots < len(self.store.host_subgroups)  # else no subgroup reaches a tier
+        tiers = [self.store.placement.tier_for(sg) for sg in self.store.host_subgroups] if streams else []
         return {"subgroups": len(self.layout), "gpu_subgroups": len(self.store.gpu_state),
                 "cache_slots": self.store.cache.num_slots,
                 "tier_subgroups": {t.name: tiers.count(i) for i, t in enumerate(self.store.tiers)}}  # fmt: skip

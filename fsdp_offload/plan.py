@@ -260,7 +260,8 @@ def plan_rank(
             plan.io_s = expected_step_seconds(tiers, speeds, sizes, traffic)
             first = min(traffic.reads[0], default=None)
             first_read = 0.0 if first is None else speeds[tiers[first]].seconds("read", sizes[first])
-    else:
+    else:  # the host cache holds every subgroup off the GPU: no tier is ever written
+        plan.tiers = [TierPlan(spec, 0, 0, 0.0, 0.0, free_bytes(s.dir)) for spec, s in zip(cfg.tiers, cfg.tier_specs)]
         plan.io_s, first_read = 0.0, 0.0
     if cpu_rate is not None:
         plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
