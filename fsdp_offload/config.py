@@ -7,8 +7,10 @@ the fix, so a bad recipe fails before anything is built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from collections.abc import Mapping
 import tempfile
 from dataclasses import dataclass, field
 
@@ -203,6 +205,16 @@ class OffloadConfig:
     def host_budget_unit(self) -> str:
         """The unit the budget was written in (GiB for a number or "auto"): errors answer in it."""
         return parse_size(self.host_budget_gb)[1] if isinstance(self.host_budget_gb, str) and self.host_budget_gb != "auto" else "GiB"
+
+
+def dataclass_from(cls, raw: Mapping, option: str):
+    """Dataclass `cls` from the mapping `raw` of its options; an unknown key is an error naming
+    `option` and the known ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ValueError(f"{option}: unknown option(s) {unknown}; known: {sorted(names)}")
+    return cls(**raw)
 
 
 def format_bytes(nbytes: float) -> str:

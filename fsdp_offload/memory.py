@@ -35,6 +35,11 @@ def node_ranks(group: dist.ProcessGroup | None) -> int:
     return hosts.count(socket.gethostname())
 
 
+def auto_host_budget(available: int, headroom_gb: float, local_ranks: int) -> int:
+    """host_budget_gb="auto" for one rank: `available` bytes less the headroom, shared by the node's ranks."""
+    return int((available - headroom_gb * GIB) / local_ranks)
+
+
 def resolve_host_budget(
     cfg: OffloadConfig, group: dist.ProcessGroup | None, device: torch.device
 ) -> tuple[int | None, str]:
@@ -44,7 +49,7 @@ def resolve_host_budget(
         return cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
     available = available_host_bytes()
     local_ranks = node_ranks(group)
-    mine = torch.tensor([(available - cfg.host_headroom_gb * GIB) / local_ranks], dtype=torch.float64, device=device)
+    mine = torch.tensor([auto_host_budget(available, cfg.host_headroom_gb, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
     budget = int(mine.item())

@@ -11,7 +11,6 @@ overlap="backward" it starts during backward, each subgroup in memory as soon as
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .config import OffloadConfig
+from .config import OffloadConfig, dataclass_from
 from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
@@ -36,7 +35,7 @@ from .metrics import StepMetrics, step_metrics
 from .order import forward_order, order_ending_with, update_order
 from .overlap import UpdateAborted, UpdateInFlight
 from .staging import LowpStaging
-from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups
+from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups, last_that_fit
 from .subgroups import SubgroupLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -397,13 +396,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         peak = torch.cuda.max_memory_allocated(device)
         # what this process may still take (free, plus what its allocator caches) beyond its own peak
         available = free + torch.cuda.memory_reserved(device) - peak - headroom
-        itemsize = self.param_dtype.itemsize
-        count, used = 0, 0
-        for sg in reversed(self.store.host_subgroups):
-            need = self.layout.subgroups[sg].state_bytes + itemsize * self.layout.subgroups[sg].padded
-            if used + need > available:
-                break
-            count, used = count + 1, used + need
+        count, used = last_that_fit(self.layout, self.store.host_subgroups, available, self.param_dtype.itemsize)
         if count:
             self._copies.wait_host()  # the grads staged for this step are read as they move
             moved = self.store.move_to_gpu(count, device)
@@ -803,11 +796,7 @@ def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
     if isinstance(offload, OffloadConfig):
         return offload
     if isinstance(offload, Mapping):
-        known = {f.name for f in dataclasses.fields(OffloadConfig)}
-        unknown = sorted(set(offload) - known)
-        if unknown:
-            raise ValueError(f"offload={dict(offload)!r}: unknown option(s) {unknown}; OffloadConfig has {sorted(known)}")
-        return OffloadConfig(**offload)
+        return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
     raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
 
 

@@ -32,11 +32,11 @@ import torch
 
 from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
 from .config import GIB, OffloadConfig, format_bytes, in_unit
-from .memory import available_host_bytes
+from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import expected_step_seconds, make_placement, steady_traffic
 from .storage import TierError
-from .store import gpu_share, host_cache_slots
+from .store import gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit
 from .subgroups import SubgroupLayout
 from .threads import cpu_threads_per_rank, use_cpu_threads
 
@@ -118,40 +118,40 @@ class Plan:
         return None if None in times else max(times)
 
 
-def local_numels(args: LlamaArgs, world: int, rank: int) -> list[int]:
-    """This rank's element count of each param (in model.parameters() order) under FSDP2's Shard(0):
-    dim 0 cut as torch.chunk cuts it, the last ranks possibly empty."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    out = []
-    for p in model.parameters():
-        rows = p.shape[0]
-        per = math.ceil(rows / world)
-        mine = max(0, min(per, rows - rank * per))
-        out.append(mine * (p.numel() // rows if rows else 0))
-    return out
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the plan needs of the model, read once from a meta-device build."""
+
+    param_shapes: list[torch.Size]  # in model.parameters() order
+    largest_module: int  # params of the largest init module (drawn whole in FP32 at start-up)
+
+    @classmethod
+    def of(cls, args: LlamaArgs) -> ModelShapes:
+        with torch.device("meta"):
+            model = Transformer(args)
+        return cls([p.shape for p in model.parameters()],
+                   max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()))  # fmt: skip
+
+    def local_numels(self, world: int, rank: int) -> list[int]:
+        """This rank's element count of each param under FSDP2's Shard(0) (torch.chunk's cut of dim 0,
+        as parallelize.local_shard takes it; the last ranks possibly empty)."""
+        out = []
+        for shape in self.param_shapes:
+            chunks = torch.chunk(torch.empty(shape, device="meta"), world, dim=0)
+            out.append(chunks[rank].numel() if rank < len(chunks) else 0)
+        return out
 
 
-def largest_init_module_bytes(args: LlamaArgs) -> int:
-    """FP32 bytes of the largest init module, drawn whole on the device during a streamed start-up."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()) * 4
-
-
-def train_gpu_bytes(args: LlamaArgs, world: int, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
+def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
     """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
     unsharded units (the one running and the one prefetched) with the grads of one, the checkpointed
     block inputs (or every block's activations without checkpointing) and the logits with their FP32
     loss and grad."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    unit = max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules())
     tokens = seq_len * micro_batch
     per_block = tokens * args.dim * itemsize * (1 if args.activation_checkpointing else 16)
     block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
-    return local_params * itemsize + 3 * unit * itemsize + args.n_layers * per_block + block_work + logits
+    return local_params * itemsize + 3 * shapes.largest_module * itemsize + args.n_layers * per_block + block_work + logits
 
 
 def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> float:
@@ -197,32 +197,24 @@ def free_bytes(spec_path: str) -> int | None:
 
 
 def plan_rank(
-    args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, gpu_bytes: int | None, host_budget: int | None,
+    args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, gpu_bytes: int | None,
+    host_budget: int | None,
     budget_name: str, speeds: list[TierSpeed] | None, cpu_rate: float | None, seq_len: int, micro_batch: int,
 ) -> RankPlan:  # fmt: skip
     """One rank's plan (see the module's note); raises PlanError when its host level is short."""
-    world = machine.world_size
     itemsize = 2  # bf16 and fp16 alike
-    layout = SubgroupLayout(local_numels(args, world, rank), cfg.subgroup_numel)
+    layout = SubgroupLayout(shapes.local_numels(machine.world_size, rank), cfg.subgroup_numel)
     local = sum(layout.numels)
-    startup = local * itemsize + largest_init_module_bytes(args)
-    train = train_gpu_bytes(args, world, local, seq_len, micro_batch, itemsize)
+    startup = local * itemsize + 4 * shapes.largest_module
+    train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
     if gpu_bytes is None:  # CPU training: nothing on a GPU
         on_gpu = frozenset()
-    elif cfg.gpu_fraction == "auto":
-        # what the run will size after its first step, from the training peak (estimated here)
-        room = gpu_bytes - train - int(cfg.gpu_headroom_gb * GIB)
-        on_gpu, count, used = [], 0, 0
-        for sg in reversed(range(len(layout))):
-            need = layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded
-            if used + need > room:
-                break
-            used += need
-            count += 1
+    elif cfg.gpu_fraction == "auto":  # what the run will size after its first step, from the training peak (estimated here)
+        count, _ = last_that_fit(layout, list(range(len(layout))), gpu_bytes - train - int(cfg.gpu_headroom_gb * GIB), itemsize)
         on_gpu = frozenset(range(len(layout) - count, len(layout)))
     else:
         on_gpu = gpu_share(layout, cfg.gpu_fraction)
-    gpu_state = sum(layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded for sg in on_gpu)
+    gpu_state = sum(gpu_subgroup_bytes(layout, sg, itemsize) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
     staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     fp32_grads = 4 * max(sg.padded for sg in layout.subgroups) if cfg.grad_path == "tier_fp32" else 0
@@ -282,13 +274,14 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     gpu_bytes = int(gpu * GIB) if gpu > 0 and device_type == "cuda" else None
     host = int(machine.host_gib * GIB) if machine.host_gib is not None else available_host_bytes()
     if cfg.host_budget_gb == "auto":
-        host_budget = int((host - cfg.host_headroom_gb * GIB) / machine.ranks_per_node)
+        host_budget = auto_host_budget(host, cfg.host_headroom_gb, machine.ranks_per_node)
         budget_name = f"offload.host_budget_gb=auto ({host_budget / GIB:.2f} GiB per rank)"
         if host_budget <= 0:
             raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
     else:
         host_budget, budget_name = cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
-    ranks = [plan_rank(args, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget, budget_name=budget_name,
+    shapes = ModelShapes.of(args)
+    ranks = [plan_rank(args, shapes, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget, budget_name=budget_name,
                        speeds=speeds, cpu_rate=cpu_rate, seq_len=seq_len, micro_batch=micro_batch)
              for r in range(machine.ranks_per_node)]  # fmt: skip
     plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
@@ -416,22 +409,15 @@ def compose_plan_config(overrides: list[str]):
 
 def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     """The plan of a composed train.py config (its model, offload, data and train groups)."""
-    from omegaconf import OmegaConf
+    from .train import read_config
 
-    from .data import DataConfig
-    from .train import to_dataclass
-
-    args = to_dataclass(LlamaArgs, cfg.model, "model")
-    data = to_dataclass(DataConfig, cfg.data, "data")
-    raw = OmegaConf.to_container(cfg.offload, resolve=True)
-    raw.pop("optimizer", None)
-    ocfg = to_dataclass(OffloadConfig, raw, "offload")
-    device = cfg.train.device
+    train, args, data, recipe, _ = read_config(cfg)
+    ocfg = recipe.config
+    device = train.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    name = preset_name(args)
-    rate, speeds = measured_speeds(ocfg, machine, cfg.train.cpu_threads)
-    return make_plan(name, args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
+    rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
+    return make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,23 @@ def gpu_share(layout: SubgroupLayout, fraction: float) -> frozenset[int]:
     return frozenset(range(m - round(m * fraction), m))
 
 
+def gpu_subgroup_bytes(layout: SubgroupLayout, sg: int, itemsize: int) -> int:
+    """GPU memory a resident subgroup takes: its state, plus its low-precision grads and params beside it."""
+    return layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded
+
+
+def last_that_fit(layout: SubgroupLayout, candidates: list[int], room: int, itemsize: int) -> tuple[int, int]:
+    """How many of the last `candidates` fit in `room` bytes of GPU memory, and the bytes they take
+    (offload.gpu_fraction="auto")."""
+    count, used = 0, 0
+    for sg in reversed(candidates):
+        need = gpu_subgroup_bytes(layout, sg, itemsize)
+        if used + need > room:
+            break
+        count, used = count + 1, used + need
+    return count, used
+
+
 def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torch.device) -> frozenset[int]:
     """The subgroups whose state stays in GPU memory: the last `fraction` of them, if they fit."""
     if fraction == 0.0:
@@ -56,8 +73,7 @@ def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torc
         raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
     m = len(layout)
     chosen = gpu_share(layout, fraction)
-    # state plus the bf16 grads and params it needs beside it
-    need = sum(layout.subgroups[sg].state_bytes + 2 * layout.subgroups[sg].padded for sg in chosen)
+    need = sum(gpu_subgroup_bytes(layout, sg, 2) for sg in chosen)
     free = torch.cuda.mem_get_info(device)[0]
     if need > 0.9 * free:
         per_sg = need / max(1, len(chosen))

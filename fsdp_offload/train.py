@@ -36,7 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
 from .checkpoint import CheckpointConfig, check_checkpoint, load_checkpoint, resume_point, save_checkpoint
-from .config import OffloadConfig, register_tmpdir_resolver
+from .config import OffloadConfig, dataclass_from, register_tmpdir_resolver
 from .data import DataConfig, TokenBatches
 from .models import LlamaArgs, num_params
 from .optimizer import OffloadAdamW
@@ -76,12 +76,7 @@ class OffloadRecipe:
 
 def to_dataclass(cls, node: DictConfig | dict, option: str):
     """Builds dataclass `cls` from a config node; an unknown key is an error naming the option."""
-    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ValueError(f"{option}: unknown key(s) {unknown}; known: {sorted(names)}")
-    return cls(**raw)
+    return dataclass_from(cls, OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, option)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -170,19 +165,8 @@ def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
-def run(cfg: DictConfig) -> list[dict]:
-    """Trains as the composed config `cfg` says; returns this rank's per-step rows. Callable again
-    in the same process: a process group it started is destroyed when it returns or raises (one that
-    was there before is the caller's, and stays)."""
-    owned = not dist.is_initialized()
-    try:
-        return _run(cfg)
-    finally:
-        if owned and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run(cfg: DictConfig) -> list[dict]:
+def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
+    """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
     tcfg = to_dataclass(TrainConfig, cfg.train, "train")
     margs = to_dataclass(LlamaArgs, cfg.model, "model")
     dcfg = to_dataclass(DataConfig, cfg.data, "data")
@@ -198,6 +182,23 @@ def _run(cfg: DictConfig) -> list[dict]:
             "train.micro_batches=1 or offload.overlap=next_forward"
         )
     margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
+    return tcfg, margs, dcfg, recipe, ckcfg
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Trains as the composed config `cfg` says; returns this rank's per-step rows. Callable again
+    in the same process: a process group it started is destroyed when it returns or raises (one that
+    was there before is the caller's, and stays)."""
+    owned = not dist.is_initialized()
+    try:
+        return _run(cfg)
+    finally:
+        if owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: DictConfig) -> list[dict]:
+    tcfg, margs, dcfg, recipe, ckcfg = read_config(cfg)
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
