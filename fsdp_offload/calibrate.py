@@ -1,11 +1,13 @@
 """Measuring tiers: the bandwidth model's seeds, and where they are kept between runs.
 
-- `measure_tier`: writes then reads through a tier itself (its threads, O_DIRECT, any throttle): the
-  read and write bandwidth and per-request latency the offload pipeline will see.
+- `measure_tier`: writes, reads, and reads and writes at once through a tier itself (its threads,
+  O_DIRECT, any throttle): the read and write bandwidth and per-request latency the offload
+  pipeline will see.
 - `BandwidthProfile`: a JSON file of those numbers per host and tier, which the bandwidth model also
   writes back what it learned into, so the next run starts from it.
-- `measure_raw_bandwidth`: the raw ceiling of a directory (parallel aligned pwrite/pread), which
-  benchmarks compare the pipeline's effective I/O against.
+- `measure_raw_io`: the raw ceiling of a directory, measured as the pipeline does I/O (pre-sized
+  O_DIRECT file, its request size and queue depth, reads and writes at once, median of samples),
+  which benchmarks compare the pipeline's effective I/O against.
 
     python -m fsdp_offload.calibrate posix:/local/nvme posix:/pfs/run   # measure, print, save
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -21,11 +24,14 @@ import logging
 import math
 import os
 import platform
+import shutil
+import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -34,7 +40,6 @@ import torch
 from .cache import aligned_host_buffer
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
-from .storage.chunked import make_private_dir
 from .storage.posix import _pread_all, _pwrite_all, open_private_file
 from .storage.spec import as_spec
 
@@ -75,33 +80,48 @@ class TierSpeed:
 # -- measuring a tier -------------------------------------------------------------------------------
 
 
-def _timed_transfers(op: Callable[[int, torch.Tensor], Future], keys: list[int], buffers: list[torch.Tensor]) -> float:
-    """Runs op(key, buffer) over `keys` with len(buffers) in flight; returns the elapsed seconds."""
+def _timed_transfers(ops: list[Callable[[torch.Tensor], Future]], buffers: list[torch.Tensor]) -> float:
+    """Runs each op(buffer) with len(buffers) in flight; returns the elapsed seconds."""
     start = time.perf_counter()
     futures: list[Future] = []
-    for i, key in enumerate(keys):
+    for i, op in enumerate(ops):
         if i >= len(buffers):
             futures[i - len(buffers)].result()  # its buffer is free again
-        futures.append(op(key, buffers[i % len(buffers)]))
+        futures.append(op(buffers[i % len(buffers)]))
     for f in futures:
         f.result()
     return time.perf_counter() - start
 
 
-def measure_tier(spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4) -> TierSpeed:
-    """Writes then reads `nbytes` through the tier `spec` in transfers of `transfer_bytes`, `in_flight`
-    at a time, and times one-page reads for the per-request latency."""
+def tier_passes(
+    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 3
+) -> dict[str, float]:
+    """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` in
+    transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
+    writing the other half, as the pipeline's fetches do; `samples` times. Returns the median seconds
+    of each pass ("write", "read", "mixed"), the bytes of one pass ("bytes"), the transfers per pass
+    ("count") and the fastest one-page read ("latency")."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
-    count = max(2, nbytes // transfer_bytes)
+    count = max(2, nbytes // transfer_bytes // 2 * 2)
     tier: Tier = make_tier(spec)
+    times: dict[str, list[float]] = {"read": [], "write": [], "mixed": []}
     try:
         tier.attach(f"calibrate-{platform.node()}-{os.getpid()}-{uuid.uuid4().hex[:8]}", [ALIGN] + [transfer_bytes] * count)
         buffers = [aligned_host_buffer(transfer_bytes) for _ in range(min(in_flight, count))]
         for b in buffers:  # incompressible, so a compressing file system cannot flatter itself
             b.copy_(torch.randint(0, 256, (transfer_bytes,), dtype=torch.uint8))
         keys = list(range(1, count + 1))
-        write_s = _timed_transfers(tier.write, keys, buffers)
-        read_s = _timed_transfers(tier.read, keys, buffers)
+        half = count // 2
+
+        def ops(kind: str, ks: list[int]) -> list[Callable[[torch.Tensor], Future]]:
+            return [lambda b, k=k: getattr(tier, kind)(k, b) for k in ks]
+
+        mixed = [op for pair in zip(ops("read", keys[:half]), ops("write", keys[half:])) for op in pair]
+        _timed_transfers(ops("write", keys), buffers)  # every block allocated before timing
+        for _ in range(samples):
+            times["write"].append(_timed_transfers(ops("write", keys), buffers))
+            times["read"].append(_timed_transfers(ops("read", keys), buffers))
+            times["mixed"].append(_timed_transfers(mixed, buffers))
         page = aligned_host_buffer(ALIGN)
         tier.write(0, page).result()
         latencies = []
@@ -118,14 +138,29 @@ def measure_tier(spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: in
     finally:
         tier.close()
     # the fastest page read: scheduling noise only ever adds to a latency
-    total, latency = count * transfer_bytes, min(latencies)
+    return {**{k: statistics.median(v) for k, v in times.items()}, "bytes": count * transfer_bytes, "count": count,
+            "latency": min(latencies)}  # fmt: skip
 
-    def bandwidth(elapsed: float) -> float:
+
+def measure_tier(
+    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 3
+) -> TierSpeed:
+    """The tier's read and write bandwidth and per-request latency, from `tier_passes`.
+
+    The model charges a step's reads and writes one after the other; where the tier is slower with
+    both under way (a disk), read and write bandwidth are scaled down together so that the model's
+    time for equal bytes each way is the mixed pass's."""
+    passes = tier_passes(spec, nbytes, transfer_bytes, in_flight, samples)
+    total, count, latency = passes["bytes"], passes["count"], passes["latency"]
+
+    def bandwidth(kind: str) -> float:
         # The model charges latency + bytes / bandwidth per request, so the latency of each transfer
         # comes off (as on a serial device); the floor keeps a device that overlaps requests finite.
-        return total / max(elapsed - count * latency, 0.1 * elapsed)
+        return total / max(passes[kind] - count * latency, 0.1 * passes[kind])
 
-    speed = TierSpeed(bandwidth(read_s), bandwidth(write_s), latency)
+    read, write = bandwidth("read"), bandwidth("write")
+    scale = bandwidth("mixed") / (2 / (1 / read + 1 / write))
+    speed = TierSpeed(read * scale, write * scale, latency)
     if not speed.valid:
         raise TierError(f"calibrating {spec} gave {speed}: not a usable bandwidth; measure again with more bytes")
     return speed
@@ -281,61 +316,104 @@ def seed_speeds(
 
 
 @dataclass(frozen=True)
-class RawBandwidth:
+class RawIO:
+    """A directory's raw bandwidth, measured the way the pipeline does I/O: a pre-sized O_DIRECT file,
+    fixed-size requests from `threads` threads, read, written, and read and written at once. Each figure
+    is the median of `samples` passes over the whole file, in GB/s."""
+
     path: str
-    nbytes: int
+    file_bytes: int
     request_bytes: int
     threads: int
     direct: bool
     write_gbps: float
     read_gbps: float
-    latency_s: float  # one 4 KiB read, median of a few
+    mixed_gbps: float  # reads and writes at once (half the threads each): all bytes / the last finish
+    mixed_read_gbps: float
+    mixed_write_gbps: float
+    samples: dict[str, list[float]]
 
     @property
     def read_write_gbps(self) -> float:
-        """Bandwidth of writing then reading the same bytes (harmonic mean of the two)."""
+        """Writing then reading the same bytes, one after the other (harmonic mean of the two)."""
         return 2 / (1 / self.write_gbps + 1 / self.read_gbps)
 
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "read_write_gbps": self.read_write_gbps}
 
-def measure_raw_bandwidth(
-    root: str, nbytes: int = 2 << 30, request_bytes: int = 8 << 20, threads: int = 4
-) -> RawBandwidth:
-    """Writes then reads `nbytes` under `root` with `threads` threads of `request_bytes` requests."""
-    if nbytes % request_bytes:
-        nbytes -= nbytes % request_bytes
-    if nbytes <= 0:
-        raise ValueError(f"raw bandwidth test of {nbytes} bytes: give at least one {request_bytes}-byte request")
-    spec = f"raw:{root}"
-    path = os.path.join(make_private_dir(root, spec), f"raw-bandwidth-{os.getpid()}.bin")
-    fd, direct = open_private_file(path)
+
+def measure_raw_io(root: str, file_bytes: int, request_bytes: int = 8 << 20, threads: int = 4, samples: int = 3) -> RawIO:
+    """Times a pre-sized file under `root` (in a private dir, removed after) written, read, and read
+    and written at once (reads from one half, writes to the other) in `request_bytes` requests
+    from `threads` threads (the pipeline's queue depth); buffered I/O where O_DIRECT is refused, with
+    an fsync in each timed write and the page cache dropped before each read."""
+    request_bytes = max(ALIGN, request_bytes // ALIGN * ALIGN)
+    file_bytes = max(2 * request_bytes, file_bytes // (2 * request_bytes) * 2 * request_bytes)
+    offsets = list(range(0, file_bytes, request_bytes))
+    if not os.path.isdir(root):
+        raise TierError(f"raw I/O test: {root} is not a directory; give the tier dir to measure")
+    folder = tempfile.mkdtemp(prefix="raw-io-", dir=root)  # 0700, new: nothing else's file is touched
+    fd, direct = open_private_file(os.path.join(folder, "raw.bin"))
     buffers = [memoryview(aligned_host_buffer(request_bytes).numpy()) for _ in range(threads)]
-    offsets = list(range(0, nbytes, request_bytes))
+    for b in buffers:  # incompressible, so a compressing file system cannot flatter itself
+        b[:] = os.urandom(request_bytes)
+
+    def run(jobs: list[list[tuple[Callable, int]]]) -> list[float]:
+        """Runs each job list on its own thread; returns each list's finish time from the common start."""
+        ends = [0.0] * len(jobs)
+        errors: list[BaseException] = []
+        start = time.perf_counter()
+
+        def go(i: int) -> None:
+            try:
+                for op, off in jobs[i]:
+                    op(fd, buffers[i], off)
+            except BaseException as exc:
+                errors.append(exc)
+            ends[i] = time.perf_counter() - start
+
+        pool = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        if errors:
+            raise errors[0]
+        if not direct:
+            os.fsync(fd)
+            ends = [time.perf_counter() - start] * len(jobs)
+        return ends
+
+    def deal(op: Callable, offs: list[int], n: int) -> list[list[tuple[Callable, int]]]:
+        return [[(op, o) for o in offs[i::n]] for i in range(n)]
+
+    def drop_cache() -> None:
+        if not direct:  # buffered: reads must come from the disk, not the page cache
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    half = len(offsets) // 2
+    readers = max(1, threads // 2)
+    got: dict[str, list[float]] = {k: [] for k in ("write_gbps", "read_gbps", "mixed_gbps", "mixed_read_gbps", "mixed_write_gbps")}
     try:
-
-        def run(op) -> float:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda i: op(fd, buffers[i % threads], offsets[i]), range(len(offsets))))
-            if op is _pwrite_all:
-                os.fsync(fd)
-            return time.perf_counter() - start
-
-        write_s = run(_pwrite_all)
-        read_s = run(_pread_all)
-        small = memoryview(aligned_host_buffer(4096).numpy())
-        lat = []
-        for off in offsets[:: max(1, len(offsets) // 5)][:5]:
-            t0 = time.perf_counter()
-            _pread_all(fd, small, off)
-            lat.append(time.perf_counter() - t0)
+        run(deal(_pwrite_all, offsets, threads))  # pre-size: every block allocated before timing
+        for _ in range(samples):
+            got["write_gbps"].append(file_bytes / max(run(deal(_pwrite_all, offsets, threads))) / 1e9)
+            drop_cache()
+            got["read_gbps"].append(file_bytes / max(run(deal(_pread_all, offsets, threads))) / 1e9)
+            drop_cache()
+            ends = run(deal(_pread_all, offsets[:half], readers) + deal(_pwrite_all, offsets[half:], max(1, threads - readers)))
+            moved = half * request_bytes
+            got["mixed_read_gbps"].append(moved / max(ends[:readers]) / 1e9)
+            got["mixed_write_gbps"].append((file_bytes - moved) / max(ends[readers:]) / 1e9)
+            got["mixed_gbps"].append(file_bytes / max(ends) / 1e9)
     except OSError as exc:
-        raise TierError(f"raw bandwidth test in {root} failed: {exc.strerror} (is the file system full or read-only?)") from exc
+        raise TierError(f"raw I/O test in {root} failed: {exc.strerror or exc} (is the file system full or read-only?)") from exc
     finally:
         os.close(fd)
-        os.unlink(path)
-    return RawBandwidth(
-        root, nbytes, request_bytes, threads, direct, nbytes / write_s / 1e9, nbytes / read_s / 1e9, sorted(lat)[len(lat) // 2]
-    )
+        shutil.rmtree(folder, ignore_errors=True)
+    medians = {k: statistics.median(v) for k, v in got.items()}
+    return RawIO(root, file_bytes, request_bytes, threads, direct, samples=got, **medians)
 
 
 def main(argv: list[str] | None = None) -> int:

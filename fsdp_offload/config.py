@@ -39,7 +39,7 @@ def in_unit(nbytes: float, unit: str) -> str:
 PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
-OVERLAPS = ("next_forward", "backward", "none")
+OVERLAPS = ("next_forward", "backward", "auto", "none")
 
 
 @dataclass
@@ -68,7 +68,8 @@ class OffloadConfig:
     # synchronous). "backward": as "next_forward", and each subgroup in memory is updated as soon as
     # backward has handed in all its grads (LuWu's overlap), so the update starts at backward's first
     # grad: no clipping, bf16, one backward per step (each grad is final when it arrives), and the
-    # hyperparameters in effect when backward starts.
+    # hyperparameters in effect when backward starts. "auto": "backward" where those hold, else
+    # "next_forward"; it takes one backward per step() (train.py resolves it with train.micro_batches).
     overlap: str = "next_forward"
     # Low-precision dtype of the model's params and grads: "bfloat16" or "float16".
     param_dtype: str = "bfloat16"
@@ -106,7 +107,8 @@ class OffloadConfig:
     # numbers and measures only tiers it lacks (the multipath recipe keeps one in ~/.cache/fsdp-offload).
     # None: measure every run (2+ tiers only) and write nothing outside the tiers.
     bandwidth_profile: str | None = None
-    # GiB written then read per tier by the calibration microbenchmark, when the profile lacks a tier.
+    # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written, read, and
+    # half read while half written, three times each (calibrate.measure_tier).
     calibration_gb: float = 1.0
 
     def __post_init__(self) -> None:
@@ -149,8 +151,8 @@ class OffloadConfig:
                 f"offload.loss_scale_init={self.loss_scale_init} must be > 0 and "
                 f"offload.loss_scale_growth_interval={self.loss_scale_growth_interval} >= 1"
             )
-        if self.overlap == "backward":
-            self._check_backward_overlap()
+        if self.overlap == "backward" and self.backward_overlap_conflict() is not None:
+            raise ValueError(self.backward_overlap_conflict())
         if self.tier_ratios is not None:
             if self.placement != "fixed":
                 raise ValueError(
@@ -166,25 +168,32 @@ class OffloadConfig:
         if not self.calibration_gb > 0:
             raise ValueError(f"offload.calibration_gb={self.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
 
-    def _check_backward_overlap(self) -> None:
+    def backward_overlap_conflict(self) -> str | None:
+        """Why overlap="backward" cannot run with these options, as an error message; None if it can."""
         why = (
             "offload.overlap='backward' updates a subgroup as soon as its grads are in, but {what} needs every "
             "grad of the step before any subgroup may be updated: {fix}, or use offload.overlap='next_forward'"
         )
         if self.max_grad_norm is not None:
-            raise ValueError(why.format(what=f"clipping (max_grad_norm={self.max_grad_norm}) scales every grad by a "
-                                        "factor of the global norm, which", fix="set offload.max_grad_norm=None"))
+            return why.format(what=f"clipping (max_grad_norm={self.max_grad_norm}) scales every grad by a factor of "
+                              "the global norm, which", fix="set offload.max_grad_norm=None")  # fmt: skip
         if self.param_dtype == "float16":
-            raise ValueError(why.format(what="float16's loss scaling skips the whole step if any grad overflowed, which",
-                                        fix="use offload.param_dtype='bfloat16'"))
+            return why.format(what="float16's loss scaling skips the whole step if any grad overflowed, which",
+                              fix="use offload.param_dtype='bfloat16'")  # fmt: skip
         if self.grad_path != "host_bf16":
-            raise ValueError(why.format(what=f"grad_path={self.grad_path!r} writes every grad to a tier first, which",
-                                        fix="use offload.grad_path='host_bf16'"))
+            return why.format(what=f"grad_path={self.grad_path!r} writes every grad to a tier first, which",
+                              fix="use offload.grad_path='host_bf16'")  # fmt: skip
         if self.update_order != "forward":
-            raise ValueError(
-                f"offload.overlap='backward' updates the subgroups in memory in the order backward hands in their "
-                f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'"
-            )
+            return (f"offload.overlap='backward' updates the subgroups in memory in the order backward hands in their "
+                    f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'")  # fmt: skip
+        return None
+
+    def resolved_overlap(self, backwards_per_step: int = 1) -> str:
+        """`overlap`, with "auto" made "backward" where the step allows it (one backward per step and no
+        option that needs every grad first: see backward_overlap_conflict), else "next_forward"."""
+        if self.overlap != "auto":
+            return self.overlap
+        return "backward" if backwards_per_step == 1 and self.backward_overlap_conflict() is None else "next_forward"
 
     @property
     def tier_specs(self) -> list[TierSpec]:

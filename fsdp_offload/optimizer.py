@@ -140,14 +140,19 @@ class OffloadAdamW(torch.optim.Optimizer):
         if cfg.host_budget_gb == "auto":
             log.info("%s: %d of %d subgroups off the GPU kept in host memory", budget_name,
                      self.store.cache.num_slots, len(self.store.host_subgroups))  # fmt: skip
-        if cfg.overlap == "backward" and not units:
-            raise ValueError(
-                "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
-                "model=model, or use offload.overlap='next_forward'"
-            )
+        overlap = cfg.resolved_overlap()
+        if overlap == "backward" and not units:
+            if cfg.overlap == "backward":
+                raise ValueError(
+                    "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
+                    "model=model, or use offload.overlap='next_forward'"
+                )
+            overlap = "next_forward"  # auto without a model: nothing to hook
+        if cfg.overlap == "auto":
+            log.info("offload.overlap='auto': %s", overlap)
         # None: step() updates every subgroup before it returns
-        self._inflight = UpdateInFlight(unit_subgroups) if units and cfg.overlap != "none" else None
-        self._during_backward = cfg.overlap == "backward"
+        self._inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
+        self._during_backward = overlap == "backward"
         self._subgroups_of = [sorted({sg for sg, _ in segs}) for segs in self.layout.param_segments]
         # overlap="backward": per subgroup, how many of its params that take grads have yet to hand them in
         self._grads_expected = [0] * len(self.layout)

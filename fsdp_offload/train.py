@@ -175,6 +175,9 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
     if recipe.optimizer not in ("offload", "torch"):
         raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
     ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
+    if recipe.optimizer == "offload" and recipe.config.overlap == "auto":  # train.py knows the backwards per step
+        recipe.config.overlap = recipe.config.resolved_overlap(tcfg.micro_batches)
+        log.info("offload.overlap='auto': %s", recipe.config.overlap)
     if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
         raise ValueError(
             f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.cache import aligned_host_buffer
-from fsdp_offload.calibrate import measure_raw_bandwidth
+from fsdp_offload.calibrate import measure_raw_io
 from fsdp_offload.optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from fsdp_offload.results import record
 
@@ -63,7 +63,7 @@ def main() -> None:
 
     shutil.rmtree(args.ckpt_dir, ignore_errors=True)
     os.makedirs(args.ckpt_dir)
-    raw = measure_raw_bandwidth(args.ckpt_dir, nbytes=4 << 30)
+    raw = measure_raw_io(args.ckpt_dir, 4 << 30)
     print(f"raw {args.ckpt_dir}: write {raw.write_gbps:.2f} GB/s, read {raw.read_gbps:.2f} GB/s", flush=True)
 
     opt, param = build(args)
@@ -104,8 +104,7 @@ def main() -> None:
         "state_gb": state_bytes / 1e9,
         "subgroups": len(opt.layout),
         "subgroups_in_host_memory": in_memory,
-        "raw_write_gbps": raw.write_gbps,
-        "raw_read_gbps": raw.read_gbps,
+        "raw_io": raw.as_dict(),
         "save_s": {str(w): s for w, s in saves.items()},
         "save_gbps": {str(w): state_bytes / s / 1e9 for w, s in saves.items()},
         "load_s": load_s,

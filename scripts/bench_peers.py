@@ -5,8 +5,9 @@ same synthetic tokens (seed 0), sequence --seq, micro-batch --batch, bf16 comput
 checkpointing, clipping at --max-grad-norm, one GPU:
 
   host                   this product: `scripts/train.py offload=host` (FP32 state in host memory)
-  host_noclip            the same without clipping (the other side of ratio_vs_fsdp_cpu_offload)
-  host_noclip_backward   the same, each subgroup updated as backward hands in its grads (overlap=backward)
+  host_noclip            the same without clipping (the other side of ratio_vs_fsdp_cpu_offload): the
+                         recipe's overlap=auto then updates each subgroup as backward hands in its grads
+  host_noclip_next_forward  the same with the update started at the next forward (overlap=next_forward)
   disk                   `offload=disk`: state on --tier-dir behind --host-budget-gb of host memory
   multipath              `offload=multipath`: --tier-dir and --shm-dir, same host budget
   fsdp_cpu_offload_clip  FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU + clip_grad_norm_
@@ -21,9 +22,10 @@ or cannot start (no CUDA, `import deepspeed` fails, no disk space, time budget s
 with {"error": "<reason>"} and a line in the table, never dropped. Steps 2.. are averaged (the first
 warms up allocators, kernels and the page cache).
 
-Before the systems, the disk under --tier-dir is measured as the pipeline uses it (a pre-sized file,
-8 MiB O_DIRECT requests, 8 threads; write, read, and both at once with half the threads each; median
-of 3): `raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate.
+Before the systems, the disk under --tier-dir is measured as the pipeline uses it
+(`fsdp_offload.calibrate.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
+threads; write, read, and both at once with half the threads each; median of 3):
+`raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate.
 
 On the GPU machine (DeepSpeed, hydra and libaio from .carry/, see .carry/setup_peers.sh and
 shared/DEVICE.md), in two calls on one warm machine: the first builds DeepSpeed's ops and this
@@ -45,7 +47,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import mmap
 import os
 import re
 import resource
@@ -53,11 +54,9 @@ import shlex
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,9 +96,9 @@ SYSTEMS = {
         System("zero_infinity", "DeepSpeed ZeRO-3, offload_optimizer nvme on the tier dir, DeepSpeedCPUAdam", "deepspeed",
                offload="nvme", disk=True),  # fmt: skip
         System("host_noclip", "this product, offload=host, no clipping", "train.py", clip=False, offload="host"),
-        System("host_noclip_backward", "this product, offload=host, no clipping, each subgroup updated as backward hands "
-               "in its grads (offload.overlap=backward)", "train.py", clip=False, offload="host",
-               overrides=("++offload.overlap=backward",)),  # fmt: skip
+        System("host_noclip_next_forward", "this product, offload=host, no clipping, the update started at the next "
+               "forward rather than during backward (offload.overlap=next_forward)", "train.py", clip=False,
+               offload="host", overrides=("++offload.overlap=next_forward",)),  # fmt: skip
         System("host_sync", "this product, offload=host, the update not overlapped (offload.overlap=none)", "train.py",
                offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
         System("host_noclip_sync", "this product, offload=host, no clipping, the update not overlapped", "train.py",
@@ -120,7 +119,6 @@ SYSTEMS = {
 RATIOS = {
     "ratio_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host"),
     "ratio_vs_fsdp_cpu_offload": ("fsdp_cpu_offload", "host_noclip"),
-    "ratio_backward_overlap_vs_fsdp_cpu_offload": ("fsdp_cpu_offload", "host_noclip_backward"),
     "ratio_vs_zero_infinity": ("zero_infinity", "disk"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
@@ -326,81 +324,6 @@ def run_worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------------
-# The disk, measured as the pipeline uses it
-# ------------------------------------------------------------------------------------------------
-
-
-def measure_raw_io(root: str, file_bytes: int, request_bytes: int = 8 << 20, threads: int = 8, samples: int = 3) -> dict:
-    """A pre-sized file under `root` read, written, and read and written at once (half the threads
-    each, reads from one half of the file, writes to the other) in `request_bytes` O_DIRECT requests.
-    Each figure is the median of `samples` passes over the whole file."""
-    from fsdp_offload.storage.posix import _pread_all, _pwrite_all, open_private_file
-
-    file_bytes = max(2 * request_bytes, file_bytes // (2 * request_bytes) * 2 * request_bytes)
-    offsets = list(range(0, file_bytes, request_bytes))
-    folder = tempfile.mkdtemp(prefix="raw-io-", dir=root)  # 0700
-    path = os.path.join(folder, "raw.bin")
-    fd, direct = open_private_file(path)
-    buffers = [mmap.mmap(-1, request_bytes) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
-    for b in buffers:
-        b.write(os.urandom(request_bytes))  # incompressible
-
-    def run(jobs: list[list[tuple]]) -> list[float]:
-        """Runs each job list on its own thread; returns each list's finish time from the common start."""
-        ends = [0.0] * len(jobs)
-        start = time.perf_counter()
-
-        def go(i: int) -> None:
-            view = memoryview(buffers[i])
-            for op, off in jobs[i]:
-                op(fd, view, off)
-            ends[i] = time.perf_counter() - start
-
-        pool = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        if not direct:
-            os.fsync(fd)
-            ends = [time.perf_counter() - start] * len(jobs)
-        return ends
-
-    def deal(kind, offs: list[int], n: int) -> list[list[tuple]]:
-        return [[(kind, o) for o in offs[i::n]] for i in range(n)]
-
-    def drop_cache() -> None:
-        if not direct:  # buffered fallback: reads must come from the disk, not the page cache
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-    half = len(offsets) // 2
-    out: dict[str, list[float]] = {"write_gbps": [], "read_gbps": [], "mixed_gbps": [], "mixed_read_gbps": [], "mixed_write_gbps": []}
-    try:
-        run(deal(_pwrite_all, offsets, threads))  # pre-size: every block allocated before timing
-        for _ in range(samples):
-            out["write_gbps"].append(file_bytes / max(run(deal(_pwrite_all, offsets, threads))) / 1e9)
-            drop_cache()
-            out["read_gbps"].append(file_bytes / max(run(deal(_pread_all, offsets, threads))) / 1e9)
-            drop_cache()
-            readers = max(1, threads // 2)
-            ends = run(deal(_pread_all, offsets[:half], readers) + deal(_pwrite_all, offsets[half:], max(1, threads - readers)))
-            moved = half * request_bytes
-            out["mixed_read_gbps"].append(moved / max(ends[:readers]) / 1e9)
-            out["mixed_write_gbps"].append((file_bytes - moved) / max(ends[readers:]) / 1e9)
-            out["mixed_gbps"].append(file_bytes / max(ends) / 1e9)
-    finally:
-        os.close(fd)
-        shutil.rmtree(folder, ignore_errors=True)
-        for b in buffers:
-            b.close()
-    result = {k: statistics.median(v) for k, v in out.items()}
-    result.update(samples={k: v for k, v in out.items()}, file_gib=file_bytes / GIB, request_mib=request_bytes / 2**20,
-                  threads=threads, direct=direct, dir=root)  # fmt: skip
-    return result
-
-
 def fs_type(path: str) -> str:
     """The file system type of `path` (longest mount point in /proc/mounts), or 'unknown'."""
     real, best, kind = os.path.realpath(path), "", "unknown"
@@ -424,6 +347,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tier_spec(path: str, args: argparse.Namespace) -> str:
+    """This product's POSIX tier at `path`, with --tier-options (the raw measurement uses the same)."""
+    return f"posix:{path}" + (f"?{args.tier_options}" if args.tier_options else "")
+
+
 def system_command(system: System, args: argparse.Namespace, sys_dir: str, run_dir: str, rows_path: str, shm_dir: str | None) -> list[str]:
     norm = args.max_grad_norm if system.clip else None
     if system.runner == "train.py":
@@ -434,7 +362,7 @@ def system_command(system: System, args: argparse.Namespace, sys_dir: str, run_d
                *product_clip_overrides(norm)]  # fmt: skip
         if system.disk:
             tiers = [sys_dir] + ([shm_dir] if shm_dir else [])
-            cmd += ["offload.tiers=[" + ",".join(f"'posix:{t}'" for t in tiers) + "]", f"offload.host_budget_gb={args.host_budget_gb}",
+            cmd += ["offload.tiers=[" + ",".join(f"'{tier_spec(t, args)}'" for t in tiers) + "]", f"offload.host_budget_gb={args.host_budget_gb}",
                     # calibration lands in this run's profile, not the user's (the tier dirs are new each run)
                     f"++offload.bandwidth_profile={os.path.join(os.path.dirname(run_dir), 'bandwidth.json')}"]  # fmt: skip
         return cmd + list(system.overrides) + args.train_override
@@ -716,7 +644,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Hydra override for this product's runs, repeatable (e.g. ++offload.kernel=torch)")
     ap.add_argument("--raw-io-gib", type=float, default=4.0, help="file size of the raw disk measurement (0: skip it)")
-    ap.add_argument("--raw-io-threads", type=int, default=8)
+    ap.add_argument("--tier-options", default="", help="query of this product's disk tiers, e.g. threads=8&request_mb=16; "
+                    "the raw measurement uses the same threads and request size")
     ap.add_argument("--raw-io-samples", type=int, default=3)
     ap.add_argument("--system-timeout-s", type=float, default=1800, help="a system still running after this is killed and reported")
     ap.add_argument("--time-budget-s", type=float, default=None, help="stop starting systems when this is spent (the JSON is still written)")
@@ -774,11 +703,15 @@ def main(argv: list[str] | None = None) -> None:
     raw_io: dict = {"skipped": "no disk system selected" if not any(s.disk for s in selected) else "--raw-io-gib 0"}
     if any(s.disk for s in selected) and args.raw_io_gib > 0:
         try:
-            raw_io = measure_raw_io(args.tier_dir, int(args.raw_io_gib * GIB), threads=args.raw_io_threads, samples=args.raw_io_samples)
+            from fsdp_offload.calibrate import measure_raw_io
+            from fsdp_offload.storage.spec import TierSpec, io_settings
+
+            threads, request = io_settings(TierSpec.parse(tier_spec(args.tier_dir, args)))
+            raw_io = measure_raw_io(args.tier_dir, int(args.raw_io_gib * GIB), request, threads, args.raw_io_samples).as_dict()
             print(f"raw disk at {args.tier_dir}: write {raw_io['write_gbps']:.2f}, read {raw_io['read_gbps']:.2f}, mixed "
                   f"{raw_io['mixed_gbps']:.2f} GB/s (read {raw_io['mixed_read_gbps']:.2f} + write {raw_io['mixed_write_gbps']:.2f}), "
                   f"O_DIRECT {raw_io['direct']}", flush=True)  # fmt: skip
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             raw_io = {"error": f"raw I/O measurement in {args.tier_dir} failed: {exc}"}
             print(f"warning: {raw_io['error']}", flush=True)
 

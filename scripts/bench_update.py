@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.calibrate import measure_raw_bandwidth
+from fsdp_offload.calibrate import measure_raw_io
 from fsdp_offload.results import record
 from fsdp_offload.storage import TierSpec
 from fsdp_offload.storage.spec import io_settings
@@ -81,8 +81,9 @@ def main() -> None:
     root = spec.dir
     threads, request = io_settings(spec)
     state_bytes = args.subgroups * 3 * args.subgroup_numel * 4
-    raw = measure_raw_bandwidth(root, nbytes=min(state_bytes, 8 << 30), request_bytes=request, threads=threads)
-    print(f"raw {root}: write {raw.write_gbps:.2f} GB/s, read {raw.read_gbps:.2f} GB/s, O_DIRECT={raw.direct}", flush=True)
+    raw = measure_raw_io(root, min(state_bytes, 4 << 30), request_bytes=request, threads=threads)
+    print(f"raw {root}: write {raw.write_gbps:.2f}, read {raw.read_gbps:.2f}, mixed {raw.mixed_gbps:.2f} GB/s, "
+          f"O_DIRECT={raw.direct}", flush=True)  # fmt: skip
     upd = run_update(args.tier, args)
 
     result = {
@@ -93,17 +94,14 @@ def main() -> None:
         "threads": threads,
         "request_bytes": request,
         "torch_threads": torch.get_num_threads(),
-        "raw_read_gbps": raw.read_gbps,
-        "raw_write_gbps": raw.write_gbps,
-        "raw_read_write_gbps": raw.read_write_gbps,
-        "o_direct": raw.direct,
+        "raw_io": raw.as_dict(),
         **upd,
-        "effective_io_fraction": upd["effective_io_gbps"] / raw.read_write_gbps,
+        "effective_io_fraction": upd["effective_io_gbps"] / raw.mixed_gbps,
     }
     path = record(f"bench_update_{spec.scheme}", args.device_kind, args.out, result)
-    print(f"\n{'raw r/w GB/s':>14} {'effective GB/s':>15} {'fraction':>9} {'update s':>9} {'Mparam/s':>9}")
+    print(f"\n{'raw mixed GB/s':>14} {'effective GB/s':>15} {'fraction':>9} {'update s':>9} {'Mparam/s':>9}")
     print(
-        f"{raw.read_write_gbps:>14.2f} {upd['effective_io_gbps']:>15.2f} {result['effective_io_fraction']:>9.2f} "
+        f"{raw.mixed_gbps:>14.2f} {upd['effective_io_gbps']:>15.2f} {result['effective_io_fraction']:>9.2f} "
         f"{upd['update_s']:>9.2f} {upd['update_mparams_per_s']:>9.0f}"
     )
     print(f"wrote {path}")

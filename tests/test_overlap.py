@@ -174,6 +174,27 @@ def test_backward_overlap_refuses_what_needs_every_grad_first(options, match):
         OffloadConfig(overlap="backward", **options)
 
 
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(max_grad_norm=1.0), "max_grad_norm=None"),
+        (dict(param_dtype="float16"), "bfloat16"),
+        (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
+        (dict(update_order="alternating"), "update_order='forward'"),
+    ],
+)
+def test_auto_overlap_is_backward_only_where_the_step_allows_it(options, match):
+    assert OffloadConfig(overlap="auto").resolved_overlap() == "backward"
+    assert OffloadConfig(overlap="auto").resolved_overlap(backwards_per_step=2) == "next_forward"
+    cfg = OffloadConfig(overlap="auto", **options)
+    assert cfg.resolved_overlap() == "next_forward"
+    assert match in cfg.backward_overlap_conflict()
+    # without a model there is nothing to hook: auto is the synchronous step, never an error
+    opt = OffloadAdamW([torch.nn.Parameter(torch.ones(8))], offload=OffloadConfig(overlap="auto", kernel="torch"))
+    assert opt._inflight is None and not opt._during_backward
+    opt.close()
+
+
 def test_backward_overlap_needs_a_model():
     with pytest.raises(ValueError, match="model=model"):
         OffloadAdamW([torch.nn.Parameter(torch.ones(8))], offload=OffloadConfig(overlap="backward"))

@@ -64,3 +64,19 @@ def test_every_option_is_settable_without_a_plus_and_typos_are_refused(offload):
     assert cfg.offload.gpu_headroom_gb == 2.5 and cfg.offload.calibration_gb == 0.5
     with pytest.raises(Exception, match="tierz"):
         composed(f"offload={offload}", "offload.tierz=1")
+
+
+@pytest.mark.parametrize(
+    "overrides, overlap",
+    [
+        ([], "next_forward"),  # the recipe clips
+        (["offload.max_grad_norm=null"], "backward"),
+        (["offload.max_grad_norm=null", "train.micro_batches=2"], "next_forward"),
+        (["offload.max_grad_norm=null", "offload.overlap=none"], "none"),
+    ],
+)
+def test_train_recipe_starts_the_update_in_backward_where_the_step_allows_it(overrides, overlap):
+    from fsdp_offload.train import read_config
+
+    recipe = read_config(composed(*overrides))[3]
+    assert recipe.config.overlap == overlap
