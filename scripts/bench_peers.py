@@ -22,7 +22,7 @@ or cannot start (no CUDA, `import deepspeed` fails, no disk space, time budget s
 with {"error": "<reason>"} and a line in the table, never dropped. Steps 2.. are averaged (the first
 warms up allocators, kernels and the page cache).
 
-Before the systems, the disk under --tier-dir is measured as the pipeline uses it
+Just before each disk system, the disk under --tier-dir is measured as the pipeline uses it
 (`fsdp_offload.calibrate.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
 threads; write, read, and both at once with half the threads each; median of 3):
 `raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate.
@@ -507,6 +507,8 @@ def summarize(system: System, rows: list[dict], info: dict, args: argparse.Names
         out["effective_io_gbps"] = moved / busy / 1e9 if busy else None
         out["effective_io_note"] = (f"estimated: {ZERO_INFINITY_BYTES_PER_PARAM} bytes/param/step (FP32 p, m, v, grad read; "
                                     "p, m, v written; FP32 grad written in backward) over backward_s + update_s")  # fmt: skip
+    if system.disk:
+        out["raw_io"] = raw_io
     if system.disk and raw_io.get("mixed_gbps"):
         out["raw_mixed_io_gbps"] = raw_io["mixed_gbps"]
         if out.get("disk_bytes_per_step") is not None:
@@ -515,6 +517,25 @@ def summarize(system: System, rows: list[dict], info: dict, args: argparse.Names
                 out["physical_limit_note"] = "disk bytes only: what went to the shm path is not charged to the disk"
     out.update({k: v for k, v in info.items() if k not in ("params",)})
     return out
+
+
+def measure_disk(args: argparse.Namespace) -> dict:
+    """The disk under --tier-dir measured as the pipeline uses it, just before a disk system runs
+    (the machines' disks drift by tens of percent within minutes)."""
+    if args.raw_io_gib <= 0:
+        return {"skipped": "--raw-io-gib 0"}
+    from fsdp_offload.calibrate import measure_raw_io
+    from fsdp_offload.storage.spec import TierSpec, io_settings
+
+    try:
+        threads, request = io_settings(TierSpec.parse(tier_spec(args.tier_dir, args)))
+        raw = measure_raw_io(args.tier_dir, int(args.raw_io_gib * GIB), request, threads, args.raw_io_samples)
+    except (OSError, ValueError) as exc:
+        print(f"warning: raw I/O measurement in {args.tier_dir} failed: {exc}", flush=True)
+        return {"error": f"raw I/O measurement in {args.tier_dir} failed: {exc}"}
+    print(f"raw disk at {args.tier_dir}: write {raw.write_gbps:.2f}, read {raw.read_gbps:.2f}, mixed {raw.mixed_gbps:.2f} GB/s "
+          f"(read {raw.mixed_read_gbps:.2f} + write {raw.mixed_write_gbps:.2f}), O_DIRECT {raw.direct}", flush=True)  # fmt: skip
+    return raw.as_dict()
 
 
 def run_system(system: System, args: argparse.Namespace, run_root: str, raw_io: dict, params: int, deadline: float | None) -> dict:
@@ -700,25 +721,11 @@ def main(argv: list[str] | None = None) -> None:
     if tier_fs in ("tmpfs", "ramfs"):
         print(f"warning: --tier-dir {args.tier_dir} is on {tier_fs} (RAM), not a disk", flush=True)
 
-    raw_io: dict = {"skipped": "no disk system selected" if not any(s.disk for s in selected) else "--raw-io-gib 0"}
-    if any(s.disk for s in selected) and args.raw_io_gib > 0:
-        try:
-            from fsdp_offload.calibrate import measure_raw_io
-            from fsdp_offload.storage.spec import TierSpec, io_settings
-
-            threads, request = io_settings(TierSpec.parse(tier_spec(args.tier_dir, args)))
-            raw_io = measure_raw_io(args.tier_dir, int(args.raw_io_gib * GIB), request, threads, args.raw_io_samples).as_dict()
-            print(f"raw disk at {args.tier_dir}: write {raw_io['write_gbps']:.2f}, read {raw_io['read_gbps']:.2f}, mixed "
-                  f"{raw_io['mixed_gbps']:.2f} GB/s (read {raw_io['mixed_read_gbps']:.2f} + write {raw_io['mixed_write_gbps']:.2f}), "
-                  f"O_DIRECT {raw_io['direct']}", flush=True)  # fmt: skip
-        except (OSError, ValueError) as exc:
-            raw_io = {"error": f"raw I/O measurement in {args.tier_dir} failed: {exc}"}
-            print(f"warning: {raw_io['error']}", flush=True)
-
     runs: dict[str, dict] = {}
     try:
         for system in selected:
             try:
+                raw_io = measure_disk(args) if system.disk else {}
                 runs[system.name] = run_system(system, args, run_root, raw_io, params, deadline)
             except Exception as exc:  # noqa: BLE001 - the bench itself failed on this system: say so, go on
                 runs[system.name] = {"what": system.what, "error": f"bench_peers failed to run it: {type(exc).__name__}: {exc}"}
@@ -740,7 +747,6 @@ def main(argv: list[str] | None = None) -> None:
         "tier_dir": args.tier_dir,
         "tier_fs": tier_fs,
         "shm_dir": args.shm_dir,
-        "raw_io": raw_io,
         **ratio_values,
         "ratios_basis": basis,
         "runs": ordered,

@@ -48,7 +48,7 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
         assert run["exposed_update_note"]
     disk = runs["disk"]
     assert disk["effective_io_gbps"] > 0 and disk["disk_bytes_per_step"] > 0
-    assert disk["raw_mixed_io_gbps"] == result["raw_io"]["mixed_gbps"] > 0
+    assert disk["raw_mixed_io_gbps"] == disk["raw_io"]["mixed_gbps"] > 0
     assert disk["physical_limit_s"] > 0
     assert runs["host"]["physical_limit_s"] is None  # nothing of it goes through the disk
 
