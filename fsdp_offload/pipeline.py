@@ -1,9 +1,10 @@
 """The fetch -> update -> flush pipeline: moves subgroups between the host cache and the tiers as a
 pass over them (an update, a fill, a save) walks them.
 
-While subgroup i is updated, the next `prefetch` subgroups are being fetched; fetching one into a
-slot whose occupant is dirty first writes the occupant to the tier the placement picks (a lazy flush:
-nothing is written until its slot is needed). A subgroup's host copy is dropped only once its write is
+While subgroup i is updated, the next `prefetch` subgroups that are not in host memory are being
+fetched (the window looks past cached ones, so the tier works while they are updated); fetching one
+into a slot whose occupant is dirty first writes the occupant to the tier the placement picks (a lazy
+flush: nothing is written until its slot is needed). A subgroup's host copy is dropped only once its write is
 known good, so an I/O error loses nothing. When the next subgroup is still on its way (its tier busy,
 or held by another process of the node) while a later one of the window is ready, the later one goes
 first. Every finished transfer is handed to the placement as it finishes, to learn bandwidths from.
@@ -106,7 +107,7 @@ class SubgroupPipeline:
         self._visited = set()
         try:
             for i in range(len(order)):
-                window = order[i : i + 1 + self.prefetch]
+                window = order[i : self._window_end(order, i)]
                 keep = set(window)
                 for nxt in window:
                     self._start(nxt, load, keep)
@@ -123,6 +124,17 @@ class SubgroupPipeline:
         except BaseException:
             self.drain()
             raise
+
+    def _window_end(self, order: list[int], i: int) -> int:
+        """End of the window that starts at order[i]: it runs on past subgroups already in host memory
+        until it holds `prefetch` that are not, so that reads start while the cached ones are updated
+        (with most subgroups cached, a window of the next few alone would leave the tier idle until
+        the update reached the first subgroup to read)."""
+        wanted, j = self.prefetch, i + 1
+        while j < len(order) and wanted:
+            wanted -= not self.cache.is_resident(order[j])
+            j += 1
+        return j
 
     def _discard_stored(self, sg: int) -> None:
         """Frees the tier space of `sg`'s stored copy, stale now that its host copy is dirty: a tier

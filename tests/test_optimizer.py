@@ -145,6 +145,34 @@ def test_alternating_order_reads_only_what_the_cache_misses(tmp_path):
     assert reads["fixed"] == [(m, m, 0)] * 4
 
 
+def test_writes_and_reads_start_while_the_cached_subgroups_are_updated(tmp_path):
+    m, c = 11, 8
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, prefetch=1, host_budget_gb=budget_for(c))
+    opt, *_ = run_pair(cfg, steps=1)
+    pipe = opt.store.pipeline
+    visits, first_io_at = [0], []
+    touch, write = pipe.cache.touch, pipe.tiers[0].write
+
+    def counting_touch(sg):
+        visits[0] += 1
+        touch(sg)
+
+    def noting_write(key, buf):
+        first_io_at.append(visits[0])
+        return write(key, buf)
+
+    pipe.cache.touch, pipe.tiers[0].write = counting_touch, noting_write
+    for p, g in zip(opt._params, grads_for(1)):
+        p.grad = g
+    opt.step()
+    hits = opt.last_metrics.cache_hits
+    opt.close()
+    assert hits >= c - 1 and opt.last_metrics.subgroups_read == m - hits
+    # the first cached subgroup updated is the first victim: its write (and the read behind it) starts
+    # then, not when the update reaches the first subgroup to read, `hits` visits in
+    assert first_io_at[0] == 1, first_io_at
+
+
 def save_and_load(opt: OffloadAdamW, fresh: OffloadAdamW, via: str, path) -> None:
     """Moves `opt`'s state into `fresh`: gathered (state_dict) or streamed through DCP."""
     if via == "state_dict":
