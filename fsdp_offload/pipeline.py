@@ -31,6 +31,9 @@ class Placement(Protocol):
     def observe(self, tier: int, transfer: Transfer) -> None:
         """Called from an I/O thread as each transfer on tiers[tier] finishes."""
 
+    def drop(self, tier: int) -> None:
+        """Never picks tiers[tier] again (it failed a write); ValueError when no other tier is left."""
+
 
 @dataclass
 class _Fetch:
@@ -72,6 +75,7 @@ class SubgroupPipeline:
         self.transfers: list[Transfer] = []  # since the last take_transfers()
         self.hits = 0
         self._read_ahead: set[int] = set()  # fetched and settled before their visit: no cache hit
+        self.failed_tiers: set[int] = set()  # dropped after a failed write; still read from
 
     def view(self, slot: int, sg: int) -> torch.Tensor:
         return self.cache.slots[slot][: self.layout.subgroups[sg].state_bytes]
@@ -261,6 +265,8 @@ class SubgroupPipeline:
         """Waits for `sg`'s fetch and records what it did; returns its error, if any."""
         f = self._fetches.pop(sg)
         f.done.result()
+        if f.write_failed and self._fail_over(f):
+            return self._settle(sg)
         if f.victim is not None:
             del self._evicting[f.victim]
         if f.write is not None:
@@ -277,6 +283,32 @@ class SubgroupPipeline:
         self.cache.admit(sg, f.slot, dirty=False)
         self._read_ahead.add(sg)
         return None
+
+    def _fail_over(self, f: _Fetch) -> bool:
+        """After a failed write of `f.victim`: with another tier left, drops the failed one from the
+        placement (saying so once) and starts the fetch again, the victim going where the placement
+        now says. False when there is nowhere else: the error stands and the victim stays in host memory.
+        Subgroups already stored on the dropped tier are still read from it; if it cannot read either,
+        that read names it, and the last good checkpoint is the recovery point."""
+        tier = f.victim_tier
+        if not isinstance(f.error, OSError):
+            return False
+        if tier not in self.failed_tiers:
+            if len(self.failed_tiers) + 1 >= len(self.tiers):
+                return False
+            self.placement.drop(tier)
+            self.failed_tiers.add(tier)
+            t = self.tiers[tier]
+            log.warning(
+                "%s (%s) failed writing subgroup %d: %s. It is dropped: subgroups leaving host memory go to the other "
+                "tiers from now on (subgroups stored there are still read from it)", t.name, t.path, f.victim, f.error,
+            )  # fmt: skip
+        retry = _Fetch(f.sg, f.slot, f.victim, self.placement.tier_for(f.victim))
+        if retry.victim_tier in self.failed_tiers:
+            return False
+        self._fetches[f.sg] = retry
+        self._chain(retry, f.read_tier)
+        return True
 
     def _acquire(self, sg: int, load: bool, keep: set[int]) -> torch.Tensor:
         if self.cache.is_resident(sg):

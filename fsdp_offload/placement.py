@@ -256,10 +256,18 @@ class FixedRatioPlacement:
     """Spreads subgroups over tiers in fixed proportions (1 tier: everything goes there)."""
 
     def __init__(self, ratios: list[float], num_subgroups: int) -> None:
+        self._ratios = list(ratios)
         self._tier = smooth_round_robin(ratios, num_subgroups)
 
     def tier_for(self, sg: int) -> int:
         return self._tier[sg]
+
+    def drop(self, tier: int) -> None:
+        """Takes `tier` out of the split (it failed): its share goes to the others."""
+        self._ratios[tier] = 0.0
+        if sum(self._ratios) <= 0:
+            raise ValueError(f"cannot drop tier {tier}: no other tier has a share")
+        self._tier = smooth_round_robin(self._ratios, len(self._tier))
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         """Fixed placement learns nothing from transfers."""
@@ -306,10 +314,13 @@ class AdaptivePlacement:
         self.replans = 0
         self.basis: list[TierSpeed] = []
         self.tiers: list[int] = []
+        self.dropped: set[int] = set()  # tiers that failed: planned as all but unusable, and never chosen
         self._plan(model.speeds())
 
     def _plan(self, speeds: list[TierSpeed]) -> None:
-        self.tiers = self._plan_fn(speeds)
+        usable = [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
+        fastest = max((i for i in range(len(speeds)) if i not in self.dropped), key=lambda i: min(usable[i].read_bps, usable[i].write_bps))
+        self.tiers = [fastest if t in self.dropped else t for t in self._plan_fn(usable)]
         self.basis = speeds
         log.info(
             "placement %s (expected update I/O %.3g s a step): %s",
@@ -331,6 +342,13 @@ class AdaptivePlacement:
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         self.model.observe(tier, transfer)
+
+    def drop(self, tier: int) -> None:
+        """Takes `tier` out of the plan (it failed) and replans over the others."""
+        if len(self.dropped | {tier}) == len(self.tier_specs):
+            raise ValueError(f"cannot drop tier {tier}: no other tier is left")
+        self.dropped.add(tier)
+        self._plan(self.model.speeds())
 
     def state_dict(self) -> dict:
         """The learned speeds by tier, so that a run resumed from a checkpoint starts from them even

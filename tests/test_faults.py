@@ -6,9 +6,13 @@ its checksum, naming the file; a tier that vanishes fails every step clearly ins
 from __future__ import annotations
 
 import errno
+import logging
 
 import pytest
-from test_optimizer import assert_same_as_reference, fresh_pair, grads_for
+import torch
+from test_optimizer import SG, assert_same_as_reference, budget_for, fresh_pair, grads_for, groups, make_params
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
 
 from fsdp_offload.storage import CorruptSubgroupError, TierError
 from fsdp_offload.storage.faults import Fault, FaultyTier
@@ -57,6 +61,30 @@ def test_a_failed_transfer_loses_nothing(tmp_path, kind, op):
     opt.close()
 
 
+@pytest.mark.parametrize("placement", ["fixed", "learned"])
+def test_a_tier_that_fails_writes_is_dropped_and_its_subgroups_go_to_the_other(tmp_path, placement, caplog):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{d}" for d in dirs], subgroup_numel=SG, host_budget_gb=budget_for(3),
+                        placement=placement, calibration_gb=1 / 1024)  # fmt: skip
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    opt, ref_opt = OffloadAdamW(groups(mine), offload=cfg), torch.optim.AdamW(groups(ref), foreach=False)
+    failing = 0 if opt.store.placement.tier_for(0) == 0 else 1  # a tier the placement uses
+    tier = FaultyTier.around(opt.store, failing, [Fault("eio", op="write", after=2, times=0)])  # it never writes again
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.pipeline"):
+        assert train_through(opt, ref_opt, mine, ref, expect=lambda exc: pytest.fail(f"raised {exc!r}")) == 0
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    assert opt.store.pipeline.failed_tiers == {failing}
+    dropped = [r for r in caplog.records if "is dropped" in r.getMessage()]
+    assert len(dropped) == 1 and tier.path in dropped[0].getMessage()  # said once, naming the file
+    assert 1 <= tier.injected <= cfg.prefetch + 1  # only writes chosen before the drop met the failure
+    assert all(t != failing for t in opt.store.pipeline.location.values() if t is not None)
+    opt.close()
+
+
 def test_stalls_change_no_result(tmp_path):
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
     tier = FaultyTier.around(opt.store, 0, [Fault("latency", op=op, after=2, times=0, delay_s=0.01) for op in ("read", "write")])
@@ -101,3 +129,24 @@ def test_fault_schedules_are_checked():
         Fault("torn_write", op="read")
     assert [Fault("eio", after=2, times=2).hits(n) for n in range(5)] == [False, False, True, True, False]
     assert Fault("eio", after=1, times=0).hits(100)
+
+
+def test_fault_campaign_finds_nothing_lost_silently(tmp_path):
+    """scripts/fault_campaign.py, one trial of each fault kind: every trial ends exact or with a named error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "fault_campaign.py"
+    out = subprocess.run([sys.executable, str(script), "--trials", "9", "--steps", "3", "--dir", str(tmp_path), "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(next((tmp_path / "out").glob("fault_campaign_cpu_*.json")).read_text())
+    assert result["trials"] == 9 and result["bad"] == 0, result["outcomes"]
+    # transient faults are ridden out exactly; damage and a vanished tier stop the run with a named error
+    for t in result["trials_detail"]:
+        hit = t["injected"] > 0 or t["damage"] is not None
+        lasting = t["kind"] in ("torn_write", "bitflip", "truncate", "vanish")
+        assert t["outcome"] == ("detected" if hit and lasting else "exact"), t
+    assert not list(tmp_path.glob("fault-campaign-*")), "a trial left its tier dir behind"
