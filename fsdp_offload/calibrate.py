@@ -94,7 +94,7 @@ def _timed_transfers(ops: list[Callable[[torch.Tensor], Future]], buffers: list[
 
 
 def tier_passes(
-    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 3
+    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
 ) -> dict[str, float]:
     """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` in
     transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
@@ -143,7 +143,7 @@ def tier_passes(
 
 
 def measure_tier(
-    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 3
+    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
 ) -> TierSpeed:
     """The tier's read and write bandwidth and per-request latency, from `tier_passes`.
 

@@ -107,8 +107,8 @@ class OffloadConfig:
     # numbers and measures only tiers it lacks (the multipath recipe keeps one in ~/.cache/fsdp-offload).
     # None: measure every run (2+ tiers only) and write nothing outside the tiers.
     bandwidth_profile: str | None = None
-    # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written, read, and
-    # half read while half written, three times each (calibrate.measure_tier).
+    # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written (once to
+    # allocate, once timed), read, and half read while half written (calibrate.measure_tier).
     calibration_gb: float = 1.0
 
     def __post_init__(self) -> None:

@@ -165,6 +165,13 @@ def host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def process_now() -> dict:
+    """This process's resident memory (GiB) and open file descriptors now: what a leak would grow."""
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"host_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "open_fds": len(os.listdir("/proc/self/fd"))}
+
+
 def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
     """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
     tcfg = to_dataclass(TrainConfig, cfg.train, "train")
@@ -287,7 +294,7 @@ def _run(cfg: DictConfig) -> list[dict]:
             scheduler.step()
             row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
                        lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
-                       host_peak_gib=host_peak_gib(), cpu_threads=torch.get_num_threads())  # fmt: skip
+                       host_peak_gib=host_peak_gib(), **process_now(), cpu_threads=torch.get_num_threads())  # fmt: skip
             if device.type == "cuda":
                 row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             rows.append(row)

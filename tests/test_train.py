@@ -21,6 +21,7 @@ METRICS = {
     "step", "loss", "lr", "tokens_per_s", "forward_s", "backward_s", "update_s", "step_s", "update_mparams_per_s",
     "effective_io_gbps", "bytes_read", "bytes_written", "host_peak_gib", "grad_norm", "cache_hits", "subgroups_per_tier",
     "lock_wait_s", "time", "step_call_s", "exposed_update_s", "overlap_s", "subgroups_on_gpu", "skipped", "cpu_threads",
+    "host_rss_gib", "open_fds",
 }  # fmt: skip
 
 
