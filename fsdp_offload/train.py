@@ -300,13 +300,16 @@ def _run(cfg: DictConfig) -> list[dict]:
             rows.append(row)
             waiting.append(row)
             last = step + 1 == tcfg.steps
+            save = ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0))
             write_finished()
-            if last and isinstance(optimizer, OffloadAdamW):
+            if (last or save) and isinstance(optimizer, OffloadAdamW):
+                # the rows of the steps a checkpoint holds are written before it exists: a run resumed
+                # from it never lacks one
                 optimizer.finish_update()
                 write_finished()
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)
-            if ckcfg.dir and (last or (ckcfg.every and (step + 1) % ckcfg.every == 0)):
+            if save:
                 rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
                 t0 = time.perf_counter()
                 path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,

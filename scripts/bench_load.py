@@ -85,6 +85,7 @@ def main() -> None:
             rows = rank_rows(out_dir, rank)
             per_rank.append({"rank": rank, "steps_logged": len(rows), "rss_gib": growth(rows, "host_rss_gib", args.settle),
                              "open_fds": growth(rows, "open_fds", args.settle),
+                             "rss_mib_every_10_steps": [round(r["host_rss_gib"] * 1024, 1) for r in rows[::10]],
                              "step_s_median": statistics.median(r["step_s"] for r in rows[args.settle:]),
                              "step_s_max": max(r["step_s"] for r in rows[args.settle:])})  # fmt: skip
         result["per_rank"] = per_rank

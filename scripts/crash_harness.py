@@ -156,13 +156,17 @@ def main() -> None:
             got = losses(run)
             row["state_equal"] = same(mine, reference)
             row["losses_equal"] = got == ref_losses
+            row["steps_differing"] = sorted(k for k in ref_losses if got.get(k) != ref_losses[k])
         else:
             row["state_equal"] = row["losses_equal"] = False
             row["log_tail"] = (run / "log").read_text().splitlines()[-10:]
         row["passed"] = row["state_equal"] and row["losses_equal"]
         trials.append(row)
         print(f"trial {i}: killed at {kills} s -> {'pass' if row['passed'] else 'FAIL'}", flush=True)
-        shutil.rmtree(run, ignore_errors=True)
+        if row["passed"]:
+            shutil.rmtree(run, ignore_errors=True)
+        else:  # kept for a look: its log, metrics and checkpoints
+            row["kept"] = str(run.rename(Path(args.dir) / f"{root.name}-{run.name}"))
     shutil.rmtree(root, ignore_errors=True)
     passed = sum(t["passed"] for t in trials)
     path = record("crash_harness", args.device_kind, args.out, {

@@ -160,29 +160,22 @@ def test_update_overlapped_with_backward_is_bit_exact(tmp_path):
             assert early >= STEPS, f"rank {rank}: only {early} subgroup updates ran before step() in {STEPS} steps"
 
 
-@pytest.mark.parametrize(
-    "options, match",
-    [
-        (dict(max_grad_norm=1.0), "max_grad_norm=None"),
-        (dict(param_dtype="float16"), "bfloat16"),
-        (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
-        (dict(update_order="alternating"), "update_order='forward'"),
-    ],
-)
+# options under which an update cannot start before backward has handed in every grad
+NEEDS_EVERY_GRAD = [
+    (dict(max_grad_norm=1.0), "max_grad_norm=None"),
+    (dict(param_dtype="float16"), "bfloat16"),
+    (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
+    (dict(update_order="alternating"), "update_order='forward'"),
+]
+
+
+@pytest.mark.parametrize("options, match", NEEDS_EVERY_GRAD)
 def test_backward_overlap_refuses_what_needs_every_grad_first(options, match):
     with pytest.raises(ValueError, match=match):
         OffloadConfig(overlap="backward", **options)
 
 
-@pytest.mark.parametrize(
-    "options, match",
-    [
-        (dict(max_grad_norm=1.0), "max_grad_norm=None"),
-        (dict(param_dtype="float16"), "bfloat16"),
-        (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
-        (dict(update_order="alternating"), "update_order='forward'"),
-    ],
-)
+@pytest.mark.parametrize("options, match", NEEDS_EVERY_GRAD)
 def test_auto_overlap_is_backward_only_where_the_step_allows_it(options, match):
     assert OffloadConfig(overlap="auto").resolved_overlap() == "backward"
     assert OffloadConfig(overlap="auto").resolved_overlap(backwards_per_step=2) == "next_forward"
