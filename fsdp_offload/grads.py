@@ -29,6 +29,12 @@ from .staging import LowpStaging
 from .storage.base import Tier, Transfer
 from .subgroups import SubgroupLayout
 
+
+class NonFiniteGradError(ValueError):
+    """step() found the grads' global norm NaN or Inf (bf16, where the norm is taken: with clipping)
+    and updated nothing."""
+
+
 _NORM_CHUNK = 1 << 22  # elements upcast at a time: bounds the FP64 temporary (32 MiB)
 
 
@@ -195,6 +201,12 @@ class StepGrads:
             self.loss_scaler.update(found_inf)
             if found_inf:
                 return None
+        if not math.isfinite(norm):  # bf16: applying it would put NaN into every master and moment
+            raise NonFiniteGradError(
+                f"the global grad norm is {norm}: a grad holds NaN or Inf (a diverging loss, a bad batch, too high "
+                "an lr). Nothing was updated; call zero_grad() to drop these grads and go on with the next batch, "
+                "or resume from the last checkpoint with a lower lr"
+            )
         self.last_norm = norm
         clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
         return unscale * clip

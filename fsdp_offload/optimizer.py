@@ -79,12 +79,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     ) -> None:
         _refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                               differentiable=differentiable, fused=fused)  # fmt: skip
-        if not 0.0 <= lr:
-            raise ValueError(f"invalid lr {lr}: must be >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
-        if not 0.0 <= eps:
-            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        _check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "OffloadAdamW")
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
@@ -246,6 +241,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "Build a new optimizer over all params"
             )
         _refuse_torch_options(**{k: param_group[k] for k in _TORCH_OPTIONS if k in param_group})
+        _check_hyperparameters(param_group, f"param group {len(self.param_groups)}")
         super().add_param_group(param_group)
 
     # -- grads ----------------------------------------------------------------------------------
@@ -803,6 +799,18 @@ def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
     if isinstance(offload, Mapping):
         return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
     raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
+
+
+def _check_hyperparameters(values: dict[str, Any], where: str) -> None:
+    """AdamW's hyperparameters that `values` sets, checked as torch AdamW checks them (NaN refused too)."""
+    if "lr" in values and not float(values["lr"]) >= 0.0:
+        raise ValueError(f"{where}: invalid lr {values['lr']}: must be a number >= 0")
+    if "betas" in values and not all(0.0 <= float(b) < 1.0 for b in values["betas"]):
+        raise ValueError(f"{where}: invalid betas {values['betas']}: each must be in [0, 1)")
+    if "eps" in values and not float(values["eps"]) >= 0.0:
+        raise ValueError(f"{where}: invalid eps {values['eps']}: must be a number >= 0")
+    if "weight_decay" in values and not float(values["weight_decay"]) >= 0.0:
+        raise ValueError(f"{where}: invalid weight_decay {values['weight_decay']}: must be a number >= 0 (0: none)")
 
 
 def _refuse_torch_options(**given: Any) -> None:

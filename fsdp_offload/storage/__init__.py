@@ -43,10 +43,15 @@ def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str) ->
     tiers: list[Tier] = []
     try:
         for spec in parsed:
-            tier = make_tier(spec)
-            if slots is not None:
-                tier = LockedTier(tier, NodeTierLock(spec.dir, lock_dir, slots))
-            tiers.append(tier)
+            # the lock first: a bad lock dir fails before anything is made in the tier dir
+            lock = None if slots is None else NodeTierLock(spec.dir, lock_dir, slots)
+            try:
+                tier = make_tier(spec)
+            except BaseException:
+                if lock is not None:
+                    lock.close()
+                raise
+            tiers.append(tier if lock is None else LockedTier(tier, lock))
     except BaseException:
         for tier in tiers:
             tier.close()

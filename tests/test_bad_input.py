@@ -1,0 +1,108 @@
+"""Bad input across the public API: each is refused at once with a message that names the option (or
+path) and says what to give instead, and nothing on disk changes (no tier file, no lock, no profile).
+The CLI and the recipes have theirs in test_train.py (test_bad_input_is_one_clear_line) and
+test_recipes.py; checkpoints in test_train.py and test_checkpoint_trust.py."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.grads import NonFiniteGradError
+from fsdp_offload.storage import TierError
+
+
+def params(n: int = 50_000) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))]
+
+
+def on_disk(root) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*"))
+
+
+TIER = "posix:{tmp}"
+CASES = [  # (what, how to build it with the tier dir `tmp`, what the message must say)
+    ("budget below 0", lambda tmp: OffloadConfig(host_budget_gb=-1), "host_budget_gb=-1 must be >= 0"),
+    ("budget in unknown units", lambda tmp: OffloadConfig(host_budget_gb="6 parsecs"), "'6GiB', '512MiB'"),
+    ("budget under the minimum", lambda tmp: OffloadAdamW(params(100_000), offload=OffloadConfig(
+        tiers=[TIER.format(tmp=tmp)], subgroup_numel=16384, host_budget_gb="100KiB")), "below the pipeline's minimum of 772 KiB"),
+    ("subgroup size", lambda tmp: OffloadConfig(subgroup_numel=1000), "multiple of 1024"),
+    ("prefetch", lambda tmp: OffloadConfig(prefetch=-1), "offload.prefetch=-1 must be >= 0"),
+    ("gpu fraction", lambda tmp: OffloadConfig(gpu_fraction=1.5), "between 0 and 1, or 'auto'"),
+    ("gpu share on CPU params", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(gpu_fraction=0.5)), "params are on cpu: use 0"),
+    ("tier scheme", lambda tmp: OffloadConfig(tiers=["nvme:/x"]), "known schemes are ['kvikio', 'posix', 'throttle']"),
+    ("tier dir missing", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(tiers=["posix:/nonexistent/x"], host_budget_gb=0.002)),
+     "tier dir /nonexistent/x does not exist; create it or pick another path"),
+    ("tier threads", lambda tmp: OffloadConfig(tiers=[TIER.format(tmp=tmp) + "?threads=zero"]), "threads='zero' is not a whole number"),
+    ("tier request size", lambda tmp: OffloadConfig(tiers=[TIER.format(tmp=tmp) + "?request_mb=0.001"]), "multiple of 4096"),
+    ("tier ratios", lambda tmp: OffloadConfig(tiers=[TIER.format(tmp=tmp)], placement="fixed", tier_ratios=[1, 2]), "one non-negative share per tier"),
+    ("tier access", lambda tmp: OffloadConfig(tier_access="sometimes"), "choose 'exclusive', 'shared' or a number"),
+    ("lock dir missing", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(tiers=[TIER.format(tmp=tmp)], subgroup_numel=16384,
+     host_budget_gb=0.002, tier_lock_dir="/nonexistent/locks")), "offload.tier_lock_dir='/nonexistent/locks'"),
+    ("bandwidth profile unwritable", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(
+        tiers=[TIER.format(tmp=tmp), "posix:/dev/shm"], subgroup_numel=16384, host_budget_gb=0.002,
+        bandwidth_profile="/proc/x/y.json", calibration_gb=0.001)), "point it to a writable file or set it to None"),
+    ("calibration size", lambda tmp: OffloadConfig(calibration_gb=0), "calibration_gb=0 must be positive"),
+    ("update order", lambda tmp: OffloadConfig(update_order="random"), "choose one of ('forward', 'alternating', 'fixed')"),
+    ("overlap", lambda tmp: OffloadConfig(overlap="sideways"), "choose one of ('next_forward', 'backward', 'auto', 'none')"),
+    ("backward overlap with clipping", lambda tmp: OffloadConfig(overlap="backward", max_grad_norm=1.0), "set offload.max_grad_norm=None"),
+    ("param dtype", lambda tmp: OffloadConfig(param_dtype="float8"), "choose one of ('bfloat16', 'float16')"),
+    ("kernel", lambda tmp: OffloadConfig(kernel="cuda"), "choose one of ('auto', 'fused', 'torch')"),
+    ("grad path", lambda tmp: OffloadConfig(grad_path="gpu"), "choose one of ('host_bf16', 'tier_fp32')"),
+    ("clip norm", lambda tmp: OffloadConfig(max_grad_norm=-1), "must be a positive number (None: no clipping)"),
+    ("clip norm NaN", lambda tmp: OffloadConfig(max_grad_norm=math.nan), "must be a positive number"),
+    ("host headroom", lambda tmp: OffloadConfig(host_headroom_gb=-1), "host_headroom_gb=-1 must be >= 0"),
+    ("loss scale", lambda tmp: OffloadConfig(param_dtype="float16", loss_scale_init=0), "loss_scale_init=0 must be > 0"),
+    ("lr", lambda tmp: OffloadAdamW(params(), lr=-1), "invalid lr -1"),
+    ("lr NaN", lambda tmp: OffloadAdamW(params(), lr=math.nan), "invalid lr nan"),
+    ("betas", lambda tmp: OffloadAdamW(params(), betas=(1.0, 0.9)), "each must be in [0, 1)"),
+    ("eps", lambda tmp: OffloadAdamW(params(), eps=-1e-8), "invalid eps"),
+    ("weight decay", lambda tmp: OffloadAdamW(params(), weight_decay=-0.1), "invalid weight_decay -0.1"),
+    ("a group's lr", lambda tmp: OffloadAdamW([{"params": params(), "lr": -1.0}]), "param group 0: invalid lr -1.0"),
+    ("amsgrad", lambda tmp: OffloadAdamW(params(), amsgrad=True), "does not support amsgrad=True"),
+    ("a param in two groups", lambda tmp: (lambda p: OffloadAdamW([{"params": p}, {"params": p}]))(params()), "more than one parameter group"),
+    ("no params", lambda tmp: OffloadAdamW([]), "empty parameter list"),
+    ("an integer param", lambda tmp: OffloadAdamW([torch.nn.Parameter(torch.ones(5, dtype=torch.int64), requires_grad=False)]), "torch.int64"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, build, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_naming_the_option_and_nothing_changes(tmp_path, what, build, message):
+    before = on_disk(tmp_path)
+    with pytest.raises((ValueError, TypeError, OSError, TierError)) as info:
+        built = build(tmp_path)
+        if hasattr(built, "close"):
+            built.close()
+    assert message in str(info.value), f"{what}: {info.value}"
+    assert on_disk(tmp_path) == before, f"{what} left files behind"
+
+
+def test_the_sweep_covers_thirty_kinds():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_grads_are_refused_before_any_update(tmp_path, bad):
+    p = params()
+    opt = OffloadAdamW(p, offload=OffloadConfig(max_grad_norm=1.0, kernel="torch", subgroup_numel=16384,
+                                                tiers=[TIER.format(tmp=tmp_path)], host_budget_gb=0.0015))  # fmt: skip
+    grad = torch.randn(p[0].numel())
+    p[0].grad = grad.bfloat16()
+    opt.step()
+    before = opt.state_dict()["state"][0]
+    grad[7] = bad
+    p[0].grad = grad.bfloat16()
+    with pytest.raises(NonFiniteGradError, match=rf"global grad norm is {bad}.*Nothing was updated; call zero_grad\(\)"):
+        opt.step()
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in ("master_param", "exp_avg", "exp_avg_sq")) and after["step"] == before["step"]
+    opt.zero_grad()  # drops the bad grads: the next batch trains on
+    p[0].grad = torch.randn(p[0].numel()).bfloat16()
+    opt.step()
+    assert int(opt.state_dict()["state"][0]["step"]) == int(before["step"]) + 1
+    assert os.listdir(tmp_path)  # its tier dir, in use
+    opt.close()
