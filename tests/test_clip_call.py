@@ -1,6 +1,7 @@
 """`opt.clip_grad_norm_(max_norm)`, the call users write after backward, does what
 `offload.max_grad_norm` does, bit for bit, on 2 gloo ranks (with grad accumulation and state on disk),
-and returns the global norm torch would."""
+and returns the global norm torch would; torch's own clip_grad_norm_, which would silently clip nothing,
+refuses the params whose grads the hooks took."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[flo
             part.backward()
             loss += part.item()
         if not configured:
+            # torch's own call would find no p.grad, clip nothing and return 0: it refuses, naming ours
+            for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
+                with pytest.raises(RuntimeError, match=r"call opt.clip_grad_norm_\(max_norm\) instead"):
+                    clip(model.parameters(), MAX_NORM)
             norm = opt.clip_grad_norm_(MAX_NORM)
             assert isinstance(norm, torch.Tensor) and norm.dim() == 0
             norms.append(float(norm))
