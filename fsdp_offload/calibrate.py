@@ -220,7 +220,16 @@ class BandwidthProfile:
     def _read_all(self) -> dict:
         """The whole file (call with the lock held). A corrupt file is moved aside with a warning."""
         try:
-            with open(self.path) as f:
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise TierError(
+                    f"offload.bandwidth_profile={self.path!r} is a symbolic link, which is never followed: "
+                    "point it to the file itself"
+                ) from exc
+            with os.fdopen(fd) as f:
                 data = json.load(f)
             hosts = data.get("hosts") if isinstance(data, dict) else None
             well_formed = isinstance(hosts, dict) and all(isinstance(h, dict) for h in hosts.values())

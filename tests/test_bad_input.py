@@ -106,3 +106,43 @@ def test_non_finite_grads_are_refused_before_any_update(tmp_path, bad):
     assert int(opt.state_dict()["state"][0]["step"]) == int(before["step"]) + 1
     assert os.listdir(tmp_path)  # its tier dir, in use
     opt.close()
+
+
+def test_no_symlink_is_followed(tmp_path):
+    """A link planted where the product keeps its files (a tier's private dir, a lock file, the bandwidth
+    profile) is refused, naming it, instead of being written or read through."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    tier_dir = tmp_path / "tier"
+    tier_dir.mkdir()
+    (tier_dir / f"fsdp-offload-{os.getuid()}").symlink_to(target)
+    with pytest.raises(TierError, match=r"not a 0700 directory owned by uid \d+ \(a symlink"):
+        OffloadAdamW(params(), offload=OffloadConfig(tiers=[f"posix:{tier_dir}"], subgroup_numel=16384, host_budget_gb=0.002))
+
+    profile = tmp_path / "profile.json"
+    profile.symlink_to(target / "x.json")
+    (target / "x.json").write_text("{}")
+    from fsdp_offload.calibrate import BandwidthProfile
+
+    with pytest.raises(TierError, match="is a symbolic link, which is never followed"):
+        prof = BandwidthProfile(str(profile))
+        with prof.locked():
+            prof.load()
+    assert (target / "x.json").read_text() == "{}"
+
+    locks = tmp_path / "locks"
+    locks.mkdir(mode=0o700)
+    lock_tier = tmp_path / "locked"
+    lock_tier.mkdir()
+    opt = OffloadAdamW(params(), offload=OffloadConfig(tiers=[f"posix:{lock_tier}"], subgroup_numel=16384, host_budget_gb=0.002,
+                                                       tier_lock_dir=str(locks)))  # fmt: skip
+    lock_files = [p for p in locks.rglob("*.lock")]
+    opt.close()
+    assert lock_files, "the exclusive tier made no lock file"
+    for f in lock_files:  # the same names, now links to a file that must not be touched
+        f.unlink(missing_ok=True)
+        f.symlink_to(target / "x.json")
+    with pytest.raises(TierError, match="cannot open tier lock file"):
+        OffloadAdamW(params(), offload=OffloadConfig(tiers=[f"posix:{lock_tier}"], subgroup_numel=16384, host_budget_gb=0.002,
+                                                     tier_lock_dir=str(locks)))  # fmt: skip
+    assert (target / "x.json").read_text() == "{}"
