@@ -103,6 +103,9 @@ class OffloadConfig:
     tier_access: str | int = "exclusive"
     # Node-local dir for the tier lock files (a shared file system would make the locks span nodes).
     tier_lock_dir: str = "/dev/shm"
+    # Seconds a rank waits for a tier's node lock before step() fails, naming the processes holding it
+    # (it says who, once, after a tenth of this).
+    tier_lock_timeout_s: float = 1800.0
     # JSON file of measured and learned bandwidths per host and tier: a run starts from the last run's
     # numbers and measures only tiers it lacks (the multipath recipe keeps one in ~/.cache/fsdp-offload).
     # None: measure every run (2+ tiers only) and write nothing outside the tiers.
@@ -165,6 +168,8 @@ class OffloadConfig:
                     f"({len(self.tiers)} tiers), with a positive sum"
                 )
         access_slots(self.tier_access)  # raises naming the option
+        if not self.tier_lock_timeout_s > 0:
+            raise ValueError(f"offload.tier_lock_timeout_s={self.tier_lock_timeout_s} must be a positive number of seconds")
         if not self.calibration_gb > 0:
             raise ValueError(f"offload.calibration_gb={self.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
 

@@ -165,7 +165,7 @@ class SubgroupStore:
         host_forward = [sg for sg in forward if sg < streamed]
         self.placement = make_placement(cfg, layout, self.cache.num_slots, streamed, host_forward)  # may measure the tiers
         resources.append(self.placement)  # closing it saves the learned bandwidths
-        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir)
+        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         resources.extend(self.tiers)
         tag = _rank_tag()
         for t in self.tiers:

@@ -196,3 +196,18 @@ def test_lock_dir_must_be_usable(tmp_path):
             [torch.nn.Parameter(torch.randn(4096))],
             offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=4096, tier_access="sometimes"),
         )
+
+
+def test_a_lock_held_too_long_fails_naming_its_holder(tmp_path, caplog):
+    proc, _ = hold_in_subprocess(tmp_path, tmp_path, "plain")
+    try:
+        waiter = NodeTierLock(str(tmp_path), str(tmp_path), 1, timeout_s=0.5)
+        with pytest.raises(TierError, match=rf"waited 0 s for the node lock of .* held by pid {proc.pid} \(.*python"):
+            waiter.wait()
+        assert any(f"pid {proc.pid}" in r.getMessage() for r in caplog.records)  # said once, before failing
+        waiter.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(ValueError, match="tier_lock_timeout_s=0 must be a positive number"):
+        OffloadConfig(tier_lock_timeout_s=0)

@@ -29,9 +29,9 @@ def tier_dir(spec: TierSpec | str) -> str:
     return as_spec(spec).dir
 
 
-def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str) -> list[Tier]:
+def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str, lock_timeout_s: float = 1800.0) -> list[Tier]:
     """Builds the tiers; unless access is "shared", each only does I/O while holding its node lock
-    (one of k slots; "exclusive" is k = 1), kept in `lock_dir`."""
+    (one of k slots; "exclusive" is k = 1), kept in `lock_dir`, waited for at most `lock_timeout_s`."""
     slots = access_slots(access)
     parsed = [as_spec(s) for s in specs]
     dirs: dict[str, TierSpec] = {}
@@ -44,7 +44,7 @@ def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str) ->
     try:
         for spec in parsed:
             # the lock first: a bad lock dir fails before anything is made in the tier dir
-            lock = None if slots is None else NodeTierLock(spec.dir, lock_dir, slots)
+            lock = None if slots is None else NodeTierLock(spec.dir, lock_dir, slots, lock_timeout_s)
             try:
                 tier = make_tier(spec)
             except BaseException:

@@ -9,8 +9,10 @@ for anything else while holding, and processes waiting for one tier keep using t
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -26,6 +28,7 @@ from .chunked import make_private_dir
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
 
+log = logging.getLogger(__name__)
 _open_locks: weakref.WeakSet[NodeTierLock] = weakref.WeakSet()
 
 
@@ -52,7 +55,7 @@ class NodeTierLock:
     so a lock taken is only good if its file is still the one at the path, else it is opened anew.
     """
 
-    def __init__(self, tier_dir: str, lock_root: str, slots: int) -> None:
+    def __init__(self, tier_dir: str, lock_root: str, slots: int, timeout_s: float = 1800.0) -> None:
         if slots < 1:
             raise ValueError(f"tier lock for {tier_dir}: slots must be >= 1, got {slots}")
         try:
@@ -68,6 +71,7 @@ class NodeTierLock:
         self._since = 0.0
         self.holds: deque[tuple[float, float]] = deque(maxlen=4096)  # (acquired, released)
         self.wait_s = 0.0  # total time spent waiting for the lock
+        self.timeout_s = timeout_s  # how long wait() waits before it fails, naming who holds the lock
         _open_locks.add(self)
 
     @staticmethod
@@ -123,6 +127,46 @@ class NodeTierLock:
                 self.wait_s += time.perf_counter() - start
                 return False
             time.sleep(_POLL_S)
+
+    def wait(self) -> None:
+        """acquire(), saying once (after a tenth of timeout_s) who holds the lock, and raising a
+        TierError that names them when timeout_s has passed."""
+        if self.acquire(timeout=self.timeout_s / 10):
+            return
+        log.warning("waited %.0f s for the node lock of %s (%s, held by %s); waiting up to %.0f s",
+                    self.timeout_s / 10, self.tier_dir, self.paths[0], self.holders(), self.timeout_s)  # fmt: skip
+        if not self.acquire(timeout=self.timeout_s * 0.9):
+            raise TierError(
+                f"waited {self.timeout_s:.0f} s for the node lock of {self.tier_dir} ({', '.join(self.paths)}), held "
+                f"by {self.holders()}: another job's process, or a rank that a killed launcher left behind, holds it. "
+                "End that process, or raise offload.tier_lock_timeout_s, or set offload.tier_access=shared"
+            )
+
+    def holders(self) -> str:
+        """The processes holding the lock files now, from /proc/locks ('pid N (command)'), or 'unknown'."""
+        inodes = set()
+        for path in self.paths:
+            with contextlib.suppress(OSError):
+                inodes.add(os.stat(path).st_ino)
+        pids = []
+        with contextlib.suppress(OSError):
+            with open("/proc/locks") as f:
+                for line in f:
+                    parts = line.split()
+                    if "->" in parts or len(parts) < 6:  # a waiter, not a holder
+                        continue
+                    if int(parts[5].rsplit(":", 1)[-1]) in inodes and parts[4] != str(os.getpid()):
+                        pids.append(int(parts[4]))
+        if not pids:
+            return "unknown"
+
+        def command(pid: int) -> str:
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+            return "?"
+
+        return ", ".join(f"pid {pid} ({command(pid)})" for pid in sorted(set(pids)))
 
     def release(self) -> None:
         if self._held is None:
@@ -232,7 +276,7 @@ class LockedTier(Tier):
                 self._cv.wait_for(lambda: self._queue or self._closing)
                 if not self._queue:
                     return
-            self.lock.acquire()
+            self.lock.wait()
             try:
                 with self._cv:
                     batch, self._queue = self._queue, type(self._queue)()
