@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import subprocess
 
 import pytest
 import torch
@@ -150,3 +152,49 @@ def test_fault_campaign_finds_nothing_lost_silently(tmp_path):
         lasting = t["kind"] in ("torn_write", "bitflip", "truncate", "vanish")
         assert t["outcome"] == ("detected" if hit and lasting else "exact"), t
     assert not list(tmp_path.glob("fault-campaign-*")), "a trial left its tier dir behind"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: a file system that really fills up."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (CAP_SYS_ADMIN); the injected ENOSPC tests cover the logic")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(where)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill_up(root) -> str:
+    """Writes a file into `root` until its file system is full; returns its path."""
+    path = os.path.join(root, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\1" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_a_file_system_that_fills_up_for_real(small_tmpfs):
+    opt, ref_opt, mine, ref = fresh_pair(small_tmpfs)
+    filler = fill_up(small_tmpfs)  # no room left for the next subgroup written out
+    raised = []
+
+    def expect(exc: BaseException) -> None:
+        assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC, exc
+        assert str(small_tmpfs) in str(exc) and "free space" in str(exc)  # where, and what to do
+        raised.append(exc)
+        os.unlink(filler)  # room is back: the retry finishes the step
+
+    assert train_through(opt, ref_opt, mine, ref, expect) == 1
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
