@@ -89,8 +89,8 @@ def main() -> None:
                              "step_s_median": statistics.median(r["step_s"] for r in rows[args.settle:]),
                              "step_s_max": max(r["step_s"] for r in rows[args.settle:])})  # fmt: skip
         result["per_rank"] = per_rank
-        result["rss_growth_mib_max"] = max(r["rss_gib"]["growth"] for r in per_rank) * 1024
-        result["fd_growth_max"] = max(r["open_fds"]["growth"] for r in per_rank)
+        result["rss_growth_mib"] = max(r["rss_gib"]["growth"] for r in per_rank) * 1024  # the worst rank's
+        result["fd_growth"] = max(r["open_fds"]["growth"] for r in per_rank)
     else:
         result["log_tail"] = (work / "train.log").read_text().splitlines()[-20:]
     left = [str(p) for d in (work / "tier", shm, locks) for p in d.rglob("*") if p.is_file()]

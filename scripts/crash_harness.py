@@ -171,7 +171,8 @@ def main() -> None:
     passed = sum(t["passed"] for t in trials)
     path = record("crash_harness", args.device_kind, args.out, {
         "ranks": args.ranks, "steps": args.steps, "checkpoint_every": args.every, "seed": args.seed, "reference_run_s": run_s,
-        "trials": len(trials), "kills": sum(len(t["kills_at_s"]) for t in trials), "passed": passed, "wall_s": time.perf_counter() - started,
+        "trials": len(trials), "kills": sum(len(t["kills_at_s"]) for t in trials), "resumes_bit_exact": passed,
+        "wall_s": time.perf_counter() - started,
         "trials_detail": trials,
     })  # fmt: skip
     print(f"{passed} of {len(trials)} trials end bit for bit where the uninterrupted run ends "
