@@ -198,3 +198,37 @@ def test_a_file_system_that_fills_up_for_real(small_tmpfs):
     assert train_through(opt, ref_opt, mine, ref, expect) == 1
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()
+
+
+def test_buffered_writes_surface_write_back_errors_at_write_time(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (as file systems without it refuse it; forced here, since this
+    machine's take it), a write that pwrite() accepted may still fail at write-back: the write's own
+    fdatasync makes that this write's error, naming the file, and the subgroup never counts as stored
+    (a later read says so, rather than failing a checksum)."""
+    from fsdp_offload.cache import aligned_host_buffer
+    from fsdp_offload.storage import make_tier
+    from fsdp_offload.storage import posix
+
+    monkeypatch.setattr(posix, "_try_direct", lambda fd: False)  # the file system refuses O_DIRECT
+    tier = make_tier(f"posix:{tmp_path}")
+    tier.attach(f"test-buffered-{os.getpid()}", [16384])
+    try:
+        assert not tier.direct
+        calls = []
+
+        def failing(fd: int) -> None:
+            calls.append(fd)
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(os, "fdatasync", failing)
+        buf = aligned_host_buffer(16384)
+        with pytest.raises(OSError, match=f"writing subgroup 0 back to {tier.path} failed: Input/output error; free space"):
+            tier.write(0, buf).result()
+        assert calls
+        with pytest.raises(TierError, match="was never written"):
+            tier.read(0, buf)
+        monkeypatch.undo()
+        tier.write(0, buf).result()  # write-back works again: the write counts
+        tier.read(0, buf).result()
+    finally:
+        tier.close()

@@ -199,6 +199,11 @@ class ChunkedFileTier(Tier):
     def _read_at(self, key: int, part: Any, file_offset: int) -> None:
         """Fills one chunk of subgroup `key` from `file_offset`; CorruptSubgroupError if the file is short."""
 
+    def _written(self, key: int) -> None:
+        """Called once every chunk of a write of `key` has returned, before the write counts as good:
+        a backend whose writes land later (buffered I/O) makes them land here, so that a failure is
+        this write's error and not a later checksum mismatch."""
+
     # -- the skeleton -------------------------------------------------------------------------------
 
     def _open(self, tag: str, total_bytes: int) -> None:
@@ -241,6 +246,7 @@ class ChunkedFileTier(Tier):
             self._write_at(key, part, offset + lo)
 
         def done() -> Transfer:  # every chunk has waited for `ready`, so `sums` is computed
+            self._written(key)
             self._sums[key] = ("crc32", crcs) if sums is None else ("sum64", sums.tolist())
             return transfer(self.spec, "write", key, nbytes, start)
 

@@ -2,7 +2,9 @@
 
 A subgroup is cut into MiB-scale, 4 KiB-aligned requests that the pool issues in parallel; each
 request loops over short reads and writes and carries a CRC32 so that a truncated or corrupted file
-is caught on read and reported with its path.
+is caught on read and reported with its path. Where the file system refuses O_DIRECT, each subgroup's
+write ends with an fdatasync, so that a write-back error is that write's error (nothing is fsynced
+for durability: tier files are scratch, checkpoints are the durable copy).
 """
 
 from __future__ import annotations
@@ -119,6 +121,20 @@ class PosixTier(ChunkedFileTier):
                 f"writing subgroup {key} ({len(part)} bytes at offset {file_offset}) failed: {exc.strerror}; "
                 f"free space on {self.root} or point offload.tiers elsewhere (nothing is lost: the subgroup "
                 "stays in host memory and the next step() retries)",
+                self._path,
+            ) from exc
+
+    def _written(self, key: int) -> None:
+        if self.direct:  # O_DIRECT: pwrite returned once the device had the data
+            return
+        try:
+            os.fdatasync(self._fd)  # buffered: write-back errors surface now, as this write's
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"writing subgroup {key} back to {self._path} failed: {exc.strerror}; free space on {self.root} or "
+                "point offload.tiers elsewhere (nothing is lost: the subgroup stays in host memory and the next "
+                "step() retries)",
                 self._path,
             ) from exc
 
