@@ -80,6 +80,19 @@ def same_as_reference(opt: OffloadAdamW, ref_opt: torch.optim.AdamW, ref: list) 
     )
 
 
+def final_outcome(opt: OffloadAdamW, ref_opt: torch.optim.AdamW, ref: list, tier: FaultyTier, out: dict) -> dict:
+    """Sets the trial's outcome from `opt` against torch AdamW. Reading the state back reads every
+    stored subgroup, so damage that no step read is found here, and classified as a step's error is."""
+    try:
+        exact = same_as_reference(opt, ref_opt, ref)
+    except Exception as exc:  # noqa: BLE001 - classified here
+        out["errors"].append(f"{type(exc).__name__}: {exc}")
+        out["outcome"] = "detected" if names_the_fault(out["errors"][-1], tier) else "undetected_error"
+        return out
+    out["outcome"] = "exact" if exact else "silent_corruption"
+    return out
+
+
 def schedule(kind: str, rng: random.Random, place: str = "update") -> tuple[list[Fault], str | None]:
     """The faults of one trial, and the damage to do to the file after the first step (if any). At a
     checkpoint the fault strikes among its first few transfers."""
@@ -135,14 +148,7 @@ def trial(kind: str, seed: int, args: argparse.Namespace, pool: concurrent.futur
                         out["outcome"] = "detected"
                         return out
             ref_opt.step()
-        try:  # reads every stored subgroup back: damage no step read yet is found here
-            exact = same_as_reference(opt, ref_opt, ref)
-        except Exception as exc:  # noqa: BLE001 - classified as a step's error is
-            out["errors"].append(f"{type(exc).__name__}: {exc}")
-            out["outcome"] = "detected" if names_the_fault(out["errors"][-1], tier) else "undetected_error"
-            return out
-        out["outcome"] = "exact" if exact else "silent_corruption"
-        return out
+        return final_outcome(opt, ref_opt, ref, tier, out)
     finally:
         out["injected"] = tier.injected
         try:
@@ -215,14 +221,7 @@ def checkpoint_trial(kind: str, place: str, seed: int, args: argparse.Namespace)
                 p.copy_(r)
         for i in range(2, args.steps):
             step(fresh, fresh_params, i, with_ref=True)
-        try:
-            exact = same_as_reference(fresh, ref_opt, ref)
-        except Exception as exc:  # noqa: BLE001 - classified as a step's error is
-            out["errors"].append(f"{type(exc).__name__}: {exc}")
-            out["outcome"] = "detected" if names_the_fault(out["errors"][-1], tier) else "undetected_error"
-            return out
-        out["outcome"] = "exact" if exact else "silent_corruption"
-        return out
+        return final_outcome(fresh, ref_opt, ref, tier, out)
     finally:
         out["injected"] = tier.injected if tier is not None else 0
         for o in (opt, fresh):
