@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -444,9 +446,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         def update(sg: int, state: torch.Tensor) -> None:
             if self._inflight is not None:
                 self._inflight.wait_grads(sg)
-            self._update_subgroup(sg, state, self._pending_scale)
-            updated.add(sg)  # its state is new now: a retry must not update it again
-            self._unwritten.add(sg)
+            with _interrupts_between_subgroups():  # the kernel writes params over the grads: no retry may see half
+                self._update_subgroup(sg, state, self._pending_scale)
+                updated.add(sg)  # its state is new now: a retry must not update it again
+                self._unwritten.add(sg)
             self._copy_back(sg, params)
 
         with self._copies.after(self._after_backward) if self._inflight is not None else contextlib.nullcontext():
@@ -799,6 +802,28 @@ def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
     if isinstance(offload, Mapping):
         return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
     raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
+
+
+@contextlib.contextmanager
+def _interrupts_between_subgroups():
+    """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raises
+    it: a subgroup's update, which overwrites its grads with the new params run by run, is then done
+    whole or not at all, and a retried step() never takes params for grads. Off the main thread (the
+    overlapped update's worker) no signal is delivered, so there is nothing to hold."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None:  # a worker thread, or a handler not set from Python: leave it be
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])  # the default handler raises KeyboardInterrupt here, between subgroups
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _check_hyperparameters(values: dict[str, Any], where: str) -> None:

@@ -232,3 +232,34 @@ def test_buffered_writes_surface_write_back_errors_at_write_time(tmp_path, monke
         tier.read(0, buf).result()
     finally:
         tier.close()
+
+
+def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
+    """A Ctrl-C that lands while a subgroup is being updated (after one kernel call, say: the kernel has
+    written new params over that part of the grads) takes effect once the subgroup is done, so the
+    retried step() never updates it twice nor takes params for grads: bit for bit as torch AdamW."""
+    import signal
+
+    opt, ref_opt, mine, ref = fresh_pair(tmp_path)
+    real, interrupts = opt._kernel, [0]
+
+    def interrupted_kernel(*args, **kwargs):
+        real(*args, **kwargs)
+        if interrupts[0] < 6:  # the first kernel call of each of the first tries: Ctrl-C lands in mid-update
+            interrupts[0] += 1
+            os.kill(os.getpid(), signal.SIGINT)
+
+    opt._kernel = interrupted_kernel
+    raised = 0
+    for s in range(STEPS):
+        set_grads(mine, ref, s)
+        while True:
+            try:
+                opt.step()
+                break
+            except KeyboardInterrupt:
+                raised += 1  # the loop catches it and calls step() again, which finishes the step
+        ref_opt.step()
+    assert raised == 6
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
