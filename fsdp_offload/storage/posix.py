@@ -115,14 +115,8 @@ class PosixTier(ChunkedFileTier):
     def _write_at(self, key: int, part: memoryview, file_offset: int) -> None:
         try:
             _pwrite_all(self._fd, part, file_offset)
-        except OSError as exc:  # keeps the errno; says where and what to do
-            raise OSError(
-                exc.errno,
-                f"writing subgroup {key} ({len(part)} bytes at offset {file_offset}) failed: {exc.strerror}; "
-                f"free space on {self.root} or point offload.tiers elsewhere (nothing is lost: the subgroup "
-                "stays in host memory and the next step() retries)",
-                self._path,
-            ) from exc
+        except OSError as exc:
+            raise self._write_error(key, f"({len(part)} bytes at offset {file_offset})", exc) from exc
 
     def _written(self, key: int) -> None:
         if self.direct:  # O_DIRECT: pwrite returned once the device had the data
@@ -130,13 +124,16 @@ class PosixTier(ChunkedFileTier):
         try:
             os.fdatasync(self._fd)  # buffered: write-back errors surface now, as this write's
         except OSError as exc:
-            raise OSError(
-                exc.errno,
-                f"writing subgroup {key} back to {self._path} failed: {exc.strerror}; free space on {self.root} or "
-                "point offload.tiers elsewhere (nothing is lost: the subgroup stays in host memory and the next "
-                "step() retries)",
-                self._path,
-            ) from exc
+            raise self._write_error(key, f"back to {self._path}", exc) from exc
+
+    def _write_error(self, key: int, what: str, exc: OSError) -> OSError:
+        """A failed write of subgroup `key`, keeping the errno, saying where and what to do."""
+        return OSError(
+            exc.errno,
+            f"writing subgroup {key} {what} failed: {exc.strerror}; free space on {self.root} or point offload.tiers "
+            "elsewhere (nothing is lost: the subgroup stays in host memory and the next step() retries)",
+            self._path,
+        )
 
     def _read_at(self, key: int, part: memoryview, file_offset: int) -> None:
         got = _pread_all(self._fd, part, file_offset)
