@@ -32,8 +32,11 @@ TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
 def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     overrides = shlex.split(case)
-    row: dict = {"case": case}
-    cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={args.nproc}"])
+    nproc = args.nproc
+    if overrides and overrides[0].startswith("nproc="):  # this case's own rank count
+        nproc = int(overrides.pop(0).split("=", 1)[1])
+    row: dict = {"case": case, "nproc": nproc}
+    cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
     t0 = time.perf_counter()
     try:
         plan, _ = plan_from_config(cfg, machine)
@@ -48,8 +51,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
     os.makedirs(out_dir, exist_ok=True)
-    launch = [sys.executable, TRAIN] if args.nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), TRAIN]  # fmt: skip
+    launch = [sys.executable, TRAIN] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), TRAIN]  # fmt: skip
     cmd = launch + overrides + [f"train.steps={args.steps}", f"train.out_dir={out_dir}", "train.progress=false",
                                 f"hydra.run.dir={out_dir}/hydra"]  # fmt: skip
     row["train_command"] = " ".join(cmd[1:])
@@ -84,7 +87,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--case", action="append", required=True, help="train.py overrides, one run (repeat for more)")
+    ap.add_argument("--case", action="append", required=True,
+                    help="train.py overrides, one run (repeat for more); a leading nproc=N sets its rank count")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--nproc", type=int, default=1, help="ranks on this node (torchrun when > 1)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per training run")
@@ -93,6 +97,10 @@ def main() -> int:
     ap.add_argument("--log-dir", default="benchmarks/logs/bench_scale")
     args = ap.parse_args()
     rows = [run_case(case, args, i) for i, case in enumerate(args.case)]
+    reference = rows[0].get("losses")
+    for r in rows[1:]:  # the same data and global batch on other layouts: equal losses up to reduction order
+        if reference and r.get("losses") and len(r["losses"]) == len(reference):
+            r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
     path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "runs": rows})
     print(f"{'case':58} {'plan s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
           f"{'host GiB':>8} {'iter s':>7}")  # fmt: skip
