@@ -36,11 +36,11 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     if overrides and overrides[0].startswith("nproc="):  # this case's own rank count
         nproc = int(overrides.pop(0).split("=", 1)[1])
     row: dict = {"case": case, "nproc": nproc}
-    cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
     t0 = time.perf_counter()
-    try:
+    try:  # a case the planner or the config refuses is a row with its error; the other cases still run
+        cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
         plan, _ = plan_from_config(cfg, machine)
-    except PlanError as exc:
+    except (PlanError, ValueError) as exc:
         row["error"] = f"plan: {exc}"
         return row
     row["plan_s"] = time.perf_counter() - t0
