@@ -12,7 +12,8 @@ through each tier, and the predicted update time; then the largest preset that f
 The placement is computed by the functions the optimizer runs (the subgroup layout, the host cache's
 slots, the tier placement, the steady-state traffic), so it is the placement the run reports. The
 update time is a model: the busiest tier's I/O (placement.expected_step_seconds, from the tiers'
-bandwidths in the calibration profile, measured when it lacks them) against the CPU update (the fused
+bandwidths in the calibration profile, measured when it lacks them, each shared by the node's ranks)
+against the CPU update (the fused
 kernel timed here on one subgroup, or `machine.cpu_mparams_per_s`), whichever is longer, plus the
 first subgroup's read that nothing hides. A plan that does not fit raises `PlanError` naming the
 level that is short and by how much; train.py runs the same check before it builds the model.
@@ -280,6 +281,11 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
             raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
     else:
         host_budget, budget_name = cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
+    if speeds is not None and machine.ranks_per_node > 1:
+        # The node's ranks all stream through the same tier dirs, at once (shared access) or in turns
+        # (exclusive): either way a rank has 1/n of each tier's bandwidth over a step.
+        n = machine.ranks_per_node
+        speeds = [TierSpeed(s.read_bps / n, s.write_bps / n, s.latency_s) for s in speeds]
     shapes = ModelShapes.of(args)
     ranks = [plan_rank(args, shapes, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget, budget_name=budget_name,
                        speeds=speeds, cpu_rate=cpu_rate, seq_len=seq_len, micro_batch=micro_batch)

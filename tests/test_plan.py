@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 from test_fsdp import ARGS, SG
 
 from fsdp_offload import OffloadConfig, train
+from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.plan import MachineConfig, PlanError, main, make_plan
@@ -47,6 +48,17 @@ def _same_placement(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_plan_is_the_placement_the_optimizer_builds(tmp_path, world):
     run_ranks(world, _same_placement, str(tmp_path))
+
+
+def test_ranks_of_one_node_share_each_tier_s_bandwidth():
+    # Same world size and layout per rank; on one node the two ranks stream through one disk, so each
+    # rank's I/O takes twice as long as with one rank on each of two nodes.
+    cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=16, subgroup_numel=100 * (1 << 20), kernel="torch")
+    speeds = [TierSpeed(read_bps=2e9, write_bps=2e9, latency_s=0.0)]
+    plan = lambda m: make_plan("7b", MODEL_PRESETS["7b"], cfg, m, 2048, 1, "cpu", cpu_rate=1e9, speeds=speeds)  # noqa: E731
+    one_node, two_nodes = plan(MachineConfig(ranks_per_node=2, host_gib=512)), plan(MachineConfig(nodes=2, host_gib=512))
+    assert one_node.ranks[0].io_s == pytest.approx(2 * two_nodes.ranks[0].io_s)
+    assert two_nodes.ranks[0].io_s > 0
 
 
 def test_host_too_small_names_the_level_and_the_shortfall():
