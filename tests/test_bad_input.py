@@ -15,6 +15,8 @@ from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.grads import NonFiniteGradError
 from fsdp_offload.storage import TierError
 
+pytestmark = pytest.mark.bad_input  # scripts/bad_input_sweep.py runs and counts every test so marked
+
 
 def params(n: int = 50_000) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))]

@@ -24,6 +24,7 @@ class SideEffect:
         return (open, (self.path, "w"))
 
 
+@pytest.mark.bad_input
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 def test_a_pickle_with_a_side_effect_is_refused_without_running(tmp_path):
     model = torch.nn.Linear(4, 4)

@@ -124,6 +124,7 @@ def test_a_vanished_tier_fails_every_step_clearly(tmp_path):
     opt.close()
 
 
+@pytest.mark.bad_input
 def test_fault_schedules_are_checked():
     with pytest.raises(ValueError, match="fault kind 'eagain'"):
         Fault("eagain")

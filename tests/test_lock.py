@@ -185,6 +185,7 @@ def test_locked_tier_keeps_the_tier_contract(tmp_path):
     assert not os.path.exists(path) and not any(os.path.exists(p) for p in tier.lock.paths)
 
 
+@pytest.mark.bad_input
 def test_lock_dir_must_be_usable(tmp_path):
     with pytest.raises(TierError, match="offload.tier_lock_dir=.*missing.*node-local"):
         OffloadAdamW(

@@ -58,6 +58,7 @@ def test_base_offload_recipe_is_the_dataclass_defaults():
     assert base == dataclasses.asdict(OffloadConfig()), "fsdp_offload/recipes/offload/base.yaml drifted from OffloadConfig"
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize("offload", [n for n in names("offload") if n != "base"])
 def test_every_option_is_settable_without_a_plus_and_typos_are_refused(offload):
     cfg = composed(f"offload={offload}", "offload.gpu_headroom_gb=2.5", "offload.calibration_gb=0.5")

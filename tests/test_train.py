@@ -68,6 +68,7 @@ def final_state(ckpt: str, out: Path) -> dict:
     return {"model": model, "subgroups": subgroups}
 
 
+@pytest.mark.bad_input
 def test_killed_run_resumes_bit_for_bit(tmp_path):
     common = ["train.steps=8", "checkpoint.every=4"]
     train(tmp_path / "a", *common, f"checkpoint.dir={tmp_path}/ck_a", ranks=2)
@@ -114,6 +115,7 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     assert "optimizer.rank0.subgroup_000000): subgroup 0 is corrupted" in errors[0] and "restore the checkpoint" in errors[0]
 
 
+@pytest.mark.bad_input
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -131,6 +133,7 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.bad_input
 def test_bad_token_files(tmp_path):
     short = tmp_path / "short.bin"
     np.arange(10, dtype=np.uint16).tofile(short)
@@ -147,6 +150,7 @@ class _RunsCode:
         return (os.system, ("echo pwned",))
 
 
+@pytest.mark.bad_input
 def test_checkpoint_rank_state_loads_no_code():
     from fsdp_offload.checkpoint import _pack, _unpack
 
@@ -164,6 +168,7 @@ def fake_checkpoint(path: Path) -> Path:
     return path
 
 
+@pytest.mark.bad_input
 def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
     from fsdp_offload.checkpoint import CheckpointConfig, resume_point
 
