@@ -47,6 +47,7 @@ namespace {
 // Elements per block: one block's p, m, v, grad and sqrt scratch (about 36 KiB) stay in L1/L2
 // between the moment pass, the sqrt and the update pass, so memory is still read once.
 constexpr int64_t kBlock = 2048;
+constexpr int kChunk = 8;  // blocks a thread takes at a time
 
 enum class Grad { f32, bf16, f16 };
 enum class Out { none, bf16, f16 };
@@ -303,7 +304,10 @@ template <Grad G, Out O>
 void run(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl) {
   const int64_t nblocks = (s.n + kBlock - 1) / kBlock;
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), nblocks));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  // Dynamic, in chunks of kChunk blocks (~0.5 MB of state): the overlapped update runs beside the
+  // training loop's thread, which takes a core now and then; with a static split the thread that
+  // shares that core would hold every other one up at the end of the loop.
+#pragma omp parallel for schedule(dynamic, kChunk) num_threads(threads) if (threads > 1)
   for (int64_t b = 0; b < nblocks; ++b) {
     alignas(64) float root[kBlock];
     const int64_t lo = b * kBlock, hi = std::min(lo + kBlock, s.n);
