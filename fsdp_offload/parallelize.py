@@ -17,7 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
@@ -42,11 +44,20 @@ def shard_units(model: Transformer, **kw) -> None:
     fully_shard(model, **kw)
 
 
-def meta_fsdp_model(args: LlamaArgs, mp_policy: MixedPrecisionPolicy | None = None) -> Transformer:
-    """The model on the meta device, sharded by `shard_units`: its shapes, and no memory yet."""
+def data_parallel_mesh(device: torch.device) -> DeviceMesh:
+    """Every rank, in one dimension, on `device`'s type. FSDP2's default mesh is on the accelerator
+    whenever the machine has one, which would put a CPU run's shards on the GPU."""
+    if not dist.is_initialized():
+        dist.init_process_group()  # as fully_shard would: env://, torchrun's variables
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def meta_fsdp_model(args: LlamaArgs, device: torch.device, mp_policy: MixedPrecisionPolicy | None = None) -> Transformer:
+    """The model on the meta device, sharded by `shard_units` over the ranks' `device`s: its shapes,
+    and no memory yet."""
     with torch.device("meta"):
         model = Transformer(args)
-    shard_units(model, **({} if mp_policy is None else {"mp_policy": mp_policy}))
+    shard_units(model, mesh=data_parallel_mesh(device), **({} if mp_policy is None else {"mp_policy": mp_policy}))
     return model
 
 
@@ -86,7 +97,7 @@ def build_fsdp_model(
 ) -> Transformer:
     """The FP32 model on `device`, sharded by `shard_units`, initialised from `seed` (see the module's
     note: the same weights on any world size)."""
-    model = meta_fsdp_model(args, mp_policy)
+    model = meta_fsdp_model(args, device, mp_policy)
     model.to_empty(device=device)
     model.init_buffers()
     with torch.no_grad():
@@ -140,7 +151,7 @@ def build_offloaded_model(
     `init=False`: the masters start at zero and nothing is drawn, for a run that loads a checkpoint next.
     The weights equal build_fsdp_model's with the same seed, bit for bit."""
     cfg = offload_config(optimizer.get("offload"))
-    model = meta_fsdp_model(args)
+    model = meta_fsdp_model(args, device)
     cast_params(model, getattr(torch, cfg.param_dtype))  # on meta: nothing is allocated yet
     model.to_empty(device=device)
     model.init_buffers()

@@ -185,13 +185,13 @@ def build_fsdp_cpu_offload(args: argparse.Namespace, device):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
     from fsdp_offload.models import Transformer
-    from fsdp_offload.parallelize import shard_units
+    from fsdp_offload.parallelize import data_parallel_mesh, shard_units
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")  # pinning needs CUDA
     with torch.device("meta"):
         model = Transformer(model_args(args))
-    shard_units(model, mp_policy=mp, offload_policy=offload)
+    shard_units(model, mesh=data_parallel_mesh(device), mp_policy=mp, offload_policy=offload)
     model.to_empty(device="cpu")  # the sharded params live on CPU under CPUOffloadPolicy
     torch.manual_seed(args.seed)
     model.init_weights()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -31,9 +32,10 @@ STEPS, SAVE_AFTER, LR, BETAS, WD, MAX_NORM, SG = 5, 3, 3e-3, (0.9, 0.95), 0.1, 0
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # FSDP2's default is the GPU where there is one
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -298,6 +298,7 @@ def test_presets_match_their_sources():
 def _fsdp2_worker(rank: int, world: int, store: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -306,9 +307,10 @@ def _fsdp2_worker(rank: int, world: int, store: str) -> None:
         ref = build(args)
         with torch.device("meta"):
             model = Transformer(args)
+        mesh = init_device_mesh("cpu", (world,))  # FSDP2's default is the GPU where there is one
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)  # root: tok_embeddings (also the tied output) and norm
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # root: tok_embeddings (also the tied output) and norm
         model.to_empty(device="cpu")
         model.init_weights()
         opts = StateDictOptions(full_state_dict=True)

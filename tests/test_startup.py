@@ -112,3 +112,17 @@ def test_streamed_masters_refuse_params_out_of_order():
     masters(params[1])
     with pytest.raises(RuntimeError, match=r"model\.parameters\(\) order"):
         masters(params[0])
+
+
+def _cpu_run_where_a_gpu_is(rank: int, world: int, tmp: str) -> None:
+    # What a GPU machine reports: FSDP2's default mesh would then be a CUDA one, even for a CPU run.
+    torch._C._get_accelerator = lambda: torch.device("cuda")
+    model, opt = build_offloaded_model(ARGS, torch.device("cpu"), seed=SEED, offload=config(f"{tmp}/r{rank}"))
+    for name, param in model.named_parameters():
+        assert param.device_mesh.device_type == "cpu" and local_data(param).device.type == "cpu", name
+    opt.close()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_cpu_run_shards_on_the_cpu_where_a_gpu_is(tmp_path):
+    run_ranks(2, _cpu_run_where_a_gpu_is, str(tmp_path))
