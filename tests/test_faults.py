@@ -252,15 +252,20 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
 
     opt._kernel = interrupted_kernel
     raised = 0
-    for s in range(STEPS):
-        set_grads(mine, ref, s)
-        while True:
-            try:
-                opt.step()
-                break
-            except KeyboardInterrupt:
-                raised += 1  # the loop catches it and calls step() again, which finishes the step
-        ref_opt.step()
+    # Python's own Ctrl-C handler, also where pytest was started with SIGINT ignored (a shell's background job)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for s in range(STEPS):
+            set_grads(mine, ref, s)
+            while True:
+                try:
+                    opt.step()
+                    break
+                except KeyboardInterrupt:
+                    raised += 1  # the loop catches it and calls step() again, which finishes the step
+            ref_opt.step()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert raised == 6
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()
