@@ -12,6 +12,15 @@ import pytest
 RAM_DIR_MIN_FREE = 512 << 20
 
 
+@pytest.fixture(autouse=True)
+def cpu_only_children(request, monkeypatch):
+    """What a CPU test starts (train.py, torchrun, a script) runs on the CPU also on a GPU machine, as
+    dist_utils.run_ranks' ranks do: train.device=auto would take the GPU, and two ranks would share it.
+    Tests marked `gpu` keep it."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 @pytest.fixture
 def ram_dir(tmp_path):
     """A fresh directory on tmpfs, for throttled tiers: there the throttle alone sets the pace, so

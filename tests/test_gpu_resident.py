@@ -13,6 +13,7 @@ SG = 4096
 SHAPES = [(300, 37), (513,), (1000, 29), (2500,)]  # 43_113 elements: 11 subgroups
 STEPS = 5
 LR = 1e-2
+pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftest.py)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-resident state needs CUDA (and Triton)")
 
 

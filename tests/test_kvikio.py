@@ -18,6 +18,7 @@ from fsdp_offload.storage import kvikio as kvikio_tier
 
 from test_optimizer import SG, assert_same_as_reference, budget_for, run_pair
 
+pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftest.py)
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="KvikIO needs the CUDA driver (libcuda.so.1) and a GPU, even for host buffers"
 )

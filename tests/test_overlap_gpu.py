@@ -18,7 +18,7 @@ from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import LlamaArgs
 from fsdp_offload.parallelize import build_fsdp_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA streams and events need a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA streams and events need a GPU")]
 
 ARGS = LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128, activation_checkpointing=True)
 SG = 1 << 16

@@ -19,6 +19,9 @@ from fsdp_offload.parallelize import build_fsdp_model, build_offloaded_model
 SEED = 5
 
 
+pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftest.py)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the start-up's GPU peak")
 def test_streamed_startup_gpu_peak_and_resident_share(tmp_path):
     """On the GPU: the same weights as the plain start-up with a GPU-resident share, and a start-up peak

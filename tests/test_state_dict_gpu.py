@@ -19,7 +19,7 @@ from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_fsdp_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh needs a GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA mesh needs a GPU")]
 
 
 def make():
