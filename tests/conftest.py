@@ -8,8 +8,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 RAM_DIR_MIN_FREE = 512 << 20
+
+if torch.cuda.is_available():
+    # Fix this process's view of the GPU before any CPU test hides it from what it starts (below): once
+    # CUDA is initialised torch caches device_count(), read from CUDA_VISIBLE_DEVICES as it is at that
+    # moment, and a count first taken inside a CPU test (0) broke every GPU test after it.
+    torch.cuda.init()
+    assert torch.cuda.device_count() > 0
 
 
 @pytest.fixture(autouse=True)
