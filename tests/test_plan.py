@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 from test_fsdp import ARGS, SG
 
 from fsdp_offload import OffloadConfig, train
+from fsdp_offload import plan as plan_module
 from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
@@ -50,9 +51,11 @@ def test_plan_is_the_placement_the_optimizer_builds(tmp_path, world):
     run_ranks(world, _same_placement, str(tmp_path))
 
 
-def test_ranks_of_one_node_share_each_tier_s_bandwidth():
+def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
     # Same world size and layout per rank; on one node the two ranks stream through one disk, so each
-    # rank's I/O takes twice as long as with one rank on each of two nodes.
+    # rank's I/O takes twice as long as with one rank on each of two nodes. The 7b's state would not fit
+    # every test machine's /tmp: free space is test_tier_short_of_free_space's subject, not this one's.
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=16, subgroup_numel=100 * (1 << 20), kernel="torch")
     speeds = [TierSpeed(read_bps=2e9, write_bps=2e9, latency_s=0.0)]
     plan = lambda m: make_plan("7b", MODEL_PRESETS["7b"], cfg, m, 2048, 1, "cpu", cpu_rate=1e9, speeds=speeds)  # noqa: E731

@@ -5,11 +5,11 @@ test_startup.py: its gloo ranks must not see CUDA, which this module's skip cond
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import free_port
 from test_fsdp import ARGS
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -23,12 +23,21 @@ pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the start-up's GPU peak")
-def test_streamed_startup_gpu_peak_and_resident_share(tmp_path):
+def test_streamed_startup_gpu_peak_and_resident_share(tmp_path, monkeypatch):
     """On the GPU: the same weights as the plain start-up with a GPU-resident share, and a start-up peak
     well under the FP32 model's size (the plain start-up holds it whole)."""
-    if not dist.is_initialized():
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29731", RANK="0", WORLD_SIZE="1")
-        dist.init_process_group("nccl")
+    # one rank in pytest's own process: its env and process group must not outlive the test (a fixed
+    # MASTER_PORT left behind made later train.py runs fail to bind it)
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("nccl")
+    try:
+        _streamed_startup_gpu_peak_and_resident_share()
+    finally:
+        dist.destroy_process_group()
+
+
+def _streamed_startup_gpu_peak_and_resident_share() -> None:
     args = dataclasses.replace(ARGS, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=4096)
     device = torch.device("cuda")
     cfg = dict(subgroup_numel=1 << 20, kernel="torch", gpu_fraction=0.5)
