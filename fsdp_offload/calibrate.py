@@ -143,9 +143,10 @@ def tier_passes(
 
 
 def measure_tier(
-    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
+    spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 3
 ) -> TierSpeed:
-    """The tier's read and write bandwidth and per-request latency, from `tier_passes`.
+    """The tier's read and write bandwidth and per-request latency, from `tier_passes` (the median of
+    `samples` passes each way: one pass of a shared disk has been seen 1.7x off the next).
 
     The model charges a step's reads and writes one after the other; where the tier is slower with
     both under way (a disk), read and write bandwidth are scaled down together so that the model's

@@ -37,7 +37,7 @@ def in_unit(nbytes: float, unit: str) -> str:
     """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
     return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
 PARAM_DTYPES = ("bfloat16", "float16")
-GRAD_PATHS = ("host_bf16", "tier_fp32")
+GRAD_PATHS = ("host_bf16", "gpu_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
 OVERLAPS = ("next_forward", "backward", "auto", "none")
 
@@ -47,10 +47,10 @@ class OffloadConfig:
     # Storage paths for FP32 state that does not fit the host cache, e.g. ["posix:/local/nvme"].
     tiers: list[str] = field(default_factory=list)
     # The host memory this rank's optimizer keeps, in GiB: the low-precision grad/param staging buffer
-    # (2 bytes/param, page-locked), the FP32 state cache and, with grad_path="tier_fp32", its FP32 grad
-    # buffer. A number of GiB or a size ("6GiB", "512MiB", "8GB"). None: keep all state in host
-    # memory. "auto": the node's available memory (MemAvailable) less host_headroom_gb, divided among
-    # the node's ranks; the optimizer logs what it chose.
+    # (2 bytes/param, page-locked; one subgroup's with grad_path="gpu_bf16"), the FP32 state cache and,
+    # with grad_path="tier_fp32", its FP32 grad buffer. A number of GiB or a size ("6GiB", "512MiB",
+    # "8GB"). None: keep all state in host memory. "auto": the node's available memory (MemAvailable)
+    # less host_headroom_gb, divided among the node's ranks; the optimizer logs what it chose.
     host_budget_gb: float | str | None = None
     # host_budget_gb="auto" only: GiB of the node's available memory left to everything else.
     host_headroom_gb: float = 8.0
@@ -83,8 +83,11 @@ class OffloadConfig:
     gpu_fraction: float | str = 0.0
     # gpu_fraction="auto" only: GPU memory left free above the peak of the first step, in GiB.
     gpu_headroom_gb: float = 4.0
-    # "host_bf16": grads stay bf16 in host memory and are upcast in flight (MLP-Offload). "tier_fp32":
-    # upcast to FP32, written to the tiers and read back for the update, as DeepSpeed does (ablation).
+    # "host_bf16": grads stay bf16 in host memory and are upcast in flight (MLP-Offload). "gpu_bf16": the
+    # same, but the grads stay in GPU memory where backward made them, and each subgroup's come to the
+    # host just before its update (2 bytes/param of GPU memory instead of host memory: the host budget
+    # goes to the FP32 cache; needs CUDA params). "tier_fp32": upcast to FP32, written to the tiers and
+    # read back for the update, as DeepSpeed does (ablation).
     grad_path: str = "host_bf16"
     # Clip grads to this global L2 norm (across ranks) before any subgroup is updated; None: no clipping.
     max_grad_norm: float | None = None
@@ -111,7 +114,8 @@ class OffloadConfig:
     # None: measure every run (2+ tiers only) and write nothing outside the tiers.
     bandwidth_profile: str | None = None
     # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written (once to
-    # allocate, once timed), read, and half read while half written (calibrate.measure_tier).
+    # allocate), then 3 times each: written, read, and half read while half written; the medians
+    # count (calibrate.measure_tier).
     calibration_gb: float = 1.0
 
     def __post_init__(self) -> None:
@@ -185,7 +189,7 @@ class OffloadConfig:
         if self.param_dtype == "float16":
             return why.format(what="float16's loss scaling skips the whole step if any grad overflowed, which",
                               fix="use offload.param_dtype='bfloat16'")  # fmt: skip
-        if self.grad_path != "host_bf16":
+        if self.grad_path == "tier_fp32":
             return why.format(what=f"grad_path={self.grad_path!r} writes every grad to a tier first, which",
                               fix="use offload.grad_path='host_bf16'")  # fmt: skip
         if self.update_order != "forward":

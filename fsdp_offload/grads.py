@@ -1,14 +1,16 @@
 """The step's grads in one room: staged, scaled, clipped and handed to the update.
 
 Backward hands each param's low-precision grad to `StepGrads.stage`, which keeps it in the staging
-buffer (host memory; GPU memory for GPU-resident subgroups) and, when the step clips or checks fp16
-grads, takes its sum of squares where the grad already is (on the GPU, in the hook, during backward).
+buffer (host memory; GPU memory for GPU-resident subgroups, and for all with grad_path="gpu_bf16")
+and, when the step clips or checks fp16 grads, takes its sum of squares where the grad already is
+(on the GPU, in the hook, during backward).
 `step()` then asks for the factor every grad is multiplied by in flight (1 / loss scale x clip
 factor, or None when fp16 grads overflowed): one all-reduce of one scalar, no pass over the grads.
 Per subgroup it asks for the grads its update reads. Where those come from is the grad path, chosen
 once:
-- `HostGrads` ("host_bf16", the default): the staged bf16 grads themselves, upcast in flight by the
-  kernel (MLP-Offload's "skip gradients": no FP32 grad anywhere);
+- `LowpGrads` ("host_bf16", the default, and "gpu_bf16", whose staging buffer is in GPU memory): the
+  staged bf16 grads themselves, upcast in flight by the kernel (MLP-Offload's "skip gradients": no
+  FP32 grad anywhere);
 - `TierFP32Grads` ("tier_fp32", an ablation): DeepSpeed's way, every host subgroup's grads upcast to
   FP32, written to a tier and read back for its update (8 more bytes of I/O per param and step; the
   math is unchanged, a bf16 -> FP32 upcast being exact).
@@ -49,14 +51,15 @@ def square_sum(flat: torch.Tensor) -> torch.Tensor:
     return total
 
 
-class HostGrads:
+class LowpGrads:
     """Grads stay low-precision in the staging buffer; the kernel upcasts them in flight."""
 
     def before_update(self, subgroups: list[int], staging: LowpStaging) -> list[Transfer]:
         return []
 
-    def for_update(self, sg: int, staging: LowpStaging) -> tuple[torch.Tensor, Transfer | None]:
-        return staging.view(sg), None
+    def for_update(self, sg: int, lowp: torch.Tensor) -> tuple[torch.Tensor, Transfer | None]:
+        """The grads a CPU update of `sg` reads, given its staged part in host memory (`lowp`)."""
+        return lowp, None
 
 
 class TierFP32Grads:
@@ -88,7 +91,7 @@ class TierFP32Grads:
             self._tier_of[sg] = tier
         return done
 
-    def for_update(self, sg: int, staging: LowpStaging) -> tuple[torch.Tensor, Transfer | None]:
+    def for_update(self, sg: int, lowp: torch.Tensor) -> tuple[torch.Tensor, Transfer | None]:
         """Subgroup `sg`'s FP32 grads, read back (valid until the next read)."""
         buf = self._view(sg)
         t = self.tiers[self._tier_of[sg]].read(self._first_key + sg, buf).result()
@@ -102,7 +105,7 @@ class StepGrads:
         self,
         cfg: OffloadConfig,
         staging: LowpStaging,
-        path: HostGrads | TierFP32Grads,
+        path: LowpGrads | TierFP32Grads,
         local_shapes: list[torch.Size],
         group: dist.ProcessGroup | None,
         device: torch.device,

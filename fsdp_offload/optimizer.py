@@ -30,7 +30,7 @@ from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
 )  # fmt: skip
-from .grads import HostGrads, StepGrads, TierFP32Grads
+from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
 from .memory import resolve_host_budget
 from .metrics import StepMetrics, step_metrics
@@ -122,7 +122,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._size_gpu_share = False
         # sized before the staging buffer takes its share of the host memory that "auto" measures
         budget, budget_name = resolve_host_budget(cfg, mesh_group(self._params), device)
-        staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", on_gpu, device)
+        grads_on_gpu = cfg.grad_path == "gpu_bf16"
+        if grads_on_gpu and device.type != "cuda":
+            raise ValueError(
+                f"offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the params are on {device}: "
+                "use offload.grad_path='host_bf16'"
+            )
+        staged_on_gpu = frozenset(range(len(self.layout))) if grads_on_gpu else on_gpu
+        staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", staged_on_gpu, device,
+                              host_window=grads_on_gpu and len(on_gpu) < len(self.layout))  # fmt: skip
         fp32_grads = cfg.grad_path == "tier_fp32"
         grad_slots = TierFP32Grads.slot_bytes(self.layout) if fp32_grads else []
         try:
@@ -159,7 +167,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grads_missing: list[int] = []
         self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
         self._closer = weakref.finalize(self, _close_all, [staging, self.store, self._inflight])
-        path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else HostGrads()
+        path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else LowpGrads()
         self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], mesh_group(self._params), device)
         self._copies = CopyStream(device)
 
@@ -399,7 +407,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         peak = torch.cuda.max_memory_allocated(device)
         # what this process may still take (free, plus what its allocator caches) beyond its own peak
         available = free + torch.cuda.memory_reserved(device) - peak - headroom
-        count, used = last_that_fit(self.layout, self.store.host_subgroups, available, self.param_dtype.itemsize)
+        staging_moves = self.offload.grad_path != "gpu_bf16"  # (gpu_bf16: every subgroup's is on the GPU already)
+        count, used = last_that_fit(self.layout, self.store.host_subgroups, available, self.param_dtype.itemsize * staging_moves)
         if count:
             self._copies.wait_host()  # the grads staged for this step are read as they move
             moved = self.store.move_to_gpu(count, device)
@@ -517,10 +526,12 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
         subgroup = self.layout.subgroups[sg]
         p, m, v = subgroup.parts(state)
-        out = self.grads.staging.view(sg)  # the kernel writes the new low-precision params over the grads
+        staging = self.grads.staging
+        # the kernel writes the new low-precision params over the grads
+        out = staging.view(sg) if state.is_cuda else staging.for_cpu_update(sg)
         g = out
         if not state.is_cuda:
-            g, transfer = self.grads.path.for_update(sg, self.grads.staging)
+            g, transfer = self.grads.path.for_update(sg, out)
             if transfer is not None:
                 self.store.record_io([transfer])
         kernel = self._gpu_kernel if state.is_cuda else self._kernel
@@ -542,6 +553,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                 p[piece], m[piece], v[piece], g[piece], out[piece],
                 **self._hyper[group], step=step, grad_scale=grad_scale,
             )  # fmt: skip
+        if not state.is_cuda:
+            staging.after_cpu_update(sg, out)
 
     def _params_written(self) -> None:
         """Makes the next forward wait for the params copied back so far."""

@@ -87,7 +87,7 @@ class RankPlan:
     subgroups: int
     state_bytes: int  # FP32 masters + moments, all levels
     gpu_subgroups: int
-    gpu_state_bytes: int
+    gpu_state_bytes: int  # FP32 state in GPU memory, with its staging (and every subgroup's, grad_path=gpu_bf16)
     cache_slots: int
     cache_bytes: int
     staging_bytes: int  # low-precision grad/param staging in host memory (page-locked on GPU machines)
@@ -208,16 +208,25 @@ def plan_rank(
     local = sum(layout.numels)
     startup = local * itemsize + 4 * shapes.largest_module
     train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
+    grads_on_gpu = cfg.grad_path == "gpu_bf16" and gpu_bytes is not None
+    # grad_path="gpu_bf16": every subgroup's staging part is in GPU memory from the start; otherwise
+    # only a GPU-resident subgroup's, which goes along with its state
+    gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
+    moving = 0 if grads_on_gpu else itemsize
     if gpu_bytes is None:  # CPU training: nothing on a GPU
         on_gpu = frozenset()
     elif cfg.gpu_fraction == "auto":  # what the run will size after its first step, from the training peak (estimated here)
-        count, _ = last_that_fit(layout, list(range(len(layout))), gpu_bytes - train - int(cfg.gpu_headroom_gb * GIB), itemsize)
+        room = gpu_bytes - train - gpu_staging - int(cfg.gpu_headroom_gb * GIB)
+        count, _ = last_that_fit(layout, list(range(len(layout))), room, moving)
         on_gpu = frozenset(range(len(layout) - count, len(layout)))
     else:
         on_gpu = gpu_share(layout, cfg.gpu_fraction)
-    gpu_state = sum(gpu_subgroup_bytes(layout, sg, itemsize) for sg in on_gpu)
+    gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
-    staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
+    if grads_on_gpu:  # the host window that a CPU-updated subgroup's grads and params pass through
+        staging = itemsize * max(sg.padded for sg in layout.subgroups) if host_sgs else 0
+    else:
+        staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     fp32_grads = 4 * max(sg.padded for sg in layout.subgroups) if cfg.grad_path == "tier_fp32" else 0
     try:
         slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads)

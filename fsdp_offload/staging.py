@@ -3,6 +3,10 @@
 Backward hands each param's bf16/fp16 grad into it; after a subgroup's update the kernel overwrites
 that subgroup's grads with the new bf16/fp16 params, which are copied from here back into the model.
 One buffer does both jobs, so no FP32 grad and no second low-precision copy is ever held.
+
+A subgroup's part lives in host memory, or in GPU memory (GPU-resident state, or grad_path="gpu_bf16").
+A part in GPU memory whose subgroup is updated on the CPU passes through a page-locked window of one
+subgroup: its grads come down into it just before the update, its new params go back up from it.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ class LowpStaging:
         pin: bool,
         on_device: frozenset[int] = frozenset(),
         device: torch.device | None = None,
+        host_window: bool = False,
     ) -> None:
-        """`on_device`: subgroups whose part of the buffer lives on `device` (GPU-resident state)."""
+        """`on_device`: subgroups whose part of the buffer lives on `device`; `host_window`: some of them
+        are updated on the CPU (grad_path="gpu_bf16"), through a host window of the largest subgroup."""
         if dtype not in LOWP_DTYPES:
             raise ValueError(f"param_dtype must be one of {LOWP_DTYPES}, got {dtype}")
         self.layout = layout
@@ -39,9 +45,11 @@ class LowpStaging:
             else:
                 self._where.append((False, host_numel))
                 host_numel += sg.padded
-        self._raw = host_buffer(host_numel * itemsize, pin)
-        self._pinned = pin and host_numel > 0
-        self.buffer = self._raw.view(dtype)
+        window_numel = max(sg.padded for sg in layout.subgroups) if host_window else 0
+        self._raw = host_buffer((host_numel + window_numel) * itemsize, pin)
+        self._pinned = pin and self._raw.numel() > 0
+        self.buffer = self._raw.view(dtype)[:host_numel]
+        self._window = self._raw.view(dtype)[host_numel:]
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         self._make_pieces()
@@ -72,12 +80,34 @@ class LowpStaging:
 
     @property
     def nbytes(self) -> int:
+        """Host bytes (the host parts and the window)."""
         return self._raw.numel()
 
     def view(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part of the buffer (padded length)."""
         on_device, lo = self._where[sg]
         return (self.device_buffer if on_device else self.buffer)[lo : lo + self.layout.subgroups[sg].padded]
+
+    def for_cpu_update(self, sg: int) -> torch.Tensor:
+        """Subgroup `sg`'s part in host memory, for a CPU update that reads grads from it and writes new
+        params over them: the part itself, or the host window with the part's grads copied into it
+        (on the caller's current stream; waited for here)."""
+        on_device, _ = self._where[sg]
+        if not on_device:
+            return self.view(sg)
+        part = self.view(sg)
+        window = self._window[: part.numel()]
+        window.copy_(part, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
+        done.record()
+        done.synchronize()
+        return window
+
+    def after_cpu_update(self, sg: int, lowp: torch.Tensor) -> None:
+        """Puts the new params of a part updated through the host window back into the part (queued on
+        the current stream, before anything that reuses the window)."""
+        if self._where[sg][0]:
+            self.view(sg).copy_(lowp, non_blocking=True)
 
     def stage(self, param: int, grad: torch.Tensor) -> None:
         """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer.

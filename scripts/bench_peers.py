@@ -69,7 +69,7 @@ GIB = 1 << 30
 ZERO_INFINITY_BYTES_PER_PARAM = 32
 # Disk space a system needs per param on --tier-dir (checked before it starts): FP32 p, m, v (this
 # product); plus the FP32 grad (ZeRO-Infinity).
-DISK_BYTES_PER_PARAM = {"disk": 12, "disk_sync": 12, "disk_auto": 12, "zero_infinity": 16}
+DISK_BYTES_PER_PARAM = {"disk": 12, "disk_grads_on_gpu": 12, "disk_sync": 12, "disk_auto": 12, "zero_infinity": 16}
 PEER_LR = 3e-3  # train.yaml's lr; the peers keep it constant (train.py warms up): speed does not depend on it
 BETAS = (0.9, 0.95)
 WEIGHT_DECAY = 0.1
@@ -93,6 +93,9 @@ SYSTEMS = {
         System("host", "this product, scripts/train.py offload=host (FP32 state in host memory)", "train.py", offload="host"),
         System("fsdp_cpu_offload_clip", "FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU + clip_grad_norm_", "fsdp"),
         System("disk", "this product, scripts/train.py offload=disk (tier dir, host budget)", "train.py", offload="disk", disk=True),
+        System("disk_grads_on_gpu", "this product, offload=disk, the bf16 grads kept in GPU memory and the whole host "
+               "budget for the FP32 cache (offload.grad_path=gpu_bf16)", "train.py", offload="disk", disk=True,
+               overrides=("++offload.grad_path=gpu_bf16",)),  # fmt: skip
         System("zero_infinity", "DeepSpeed ZeRO-3, offload_optimizer nvme on the tier dir, DeepSpeedCPUAdam", "deepspeed",
                offload="nvme", disk=True),  # fmt: skip
         System("host_noclip", "this product, offload=host, no clipping", "train.py", clip=False, offload="host"),
@@ -120,6 +123,7 @@ RATIOS = {
     "ratio_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host"),
     "ratio_vs_fsdp_cpu_offload": ("fsdp_cpu_offload", "host_noclip"),
     "ratio_vs_zero_infinity": ("zero_infinity", "disk"),
+    "ratio_disk_grads_on_gpu_vs_zero_infinity": ("zero_infinity", "disk_grads_on_gpu"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
     "ratio_host_auto_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_auto"),

@@ -83,15 +83,17 @@ def test_gpu_fraction_auto_on_cpu_keeps_state_off_the_gpu(tmp_path):
 
 
 @needs_cuda
+@pytest.mark.parametrize("grad_path", ["host_bf16", "gpu_bf16"])
 @pytest.mark.parametrize("headroom_gb,moved", [(4.0, 11), (1e6, 0)])
-def test_gpu_fraction_auto_moves_what_fits_after_the_first_step(tmp_path, headroom_gb, moved):
+def test_gpu_fraction_auto_moves_what_fits_after_the_first_step(tmp_path, headroom_gb, moved, grad_path):
     """After the first step, as many subgroups as fit (all 11 here; none with a headroom larger than the
-    GPU) move to GPU memory, from the host cache and from the tier, and training goes on as before."""
+    GPU) move to GPU memory, from the host cache and from the tier, and training goes on as before;
+    with the grads in host memory or kept in GPU memory."""
     torch.manual_seed(0)
     init = [torch.randn(s) for s in SHAPES]
     mine = [torch.nn.Parameter(t.cuda()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    cfg = config(tmp_path, gpu_headroom_gb=headroom_gb)
+    cfg = config(tmp_path, gpu_headroom_gb=headroom_gb, grad_path=grad_path)
     cfg.gpu_fraction = "auto"
     opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)

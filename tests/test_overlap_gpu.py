@@ -1,6 +1,7 @@
 """The overlapped update on a CUDA FSDP2 model (one NCCL rank): the side stream, the per-unit events
 and the grads' events are what the CPU tests cannot reach. Every overlap, with state in host memory,
-on disk and partly on the GPU, gives the synchronous step's losses and params bit for bit."""
+on disk and partly on the GPU, and with the grads in host or GPU memory, gives the synchronous step's
+losses and params bit for bit."""
 
 from __future__ import annotations
 
@@ -23,21 +24,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 ARGS = LlamaArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, max_seq_len=128, activation_checkpointing=True)
 SG = 1 << 16
 STEPS = 5
-VARIANTS = {  # name: (overlap, gpu_fraction, on disk)
-    "sync": ("none", 0.0, False),
-    "next_forward": ("next_forward", 0.0, False),
-    "backward": ("backward", 0.0, False),
-    "backward_disk": ("backward", 0.0, True),
-    "backward_gpu": ("backward", 0.5, False),
-    "sync_gpu": ("none", 0.5, False),
+VARIANTS = {  # name: (overlap, gpu_fraction, on disk, grad_path)
+    "sync": ("none", 0.0, False, "host_bf16"),
+    "next_forward": ("next_forward", 0.0, False, "host_bf16"),
+    "backward": ("backward", 0.0, False, "host_bf16"),
+    "backward_disk": ("backward", 0.0, True, "host_bf16"),
+    "backward_gpu": ("backward", 0.5, False, "host_bf16"),
+    "sync_gpu": ("none", 0.5, False, "host_bf16"),
+    # grads kept in GPU memory, each subgroup's brought to the host for its CPU update
+    "sync_disk_grads_on_gpu": ("none", 0.0, True, "gpu_bf16"),
+    "next_forward_disk_grads_on_gpu": ("next_forward", 0.0, True, "gpu_bf16"),
+    "backward_grads_on_gpu": ("backward", 0.0, False, "gpu_bf16"),
+    "next_forward_gpu_grads_on_gpu": ("next_forward", 0.5, False, "gpu_bf16"),
 }
 
 
-def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool) -> tuple[list[float], list[torch.Tensor]]:
+def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool, grad_path: str) -> tuple[list[float], list[torch.Tensor]]:
     device = torch.device("cuda")
     model = build_fsdp_model(ARGS, device)
     extra = dict(tiers=[f"posix:{tmp}"], host_budget_gb=(2 * 60 * SG + 3 * 12 * SG) / 2**30) if disk else {}
-    cfg = OffloadConfig(subgroup_numel=SG, kernel="torch", overlap=overlap, gpu_fraction=gpu_fraction, **extra)
+    cfg = OffloadConfig(subgroup_numel=SG, kernel="torch", overlap=overlap, gpu_fraction=gpu_fraction, grad_path=grad_path,
+                        **extra)  # fmt: skip
     opt = OffloadAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, model=model, offload=cfg)
     g = torch.Generator().manual_seed(0)
     losses = []
@@ -62,9 +69,9 @@ def _rank(rank: int, port: int, tmp: str) -> None:
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         out = {}
-        for name, (overlap, gpu_fraction, disk) in VARIANTS.items():
+        for name, variant in VARIANTS.items():
             os.makedirs(f"{tmp}/{name}", exist_ok=True)
-            out[name] = train(f"{tmp}/{name}", overlap, gpu_fraction, disk)
+            out[name] = train(f"{tmp}/{name}", *variant)
         torch.save(out, f"{tmp}/out.pt")
     finally:
         dist.destroy_process_group()
@@ -74,7 +81,7 @@ def test_every_overlap_is_bit_exact_on_cuda(tmp_path):
     mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
     out = torch.load(tmp_path / "out.pt")
     for name, (losses, tensors) in out.items():
-        base_losses, base = out["sync_gpu" if name.endswith("_gpu") else "sync"]
+        base_losses, base = out["sync_gpu" if VARIANTS[name][1] else "sync"]  # (the Triton kernel is not bitwise torch's)
         assert losses == base_losses, f"{name}: losses {losses} differ from the synchronous step's {base_losses}"
         for i, (a, b) in enumerate(zip(tensors, base)):
             assert torch.equal(a, b), f"{name}: tensor {i} differs from the synchronous step's"

@@ -64,6 +64,26 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
     assert two_nodes.ranks[0].io_s > 0
 
 
+def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
+    """grad_path="gpu_bf16": the host keeps one subgroup's window instead of every grad, so the same
+    budget holds more of the FP32 state, and the GPU holds the grads instead."""
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    machine = MachineConfig(gpu_gib=80, host_gib=512)
+
+    def plan(grad_path: str):
+        cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=8, grad_path=grad_path)
+        return make_plan("1b", MODEL_PRESETS["1b"], cfg, machine, 2048, 1, "cuda").ranks[0]
+
+    host, gpu = plan("host_bf16"), plan("gpu_bf16")
+    assert host.staging_bytes >= 2 * host.params  # every grad, bf16
+    assert gpu.staging_bytes == 2 * 100 * (1 << 20)  # one subgroup's window
+    assert (host.cache_slots, gpu.cache_slots) == (4, 6)
+    assert gpu.gpu_train_bytes - host.gpu_train_bytes == gpu.gpu_state_bytes == host.staging_bytes
+    cpu = make_plan("1b", MODEL_PRESETS["1b"], OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=8, grad_path="gpu_bf16"),
+                    MachineConfig(host_gib=512), 2048, 1, "cpu")  # fmt: skip
+    assert cpu.ranks[0].staging_bytes == host.staging_bytes  # no GPU: the grads stay in host memory
+
+
 def test_host_too_small_names_the_level_and_the_shortfall():
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=4, subgroup_numel=100 * (1 << 20))
     with pytest.raises(PlanError, match=r"host memory, rank 0: offload\.host_budget_gb=4 is below the pipeline's minimum of"):
