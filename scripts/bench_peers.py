@@ -27,13 +27,13 @@ Just before each disk system, the disk under --tier-dir is measured as the pipel
 threads; write, read, and both at once with half the threads each; median of 3):
 `raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate.
 
-On the GPU machine (DeepSpeed, hydra and libaio from .carry/, see .carry/setup_peers.sh and
-shared/DEVICE.md), in two calls on one warm machine: the first builds DeepSpeed's ops and this
-product's kernel (~2 min), so that the second (~8 min at --steps 4) spends its time on training;
---time-budget-s makes it write the JSON before a 10-minute limit, reporting what it could not start:
+On the GPU machine, with the wheels of ../shared/wheels/{device,peers} and libaio unpacked into an
+ignored folder that travels with the checkout (say .carry/, see scripts/setup_gpu_machine.sh), in one
+call of under 10 minutes: DeepSpeed builds its ops on first use (~2 min) before its ~25 s steps;
+--time-budget-s makes it write the JSON before the limit, reporting what it could not start:
 
-    bash .carry/setup_peers.sh --build-ops
-    bash .carry/setup_peers.sh && PYTHONPATH=$PWD python3 scripts/bench_peers.py --steps 4 \\
+    bash scripts/setup_gpu_machine.sh .carry/wheels .carry/libaio && python3 scripts/bench_peers.py \
+        --systems disk_grads_on_gpu,zero_infinity --steps 5 --warmup-steps 2 --raw-io-gib 2 \
         --device-kind nvidia-h100-x1 --out $OUT --log-dir $OUT/logs --time-budget-s 540
 
 Here (CPU, tiny model; DeepSpeed peers report why they cannot run):
@@ -234,7 +234,7 @@ def run_worker(args: argparse.Namespace) -> None:
         try:  # first: without DeepSpeed nothing else matters
             import deepspeed
         except Exception as exc:  # noqa: BLE001 - any import failure is the reason
-            fail(f"import deepspeed failed ({type(exc).__name__}: {exc}); on the GPU machine run `bash .carry/setup_peers.sh` first")
+            fail(f"import deepspeed failed ({type(exc).__name__}: {exc}); on the GPU machine run `bash scripts/setup_gpu_machine.sh WHEEL_DIR LIBAIO_ROOT` first")
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
