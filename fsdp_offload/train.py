@@ -40,7 +40,7 @@ from .config import OffloadConfig, dataclass_from, register_tmpdir_resolver
 from .data import DataConfig, TokenBatches
 from .models import LlamaArgs, num_params
 from .optimizer import OffloadAdamW
-from .memory import node_ranks
+from .memory import node_ranks, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .plan import MachineConfig, make_plan, plan_summary, preset_name
 from .storage import TierError
@@ -224,7 +224,15 @@ def _run(cfg: DictConfig) -> list[dict]:
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
-        local = node_ranks(dist.group.WORLD if world > 1 else None)
+        group = dist.group.WORLD if world > 1 else None
+        local = node_ranks(group)
+        if recipe.config.host_budget_gb == "auto":
+            # Sized once, now, for the plan and the optimizer alike: what this process takes from here on
+            # (the CUDA context, the model's build) is the headroom's share, not the optimizer's.
+            budget, what = resolve_host_budget(recipe.config, group, device)
+            if rank == 0:
+                log.info("%s", what)
+            recipe.config = dataclasses.replace(recipe.config, host_budget_gb=f"{budget // 1024}KiB")
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
                          dcfg.seq_len, dcfg.micro_batch, device.type)  # fmt: skip
         if rank == 0:

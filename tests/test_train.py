@@ -54,6 +54,16 @@ def test_main_command_trains_the_tiny_model(tmp_path):
     assert sum(sum(r["bytes_read"].values()) for r in log) > 0  # the state really streamed through the tier
 
 
+def test_auto_host_budget_is_sized_once_for_the_plan_and_the_optimizer(tmp_path):
+    """host_budget_gb=auto is measured once, before the model is built: the placement the planner logs
+    is the one the optimizer builds (the memory the process takes in between is the headroom's)."""
+    out = train(tmp_path / "run", "offload.host_budget_gb=auto", "train.steps=2")
+    placement = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert placement["plan"]["cache_slots"] == placement["built"]["cache_slots"]
+    assert placement["plan"]["gpu_subgroups"] == placement["built"]["gpu_subgroups"]
+    assert "offload.host_budget_gb=auto (" in out.stdout + out.stderr
+
+
 def final_state(ckpt: str, out: Path) -> dict:
     """The model (through DCP's own converter: a plain DCP checkpoint) and every rank's subgroups
     (their raw bytes, where the checkpoint's metadata says they lie)."""
