@@ -37,7 +37,7 @@ from .metrics import StepMetrics, step_metrics
 from .order import forward_order, order_ending_with, update_order
 from .overlap import UpdateAborted, UpdateInFlight
 from .staging import LowpStaging
-from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups, last_that_fit
+from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups, last_that_fit, moved_staging_itemsize
 from .subgroups import SubgroupLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -407,8 +407,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         peak = torch.cuda.max_memory_allocated(device)
         # what this process may still take (free, plus what its allocator caches) beyond its own peak
         available = free + torch.cuda.memory_reserved(device) - peak - headroom
-        staging_moves = self.offload.grad_path != "gpu_bf16"  # (gpu_bf16: every subgroup's is on the GPU already)
-        count, used = last_that_fit(self.layout, self.store.host_subgroups, available, self.param_dtype.itemsize * staging_moves)
+        moving = moved_staging_itemsize(self.offload.grad_path, self.param_dtype.itemsize)
+        count, used = last_that_fit(self.layout, self.store.host_subgroups, available, moving)
         if count:
             self._copies.wait_host()  # the grads staged for this step are read as they move
             moved = self.store.move_to_gpu(count, device)

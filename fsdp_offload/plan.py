@@ -37,7 +37,7 @@ from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import expected_step_seconds, make_placement, steady_traffic
 from .storage import TierError
-from .store import gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit
+from .store import gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit, moved_staging_itemsize
 from .subgroups import SubgroupLayout
 from .threads import cpu_threads_per_rank, use_cpu_threads
 
@@ -212,7 +212,7 @@ def plan_rank(
     # grad_path="gpu_bf16": every subgroup's staging part is in GPU memory from the start; otherwise
     # only a GPU-resident subgroup's, which goes along with its state
     gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
-    moving = 0 if grads_on_gpu else itemsize
+    moving = moved_staging_itemsize(cfg.grad_path, itemsize)
     if gpu_bytes is None:  # CPU training: nothing on a GPU
         on_gpu = frozenset()
     elif cfg.gpu_fraction == "auto":  # what the run will size after its first step, from the training peak (estimated here)

@@ -53,6 +53,12 @@ def gpu_subgroup_bytes(layout: SubgroupLayout, sg: int, itemsize: int) -> int:
     return layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded
 
 
+def moved_staging_itemsize(grad_path: str, itemsize: int) -> int:
+    """Bytes per element of a subgroup's staging part that go to the GPU with its state: none with
+    grad_path="gpu_bf16", where every part is in GPU memory from the start."""
+    return 0 if grad_path == "gpu_bf16" else itemsize
+
+
 def last_that_fit(layout: SubgroupLayout, candidates: list[int], room: int, itemsize: int) -> tuple[int, int]:
     """How many of the last `candidates` fit in `room` bytes of GPU memory, and the bytes they take
     (offload.gpu_fraction="auto")."""

@@ -32,8 +32,8 @@ ignored folder that travels with the checkout (say .carry/, see scripts/setup_gp
 call of under 10 minutes: DeepSpeed builds its ops on first use (~2 min) before its ~25 s steps;
 --time-budget-s makes it write the JSON before the limit, reporting what it could not start:
 
-    bash scripts/setup_gpu_machine.sh .carry/wheels .carry/libaio && python3 scripts/bench_peers.py \
-        --systems disk_grads_on_gpu,zero_infinity --steps 5 --warmup-steps 2 --raw-io-gib 2 \
+    bash scripts/setup_gpu_machine.sh .carry/wheels .carry/libaio && python3 scripts/bench_peers.py \\
+        --systems disk_grads_on_gpu,zero_infinity --steps 5 --warmup-steps 2 --raw-io-gib 2 \\
         --device-kind nvidia-h100-x1 --out $OUT --log-dir $OUT/logs --time-budget-s 540
 
 Here (CPU, tiny model; DeepSpeed peers report why they cannot run):
