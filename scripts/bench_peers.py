@@ -25,7 +25,10 @@ warms up allocators, kernels and the page cache).
 Just before each disk system, the disk under --tier-dir is measured as the pipeline uses it
 (`fsdp_offload.calibrate.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
 threads; write, read, and both at once with half the threads each; median of 3):
-`raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate.
+`raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step / that rate. It is
+measured again right after the system (`raw_mixed_io_after_gbps`, `physical_limit_after_s`): a
+disk that bursts on credits is faster before a run than during it (`bench_io.py --sustained-s`
+shows whether this one does).
 
 On the GPU machine, with the wheels of ../shared/wheels/{device,peers} and libaio unpacked into an
 ignored folder that travels with the checkout (say .carry/, see scripts/setup_gpu_machine.sh), in one
@@ -523,9 +526,20 @@ def summarize(system: System, rows: list[dict], info: dict, args: argparse.Names
     return out
 
 
+def with_raw_after(out: dict, raw_after: dict) -> dict:
+    """`out` with the disk as measured right after the system ran: the limit its steps met, on a disk
+    whose rate moves with the load it just had (a cloud disk bursts on credits that a run drains)."""
+    out = {**out, "raw_io_after": raw_after}
+    if raw_after.get("mixed_gbps"):
+        out["raw_mixed_io_after_gbps"] = raw_after["mixed_gbps"]
+        if out.get("disk_bytes_per_step") is not None:
+            out["physical_limit_after_s"] = out["disk_bytes_per_step"] / (raw_after["mixed_gbps"] * 1e9)
+    return out
+
+
 def measure_disk(args: argparse.Namespace) -> dict:
-    """The disk under --tier-dir measured as the pipeline uses it, just before a disk system runs
-    (the machines' disks drift by tens of percent within minutes)."""
+    """The disk under --tier-dir measured as the pipeline uses it, just before a disk system runs and
+    again just after it (the machines' disks drift by tens of percent within minutes)."""
     if args.raw_io_gib <= 0:
         return {"skipped": "--raw-io-gib 0"}
     from fsdp_offload.calibrate import measure_raw_io
@@ -614,7 +628,7 @@ def fmt(v, spec: str = ".3f") -> str:
 
 
 def print_table(runs: dict, ratio_values: dict, basis: dict) -> None:
-    head = f"{'system':<22} {'iteration':>9} {'forward':>8} {'backward':>8} {'update':>8} {'exposed':>8} {'GPU GiB':>8} {'host GiB':>8} {'eff I/O GB/s':>12}"
+    head = f"{'system':<22} {'iteration':>9} {'forward':>8} {'backward':>8} {'update':>8} {'exposed':>8} {'GPU GiB':>8} {'host GiB':>8} {'eff I/O GB/s':>12} {'raw before/after':>16}"
     print("\n" + head)
     for name, r in runs.items():
         if "error" in r:
@@ -622,7 +636,8 @@ def print_table(runs: dict, ratio_values: dict, basis: dict) -> None:
             continue
         print(f"{name:<22} {fmt(r['iteration_s']):>9} {fmt(r['forward_s']):>8} {fmt(r['backward_s']):>8} {fmt(r['update_s']):>8} "
               f"{fmt(r['exposed_update_s']):>8} {fmt(r['gpu_peak_gib'], '.1f'):>8} {fmt(r['host_peak_gib'], '.1f'):>8} "
-              f"{fmt(r['effective_io_gbps'], '.2f'):>12}")  # fmt: skip
+              f"{fmt(r['effective_io_gbps'], '.2f'):>12} "
+              f"{fmt(r.get('raw_mixed_io_gbps'), '.2f') + '/' + fmt(r.get('raw_mixed_io_after_gbps'), '.2f'):>16}")  # fmt: skip
     for name, v in ratio_values.items():
         print(f"{name} = {fmt(v, '.2f')}  ({basis[name]})")
 
@@ -731,6 +746,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 raw_io = measure_disk(args) if system.disk else {}
                 runs[system.name] = run_system(system, args, run_root, raw_io, params, deadline)
+                if system.disk and "wall_s" in runs[system.name]:  # it ran: the disk as it left it
+                    runs[system.name] = with_raw_after(runs[system.name], measure_disk(args))
             except Exception as exc:  # noqa: BLE001 - the bench itself failed on this system: say so, go on
                 runs[system.name] = {"what": system.what, "error": f"bench_peers failed to run it: {type(exc).__name__}: {exc}"}
     finally:

@@ -50,6 +50,8 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     assert disk["effective_io_gbps"] > 0 and disk["disk_bytes_per_step"] > 0
     assert disk["raw_mixed_io_gbps"] == disk["raw_io"]["mixed_gbps"] > 0
     assert disk["physical_limit_s"] > 0
+    assert disk["raw_mixed_io_after_gbps"] == disk["raw_io_after"]["mixed_gbps"] > 0  # measured again after it ran
+    assert disk["physical_limit_after_s"] == disk["disk_bytes_per_step"] / (disk["raw_mixed_io_after_gbps"] * 1e9)
     assert runs["host"]["physical_limit_s"] is None  # nothing of it goes through the disk
 
     fsdp = runs["fsdp_cpu_offload_clip"]
