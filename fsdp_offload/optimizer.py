@@ -179,6 +179,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._hyper: list[dict[str, float]] = []  # each group's hyperparameters, taken when the step began
         self._after_backward = None  # CUDA event after the work queued before step(): the update's copies follow it
         self._begin_s = 0.0  # time step() took before the update could start
+        self._norm_s = 0.0  # time this step's step() took to take the grad norm (metrics.norm_s)
         self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
         self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
@@ -501,7 +502,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise RuntimeError("step() called before any backward: no param has a grad")
         # first: if it fails, the step has changed nothing yet
         self.store.record_io(self.grads.path.before_update(self.store.host_subgroups, self.grads.staging))
+        taken = time.perf_counter()
         scale = self.grads.grad_scale()
+        self._norm_s = time.perf_counter() - taken
         if scale is None:
             self.skipped_steps += 1
             self.grads.clear()
@@ -574,6 +577,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store.stored_locations(),
         )  # fmt: skip
         self._finished.subgroups_on_gpu = len(self.store.gpu_state)
+        self._finished.norm_s, self._norm_s = self._norm_s, 0.0
         for i, has in enumerate(self.grads.staged):
             self._steps[i] += has
         self.step_count += 1

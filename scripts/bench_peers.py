@@ -487,6 +487,9 @@ def summarize(system: System, rows: list[dict], info: dict, args: argparse.Names
         )
     if any("overlap_s" in r for r in measured):
         out["overlap_s"] = mean(measured, "overlap_s")
+    if any("norm_s" in r for r in measured):  # this product: step()'s time for the global grad norm
+        out["norm_s"] = mean(measured, "norm_s")
+        out["norm_share_of_iteration"] = out["norm_s"] / out["iteration_s"] if out["iteration_s"] else None
     # The system process's own ru_maxrss (RUSAGE_SELF, logged after each step: start-up included).
     # wait4's figure also covers its children, e.g. the compilers of a first DeepSpeed op build.
     out["host_peak_gib"] = max((r["host_peak_gib"] for r in rows if "host_peak_gib" in r), default=host_peak)
