@@ -3,7 +3,8 @@
 Three runs of the same LLaMA-style model, one after another in one process:
   1. plain FSDP2: FP32 sharded params, bf16 compute (MixedPrecisionPolicy), fused torch AdamW on GPU;
   2. the bf16-sharded model with no optimizer hooks (backward time without the D2H grad copies);
-  3. FSDP2 + OffloadAdamW: bf16 params, grads to host in backward, FP32 state out of core.
+  3. FSDP2 + OffloadAdamW: bf16 params, grads to host in backward, FP32 state out of core;
+  4. the same clipping at 1.0 (the hooks also take each grad's sum of squares).
 Reports peak GPU memory, forward / backward / update seconds, and backward with vs without the hook.
 
     torchrun --nproc-per-node 1 scripts/bench_fsdp.py --model 1b --device-kind nvidia-h100-x1
@@ -118,12 +119,13 @@ def main() -> None:
         cast_params(model, torch.bfloat16)  # as OffloadAdamW casts it
         return model, None
 
-    def offload():
+    def offload(max_grad_norm: float | None = None):
         model = build(args, None)
-        cfg = OffloadConfig(tiers=tiers, host_budget_gb=args.host_budget_gb, gpu_fraction=args.gpu_fraction)
+        cfg = OffloadConfig(tiers=tiers, host_budget_gb=args.host_budget_gb, gpu_fraction=args.gpu_fraction, max_grad_norm=max_grad_norm)
         return model, OffloadAdamW(model.parameters(), lr=1e-4, model=model, offload=cfg)
 
-    results = {name: run_case(name, args, make) for name, make in (("plain_fsdp", plain), ("no_hook", no_hook), ("offload", offload))}
+    cases = (("plain_fsdp", plain), ("no_hook", no_hook), ("offload", offload), ("offload_clip", lambda: offload(1.0)))
+    results = {name: run_case(name, args, make) for name, make in cases}
     if dist.get_rank() == 0:
         off = results["offload"]
         result = {
@@ -136,6 +138,7 @@ def main() -> None:
             "forward_s": off["forward_s"],
             "backward_s": off["backward_s"],
             "backward_s_without_hook": results["no_hook"]["backward_s"],
+            "backward_s_clipping": results["offload_clip"]["backward_s"],  # the hooks also take each grad's sum of squares
             "update_s": off["update_s"],
             "plain_fsdp": results["plain_fsdp"],
             "offload": off,
@@ -147,7 +150,8 @@ def main() -> None:
         print(f"\n{'':12} {'GPU peak GiB':>12} {'forward s':>10} {'backward s':>11} {'update s':>9}")
         for name, r in results.items():
             print(f"{name:12} {r['gpu_peak_gib']:>12.2f} {r['forward_s']:>10.3f} {r['backward_s']:>11.3f} {r.get('update_s', 0):>9.3f}")
-        print(f"backward with hook / without: {off['backward_s'] / results['no_hook']['backward_s']:.3f}; wrote {path}")
+        print(f"backward with hook / without: {off['backward_s'] / results['no_hook']['backward_s']:.3f}, with clipping "
+              f"{results['offload_clip']['backward_s'] / results['no_hook']['backward_s']:.3f}; wrote {path}")
     dist.destroy_process_group()
 
 
