@@ -37,18 +37,23 @@ class NonFiniteGradError(ValueError):
     and updated nothing."""
 
 
-_NORM_CHUNK = 1 << 22  # elements upcast at a time: bounds the FP64 temporary (32 MiB)
+_CPU_NORM_CHUNK = 1 << 22  # elements a CPU reduction upcasts at a time: bounds its FP64 copy (32 MiB)
 
 
 def square_sum(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of a flat tensor, accumulated in FP64 chunk by chunk, as a 0-dim FP64 tensor on
-    its device (inf/nan if any element is). FP64 keeps the clip factor the same to the bit however
-    params are sharded: the rounding it leaves is far below what a float32 clip factor can show."""
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for lo in range(0, flat.numel(), _NORM_CHUNK):
-        chunk = flat[lo : lo + _NORM_CHUNK].double()
-        total += torch.dot(chunk, chunk)
-    return total
+    """Sum of squares of a flat grad as a 0-dim FP64 tensor on its device (inf/nan if any element is),
+    the same bits every time for the same grad. On the GPU one reduction kernel however large the
+    shard (the grad hooks call this for every grad, in the middle of backward): it upcasts the
+    low-precision elements in registers and accumulates in FP32 over a tree, whose rounding is far
+    below what the FP32 clip factor shows. On the CPU, whose reduction accumulates serially, chunks are
+    upcast to FP64 (the copy bounded by the chunk). The norms' squares are summed in FP64."""
+    if flat.is_cuda:
+        return torch.linalg.vector_norm(flat, dtype=torch.float32).double().square()
+    norms = [
+        torch.linalg.vector_norm(flat[lo : lo + _CPU_NORM_CHUNK], dtype=torch.float64)
+        for lo in range(0, max(1, flat.numel()), _CPU_NORM_CHUNK)
+    ]
+    return torch.stack(norms).square().sum()
 
 
 class LowpGrads:
