@@ -1,4 +1,4 @@
-"""Running a function on N CPU ranks (gloo) from a test."""
+"""Running a function on N CPU ranks (gloo), or on one GPU rank (NCCL), from a test."""
 
 from __future__ import annotations
 
@@ -32,6 +32,31 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> 
 def run_ranks(world_size: int, fn: Callable, *args) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
     mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")
+
+
+def _gpu_entry(rank: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_one_gpu(fn: Callable, *args) -> None:
+    """Runs fn(*args) in a fresh process as the one NCCL rank of cuda:0; raises if it fails."""
+    mp.start_processes(_gpu_entry, args=(free_port(), fn, args), nprocs=1, start_method="spawn")
+
+
+def trained_state(opt, model) -> list[torch.Tensor]:
+    """Every rank-local tensor a step writes, on the host: the optimizer's masters and moments, then the
+    model's params."""
+    from fsdp_offload.fsdp import local_data
+
+    state = opt.state_dict()["state"]
+    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+    return out + [local_data(p).detach().cpu() for p in model.parameters()]
 
 
 def spy_step_transfers(opt) -> list[list]:

@@ -7,14 +7,11 @@ step clip the same way, bit for bit."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_utils import free_port
+from dist_utils import run_on_one_gpu, trained_state
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import cast_params, local_data
@@ -61,30 +58,22 @@ def train(overlap: str, device: torch.device, data: list[torch.Tensor]) -> tuple
         opt.step()
         opt.zero_grad()
         norms.append(opt.last_grad_norm)
-    state = opt.state_dict()["state"]
-    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
-    out += [p.to_local().detach().cpu() for p in model.parameters()]
+    out = trained_state(opt, model)
     opt.close()
     return norms, out
 
 
-def _rank(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        device = torch.device("cuda")
-        data = batches(device)
-        out = {"reference": reference_norms(device, data[0])}
-        for overlap in ("none", "next_forward"):
-            out[overlap] = train(overlap, device, data)
-        torch.save(out, f"{tmp}/out.pt")
-    finally:
-        dist.destroy_process_group()
+def reference_and_runs(tmp: str) -> None:
+    device = torch.device("cuda")
+    data = batches(device)
+    out = {"reference": reference_norms(device, data[0])}
+    for overlap in ("none", "next_forward"):
+        out[overlap] = train(overlap, device, data)
+    torch.save(out, f"{tmp}/out.pt")
 
 
 def test_the_gpu_grad_norm_is_exact_and_clips_alike_in_every_overlap(tmp_path):
-    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    run_on_one_gpu(reference_and_runs, str(tmp_path))
     out = torch.load(tmp_path / "out.pt")
     same_way, fp64 = out["reference"]
     sync_norms, sync_state = out["none"]

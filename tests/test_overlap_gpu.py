@@ -9,13 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_utils import free_port
+from dist_utils import run_on_one_gpu, trained_state
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.fsdp import local_data
 from fsdp_offload.models import LlamaArgs
 from fsdp_offload.parallelize import build_fsdp_model
 
@@ -56,29 +53,21 @@ def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool, grad_path: st
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    state = opt.state_dict()["state"]
-    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
-    out += [p.to_local().detach().cpu() for p in model.parameters()]
+    out = trained_state(opt, model)
     opt.close()
     return losses, out
 
 
-def _rank(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        out = {}
-        for name, variant in VARIANTS.items():
-            os.makedirs(f"{tmp}/{name}", exist_ok=True)
-            out[name] = train(f"{tmp}/{name}", *variant)
-        torch.save(out, f"{tmp}/out.pt")
-    finally:
-        dist.destroy_process_group()
+def every_variant(tmp: str) -> None:
+    out = {}
+    for name, variant in VARIANTS.items():
+        os.makedirs(f"{tmp}/{name}", exist_ok=True)
+        out[name] = train(f"{tmp}/{name}", *variant)
+    torch.save(out, f"{tmp}/out.pt")
 
 
 def test_every_overlap_is_bit_exact_on_cuda(tmp_path):
-    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+    run_on_one_gpu(every_variant, str(tmp_path))
     out = torch.load(tmp_path / "out.pt")
     for name, (losses, tensors) in out.items():
         base_losses, base = out["sync_gpu" if VARIANTS[name][1] else "sync"]  # (the Triton kernel is not bitwise torch's)

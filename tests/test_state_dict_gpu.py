@@ -4,14 +4,10 @@ the full state dict gathers through the GPU one tensor at a time, and a round tr
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dist_utils import free_port
+from dist_utils import run_on_one_gpu
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -27,37 +23,31 @@ def make():
     return model, OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=1 << 14, kernel="torch"))
 
 
-def _rank(rank: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
-        model, opt = make()
-        for _ in range(3):
-            tokens = torch.randint(0, 256, (2, 33), device="cuda")
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-        before = torch.cuda.memory_allocated()
-        osd = get_optimizer_state_dict(model, opt)
-        for state in osd["state"].values():
-            assert local_data(state["exp_avg"]).device.type == "cpu"  # host memory, not the GPU
-        assert torch.cuda.memory_allocated() - before < 1 << 20
-        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        model_b, opt_b = make()
-        set_optimizer_state_dict(model_b, opt_b, full, options=StateDictOptions(full_state_dict=True))
-        a, b = opt.state_dict()["state"], opt_b.state_dict()["state"]
-        for i in a:
-            for key in ("master_param", "exp_avg", "exp_avg_sq"):
-                assert torch.equal(local_data(a[i][key]), local_data(b[i][key])), (i, key)
-        for p, q in zip(model.parameters(), model_b.parameters()):
-            assert torch.equal(p.to_local(), q.to_local())
-        opt.close()
-        opt_b.close()
-    finally:
-        dist.destroy_process_group()
+def round_trip() -> None:
+    model, opt = make()
+    for _ in range(3):
+        tokens = torch.randint(0, 256, (2, 33), device="cuda")
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    before = torch.cuda.memory_allocated()
+    osd = get_optimizer_state_dict(model, opt)
+    for state in osd["state"].values():
+        assert local_data(state["exp_avg"]).device.type == "cpu"  # host memory, not the GPU
+    assert torch.cuda.memory_allocated() - before < 1 << 20
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_b, opt_b = make()
+    set_optimizer_state_dict(model_b, opt_b, full, options=StateDictOptions(full_state_dict=True))
+    a, b = opt.state_dict()["state"], opt_b.state_dict()["state"]
+    for i in a:
+        for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(local_data(a[i][key]), local_data(b[i][key])), (i, key)
+    for p, q in zip(model.parameters(), model_b.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+    opt.close()
+    opt_b.close()
 
 
-def test_state_dict_api_keeps_state_in_host_memory_on_a_cuda_mesh(tmp_path):
-    mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=1, start_method="spawn")
+def test_state_dict_api_keeps_state_in_host_memory_on_a_cuda_mesh():
+    run_on_one_gpu(round_trip)
