@@ -7,6 +7,8 @@ in which slots were last used (evict the least recently used first).
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections import OrderedDict
 
 import torch
@@ -41,6 +43,18 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
                 "offload.host_budget_gb or raise the locked-memory limit (ulimit -l)"
             )
     return buf
+
+
+_MADV_DONTNEED = 4  # Linux: the pages go back to the OS; touched again, they read as zeros
+
+
+def release_pages(buf: torch.Tensor) -> None:
+    """Hands the pages of `buf` (page-aligned, whole pages, not page-locked) back to the OS: the
+    process's resident memory drops by its size; the buffer stays valid and reads as zeros."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel() * buf.element_size()), _MADV_DONTNEED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) of {format_bytes(buf.numel())} of host cache failed: {os.strerror(err)}")
 
 
 def unpin(buf: torch.Tensor) -> None:
@@ -100,6 +114,18 @@ class HostCache:
 
     def give_back(self, slot: int) -> None:
         self._free.append(slot)
+
+    def release_spare(self, needed: int) -> int:
+        """Keeps `needed` slots and gives the memory of the free ones beyond them back to the OS, for
+        good (subgroups moved to GPU memory leave fewer to cache than there are slots); returns the
+        bytes given back."""
+        spare = min(len(self._free), self.num_slots - needed)
+        if spare <= 0 or self.pinned:  # page-locked pages cannot be dropped: they stay
+            return 0
+        for _ in range(spare):
+            release_pages(self.slots[self._free.pop(0)])  # (the free list hands out from its end)
+        self.num_slots -= spare
+        return spare * self.slot_bytes
 
     def close(self) -> None:
         if self.pinned and self._arena is not None and self.nbytes:

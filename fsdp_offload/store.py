@@ -12,6 +12,7 @@ written.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -31,6 +32,7 @@ from .subgroups import SubgroupLayout
 
 Visit = Callable[[int, torch.Tensor], None]
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")  # the parts of a subgroup's state, in order
+log = logging.getLogger(__name__)
 LAYOUT_FIX = "resume with the same model, world size and offload.subgroup_numel"
 
 
@@ -254,6 +256,10 @@ class SubgroupStore:
             self.gpu_state[sg] = held.to(device)  # from pageable memory: done when it returns
             self.pipeline.forget(sg)
         del self.host_subgroups[len(self.host_subgroups) - count :]  # the subgroups off the GPU stay 0..n-1
+        released = self.cache.release_spare(len(self.host_subgroups))
+        if released:
+            log.info("gave %s of host cache back to the OS: %d subgroups stay off the GPU, %d slots hold them",
+                     format_bytes(released), len(self.host_subgroups), self.cache.num_slots)  # fmt: skip
         return chosen
 
     def resident(self) -> set[int]:

@@ -494,6 +494,8 @@ def summarize(system: System, rows: list[dict], info: dict, args: argparse.Names
     # wait4's figure also covers its children, e.g. the compilers of a first DeepSpeed op build.
     out["host_peak_gib"] = max((r["host_peak_gib"] for r in rows if "host_peak_gib" in r), default=host_peak)
     out["host_peak_gib_with_children"] = host_peak
+    rss = [r["host_rss_gib"] for r in rows if "host_rss_gib" in r]  # this product: resident memory at each step's end
+    out["host_rss_end_gib"] = rss[-1] if rss else None
     gpu = [r["gpu_peak_gib"] for r in rows if "gpu_peak_gib" in r]
     out["gpu_peak_gib"] = max(gpu) if gpu else None
     out["loss_first"], out["loss_last"] = rows[0].get("loss"), rows[-1].get("loss")

@@ -97,12 +97,14 @@ def test_gpu_fraction_auto_moves_what_fits_after_the_first_step(tmp_path, headro
     cfg.gpu_fraction = "auto"
     opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
+    slots = opt.store.cache.num_slots
     for s in range(STEPS):
         for p, r, g in zip(mine, ref, grads(s)):
             p.grad, r.grad = g.cuda(), g.float()
         opt.step()
         ref_opt.step()
         assert opt.last_metrics.subgroups_on_gpu == (0 if s == 0 else moved)
+    assert opt.store.cache.num_slots == (0 if moved else slots)  # no subgroup left to cache: the slots went back
     state = opt.state_dict()["state"]
     master = torch.cat([state[i]["master_param"].flatten() for i in range(len(SHAPES))])
     want = torch.cat([r.data.flatten() for r in ref])
