@@ -48,13 +48,21 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 _MADV_DONTNEED = 4  # Linux: the pages go back to the OS; touched again, they read as zeros
 
 
-def release_pages(buf: torch.Tensor) -> None:
-    """Hands the pages of `buf` (page-aligned, whole pages, not page-locked) back to the OS: the
-    process's resident memory drops by its size; the buffer stays valid and reads as zeros."""
+def release_pages(buf: torch.Tensor) -> int:
+    """Hands the whole pages inside `buf` (a CPU tensor, not page-locked) back to the OS: resident
+    memory drops by their size, and they read as zeros if touched again. Pages the buffer shares
+    with its neighbours are kept (the OS page may be larger than the 4 KiB slots are aligned to).
+    Returns the bytes released."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-buf.data_ptr() // page) * page
+    hi = (buf.data_ptr() + buf.numel() * buf.element_size()) // page * page
+    if hi <= lo:
+        return 0
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(buf.data_ptr()), ctypes.c_size_t(buf.numel() * buf.element_size()), _MADV_DONTNEED):
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED):
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_DONTNEED) of {format_bytes(buf.numel())} of host cache failed: {os.strerror(err)}")
+        raise OSError(err, f"madvise(MADV_DONTNEED) of {format_bytes(hi - lo)} of host cache failed: {os.strerror(err)}")
+    return hi - lo
 
 
 def unpin(buf: torch.Tensor) -> None:
@@ -118,14 +126,13 @@ class HostCache:
     def release_spare(self, needed: int) -> int:
         """Keeps `needed` slots and gives the memory of the free ones beyond them back to the OS, for
         good (subgroups moved to GPU memory leave fewer to cache than there are slots); returns the
-        bytes given back."""
-        spare = min(len(self._free), self.num_slots - needed)
-        if spare <= 0 or self.pinned:  # page-locked pages cannot be dropped: they stay
-            return 0
-        for _ in range(spare):
-            release_pages(self.slots[self._free.pop(0)])  # (the free list hands out from its end)
-        self.num_slots -= spare
-        return spare * self.slot_bytes
+        bytes given back. A slot whose release fails stays in use, and the error is raised."""
+        released = 0
+        while self._free and self.num_slots > needed and not self.pinned:  # page-locked pages stay
+            released += release_pages(self.slots[self._free[0]])
+            self._free.pop(0)  # (the free list hands out from its end)
+            self.num_slots -= 1
+        return released
 
     def close(self) -> None:
         if self.pinned and self._arena is not None and self.nbytes:

@@ -359,25 +359,37 @@ class _RawFile:
     takes it."""
 
     def __init__(self, root: str, file_bytes: int, request_bytes: int, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"raw I/O test: threads={threads}; give at least 1")
         self.request_bytes = max(ALIGN, request_bytes // ALIGN * ALIGN)
         self.file_bytes = max(2 * self.request_bytes, file_bytes // (2 * self.request_bytes) * 2 * self.request_bytes)
         self.offsets = list(range(0, self.file_bytes, self.request_bytes))
         if not os.path.isdir(root):
             raise TierError(f"raw I/O test: {root} is not a directory; give the tier dir to measure")
         self.root = root
-        self.folder = tempfile.mkdtemp(prefix="raw-io-", dir=root)  # 0700, new: nothing else's file is touched
-        self.fd, self.direct = open_private_file(os.path.join(self.folder, "raw.bin"))
-        self.buffers = [memoryview(aligned_host_buffer(self.request_bytes).numpy()) for _ in range(threads)]
-        for b in self.buffers:  # incompressible, so a compressing file system cannot flatter itself
-            b[:] = os.urandom(self.request_bytes)
         self.readers = max(1, threads // 2)  # the mixed passes: half the threads read, the rest write
         self.writers = max(1, threads - self.readers)
+        # one buffer per thread of any pass (the mixed pass takes 2 even when threads=1)
+        self.buffers = [memoryview(aligned_host_buffer(self.request_bytes).numpy()) for _ in range(max(threads, 2))]
+        for b in self.buffers:  # incompressible, so a compressing file system cannot flatter itself
+            b[:] = os.urandom(self.request_bytes)
+        self.threads = threads
+        self.folder = None
+        try:
+            self.folder = tempfile.mkdtemp(prefix="raw-io-", dir=root)  # 0700, new: nothing else's file is touched
+            self.fd, self.direct = open_private_file(os.path.join(self.folder, "raw.bin"))
+        except OSError as exc:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            raise self.error(exc) from exc
 
     def __enter__(self) -> _RawFile:
         try:
-            self.run(self.deal(_pwrite_all, self.offsets, len(self.buffers)))  # pre-size: every block allocated
-        except BaseException:
+            self.run(self.deal(_pwrite_all, self.offsets, self.threads))  # pre-size: every block allocated
+        except BaseException as exc:
             self.__exit__()
+            if isinstance(exc, OSError):
+                raise self.error(exc) from exc
             raise
         return self
 
@@ -467,12 +479,18 @@ def mixed_io_timeline(
     root: str, seconds: float, window_s: float = 5.0, file_bytes: int = 4 << 30, request_bytes: int = 8 << 20, threads: int = 4
 ) -> dict:
     """Reads and writes at once, as measure_raw_io's mixed pass, without a pause for `seconds`, and
-    returns the GB/s read and written in each `window_s` window: whether the disk holds its rate
-    under sustained load (a cloud disk that bursts on credits does not)."""
+    returns the GB/s read and written in each `window_s` window (by when each request finished; the
+    last window ends with the last request): whether the disk holds its rate under sustained load (a
+    cloud disk that bursts on credits does not). O_DIRECT only: buffered, it would time the page cache."""
+    if not (seconds > 0 and window_s > 0):
+        raise ValueError(f"mixed_io_timeline: seconds={seconds} and window_s={window_s} must be positive")
     windows = max(1, math.ceil(seconds / window_s))
     moved = [[0, 0] for _ in range(windows)]  # [read, written] bytes finished in each window
     lock = threading.Lock()
     with _RawFile(root, file_bytes, request_bytes, threads) as f:
+        if not f.direct:
+            raise TierError(f"raw I/O timeline: the file system of {root} refuses O_DIRECT, so the timeline would time "
+                            "the page cache, not the disk; give a directory on the disk itself")  # fmt: skip
         start = time.perf_counter()
 
         def done(thread: int, nbytes: int, now: float) -> None:
@@ -481,14 +499,14 @@ def mixed_io_timeline(
                 moved[w][thread >= f.readers] += nbytes
 
         try:
-            f.run(f.mixed_jobs(), until=start + seconds, done=done)
+            end = start + max(f.run(f.mixed_jobs(), until=start + seconds, done=done))
         except OSError as exc:
             raise f.error(exc) from exc
-    rows = [
-        {"t_s": round((w + 1) * window_s, 3), "read_gbps": r / window_s / 1e9, "write_gbps": wr / window_s / 1e9,
-         "mixed_gbps": (r + wr) / window_s / 1e9}
-        for w, (r, wr) in enumerate(moved)
-    ]  # fmt: skip
+    rows = []
+    for w, (r, wr) in enumerate(moved):
+        lo, hi = w * window_s, (w + 1) * window_s if w < windows - 1 else end - start
+        rows.append({"t_s": round(hi, 3), "read_gbps": r / (hi - lo) / 1e9, "write_gbps": wr / (hi - lo) / 1e9,
+                     "mixed_gbps": (r + wr) / (hi - lo) / 1e9})  # fmt: skip
     return {"path": root, "seconds": seconds, "window_s": window_s, "file_bytes": f.file_bytes,
             "request_bytes": f.request_bytes, "threads": threads, "direct": f.direct, "windows": rows}  # fmt: skip
 

@@ -47,8 +47,9 @@ class StepMetrics:
     skipped: bool = False  # fp16 overflow: the step changed nothing
     subgroups_on_gpu: int = 0  # whose state lives in GPU memory
     lock_wait_s: dict[str, float] = field(default_factory=dict)  # time waiting for node-level tier locks
-    # step()'s time to take the global grad norm (each grad's sum of squares was taken in its hook:
-    # what is left is one sum and one all-reduce); 0 when the step needs no norm
+    # step()'s time to take the global grad norm: the hooks took each grad's sum of squares, so this
+    # is their sum (plus any accumulated grads'), the all-reduce, and the wait for the GPU work queued
+    # before it; 0 when the step needs no norm, about 0 when clip_grad_norm_() took it already
     norm_s: float = 0.0
     # The part of update_s the training loop waited for: step() itself, plus, with the update
     # overlapped, the next forward's waits for its subgroups. None until the update has finished.

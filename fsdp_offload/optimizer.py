@@ -511,6 +511,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.last_metrics = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
             self.last_metrics.skipped = True
             self.last_metrics.exposed_update_s = self.last_metrics.update_s
+            self.last_metrics.norm_s, self._norm_s = self._norm_s, 0.0
             return False
         self._plan_step(scale)
         return True

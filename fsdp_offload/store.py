@@ -256,10 +256,14 @@ class SubgroupStore:
             self.gpu_state[sg] = held.to(device)  # from pageable memory: done when it returns
             self.pipeline.forget(sg)
         del self.host_subgroups[len(self.host_subgroups) - count :]  # the subgroups off the GPU stay 0..n-1
-        released = self.cache.release_spare(len(self.host_subgroups))
-        if released:
-            log.info("gave %s of host cache back to the OS: %d subgroups stay off the GPU, %d slots hold them",
-                     format_bytes(released), len(self.host_subgroups), self.cache.num_slots)  # fmt: skip
+        try:
+            released = self.cache.release_spare(len(self.host_subgroups))
+        except OSError as exc:  # an economy only: the slots stay allocated, training goes on
+            log.warning("%s; the host cache keeps %d slots for %d subgroups", exc, self.cache.num_slots, len(self.host_subgroups))
+        else:
+            if released:
+                log.info("gave %s of host cache back to the OS: %d subgroups stay off the GPU, %d slots hold them",
+                         format_bytes(released), len(self.host_subgroups), self.cache.num_slots)  # fmt: skip
         return chosen
 
     def resident(self) -> set[int]:

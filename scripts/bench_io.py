@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-
 import time
 
 from fsdp_offload.calibrate import measure_raw_io, mixed_io_timeline, tier_passes
@@ -51,6 +50,8 @@ def main() -> None:
 
     if not (args.sweep or args.sustained_s > 0):
         ap.error("nothing to measure: --no-sweep without --sustained-s")
+    if args.sustained_s < 0 or not args.window_s > 0 or args.rest_s < 0:
+        ap.error("--sustained-s and --rest-s must be >= 0 and --window-s > 0")
     nbytes = int(args.gib * GIB)
     result: dict = {"dir": os.path.realpath(args.dir), "pass_gib": args.gib}
     if args.sweep:
@@ -99,6 +100,7 @@ def sustained(args: argparse.Namespace, nbytes: int) -> dict:
         print(f"sustained mixed load {'after a ' + format(args.rest_s, '.0f') + ' s rest' if k else ''}: GB/s per "
               f"{args.window_s:.0f} s window: {' '.join(f'{r:.2f}' for r in rates)}", flush=True)  # fmt: skip
     return {"rest_s": args.rest_s, "runs": runs}
+
 
 if __name__ == "__main__":
     main()

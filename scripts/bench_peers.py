@@ -548,12 +548,13 @@ def measure_disk(args: argparse.Namespace) -> dict:
     if args.raw_io_gib <= 0:
         return {"skipped": "--raw-io-gib 0"}
     from fsdp_offload.calibrate import measure_raw_io
+    from fsdp_offload.storage.base import TierError
     from fsdp_offload.storage.spec import TierSpec, io_settings
 
     try:
         threads, request = io_settings(TierSpec.parse(tier_spec(args.tier_dir, args)))
         raw = measure_raw_io(args.tier_dir, int(args.raw_io_gib * GIB), request, threads, args.raw_io_samples)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TierError) as exc:
         print(f"warning: raw I/O measurement in {args.tier_dir} failed: {exc}", flush=True)
         return {"error": f"raw I/O measurement in {args.tier_dir} failed: {exc}"}
     print(f"raw disk at {args.tier_dir}: write {raw.write_gbps:.2f}, read {raw.read_gbps:.2f}, mixed {raw.mixed_gbps:.2f} GB/s "

@@ -49,14 +49,20 @@ def run_on_one_gpu(fn: Callable, *args) -> None:
     mp.start_processes(_gpu_entry, args=(free_port(), fn, args), nprocs=1, start_method="spawn")
 
 
+def optimizer_tensors(opt) -> list[torch.Tensor]:
+    """The optimizer's rank-local masters and moments, on the host (waits for an update in flight)."""
+    from fsdp_offload.fsdp import local_data
+
+    state = opt.state_dict()["state"]
+    return [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+
+
 def trained_state(opt, model) -> list[torch.Tensor]:
     """Every rank-local tensor a step writes, on the host: the optimizer's masters and moments, then the
     model's params."""
     from fsdp_offload.fsdp import local_data
 
-    state = opt.state_dict()["state"]
-    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
-    return out + [local_data(p).detach().cpu() for p in model.parameters()]
+    return optimizer_tensors(opt) + [local_data(p).detach().cpu() for p in model.parameters()]
 
 
 def spy_step_transfers(opt) -> list[list]:

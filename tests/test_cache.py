@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from fsdp_offload.cache import HostCache
+from fsdp_offload.cache import HostCache, aligned_host_buffer, release_pages
 
 MIB = 1 << 20
 
@@ -36,3 +36,16 @@ def test_no_slot_goes_back_while_the_subgroups_left_need_it():
     assert cache.release_spare(needed=5) == 0 and cache.num_slots == 3
     assert cache.release_spare(needed=3) == 0
     cache.close()
+
+
+def test_only_whole_pages_go_back():
+    """A buffer that does not start or end on a page gives back only the pages wholly inside it: the
+    bytes beside it (another slot's, on a system whose pages are larger than the slots' alignment)
+    keep their values."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    raw = aligned_host_buffer(4 * page)
+    raw.fill_(7)
+    assert release_pages(raw[page // 2 : 3 * page + page // 2]) == 2 * page
+    assert bool((raw[: page] == 7).all()) and bool((raw[3 * page :] == 7).all())
+    assert bool((raw[page : 3 * page] == 0).all())
+    assert release_pages(raw[10 : page - 10]) == 0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
+from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_raw_io, measure_tier, mixed_io_timeline, tier_profile_key
 from fsdp_offload.placement import BandwidthModel
 from fsdp_offload.storage import Limits, TierError, make_tier
 from fsdp_offload.storage import posix as posix_mod
@@ -182,3 +182,29 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
     assert opt.store.placement.replans >= 1
     assert f"cannot save learned bandwidths to {path}" in caplog.text
     opt.close()
+
+
+def test_raw_io_with_one_thread_and_its_clear_errors(tmp_path):
+    """measure_raw_io's mixed pass reads and writes at once, even with threads=1; a directory it cannot
+    write in is a TierError naming it, and nothing of the test is left behind."""
+    raw = measure_raw_io(str(tmp_path), 1 << 20, request_bytes=256 * KIB, threads=1, samples=1)
+    assert raw.mixed_gbps > 0 and raw.threads == 1
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(TierError, match="raw I/O test"):
+        measure_raw_io(read_only_dir(tmp_path), 1 << 20, request_bytes=256 * KIB, threads=2, samples=1)
+
+
+def test_mixed_io_timeline_windows_cover_the_run(tmp_path):
+    """Every window's rate is over its own length, the last one ending with the last request; a file
+    system without O_DIRECT is refused rather than timing the page cache."""
+    try:
+        t = mixed_io_timeline(str(tmp_path), seconds=0.5, window_s=0.2, file_bytes=2 << 20, request_bytes=256 * KIB, threads=2)
+    except TierError as exc:  # tmpfs and the like
+        assert "O_DIRECT" in str(exc)
+        return
+    windows = t["windows"]
+    assert [w["t_s"] for w in windows[:2]] == [0.2, 0.4] and windows[2]["t_s"] >= 0.5
+    assert all(w["mixed_gbps"] == pytest.approx(w["read_gbps"] + w["write_gbps"]) for w in windows)
+    assert sum(w["read_gbps"] for w in windows) > 0 and sum(w["write_gbps"] for w in windows) > 0
+    with pytest.raises(ValueError, match="window_s"):
+        mixed_io_timeline(str(tmp_path), seconds=1, window_s=0)

@@ -10,11 +10,10 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import optimizer_tensors, run_ranks
 from test_fsdp import SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.fsdp import local_data
 
 MAX_NORM = 0.5
 
@@ -46,8 +45,7 @@ def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[flo
             norms.append(opt.last_grad_norm)
         opt.zero_grad()
         losses.append(loss)
-    state = opt.state_dict()["state"]
-    out = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
+    out = optimizer_tensors(opt)
     with pytest.raises(ValueError, match="L2 norm"):
         opt.clip_grad_norm_(1.0, norm_type=1.0)
     opt.close()

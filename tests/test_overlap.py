@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import free_port, run_ranks
+from dist_utils import free_port, optimizer_tensors, run_ranks
 from test_fsdp import ARGS, SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -60,10 +60,9 @@ def train(rank: int, tmp: str, overlap: str, order: str) -> tuple[list[float], l
         losses.append(loss.item())
         if opt.last_metrics is not None and opt.last_metrics not in metrics:
             metrics.append(opt.last_metrics)
-    state = opt.state_dict()["state"]  # waits for the last update
+    masters = optimizer_tensors(opt)  # waits for the last update
     if opt.last_metrics not in metrics:
         metrics.append(opt.last_metrics)
-    masters = [local_data(state[i][k]) for i in range(len(state)) for k in ("master_param", "exp_avg", "exp_avg_sq")]
     opt.close()
     monkeypatch.undo()
     return losses, masters, waits, [(m.step, m.update_s, m.exposed_update_s) for m in metrics]
