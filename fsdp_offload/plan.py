@@ -36,6 +36,7 @@ from .config import GIB, OffloadConfig, format_bytes, in_unit
 from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import expected_step_seconds, make_placement, steady_traffic
+from .recipe import read_config
 from .storage import TierError
 from .store import gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit, moved_staging_itemsize
 from .subgroups import SubgroupLayout
@@ -424,8 +425,6 @@ def compose_plan_config(overrides: list[str]):
 
 def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     """The plan of a composed train.py config (its model, offload, data and train groups)."""
-    from .train import read_config
-
     train, args, data, recipe, _ = read_config(cfg)
     ocfg = recipe.config
     device = train.device

@@ -23,7 +23,6 @@ import resource
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 import hydra
@@ -31,53 +30,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
-from .checkpoint import CheckpointConfig, check_checkpoint, load_checkpoint, resume_point, save_checkpoint
-from .config import OffloadConfig, dataclass_from, register_tmpdir_resolver
-from .data import DataConfig, TokenBatches
-from .models import LlamaArgs, num_params
+from .checkpoint import check_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from .config import register_tmpdir_resolver
+from .data import TokenBatches
+from .models import num_params
 from .optimizer import OffloadAdamW
 from .memory import node_ranks, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .plan import MachineConfig, make_plan, plan_summary, preset_name
+from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
-
-@dataclass
-class TrainConfig:
-    steps: int = 50
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    micro_batches: int = 1  # gradient accumulation
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    cpu_threads: int | None = None  # threads of the CPU update; null: the node's physical cores / local ranks
-    log_every: int = 1
-    metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
-    out_dir: str | None = None  # the run's output dir; null: Hydra's run dir (rank 0's, for every rank)
-    tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
-    progress: bool = True
-    kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
-
-
-@dataclass
-class OffloadRecipe:
-    optimizer: str = "offload"  # offload (OffloadAdamW) | torch (plain FSDP2 + torch AdamW)
-    config: OffloadConfig = field(default_factory=OffloadConfig)
-
-
-def to_dataclass(cls, node: DictConfig | dict, option: str):
-    """Builds dataclass `cls` from a config node; an unknown key is an error naming the option."""
-    return dataclass_from(cls, OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, option)
-
 
 def lr_lambda(cfg: TrainConfig):
     def factor(step: int) -> float:
@@ -170,29 +139,6 @@ def process_now() -> dict:
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     return {"host_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "open_fds": len(os.listdir("/proc/self/fd"))}
-
-
-def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
-    """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
-    tcfg = to_dataclass(TrainConfig, cfg.train, "train")
-    margs = to_dataclass(LlamaArgs, cfg.model, "model")
-    dcfg = to_dataclass(DataConfig, cfg.data, "data")
-    ocfg = OmegaConf.to_container(cfg.offload, resolve=True)
-    recipe = OffloadRecipe(ocfg.pop("optimizer", "offload"), to_dataclass(OffloadConfig, ocfg, "offload"))
-    if recipe.optimizer not in ("offload", "torch"):
-        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
-    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
-    if recipe.optimizer == "offload" and recipe.config.overlap == "auto":  # train.py knows the backwards per step
-        recipe.config.overlap = recipe.config.resolved_overlap(tcfg.micro_batches)
-        log.info("offload.overlap='auto': %s", recipe.config.overlap)
-    if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
-        raise ValueError(
-            f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "
-            "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
-            "train.micro_batches=1 or offload.overlap=next_forward"
-        )
-    margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
-    return tcfg, margs, dcfg, recipe, ckcfg
 
 
 def run(cfg: DictConfig) -> list[dict]:

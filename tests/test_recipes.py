@@ -77,7 +77,7 @@ def test_every_option_is_settable_without_a_plus_and_typos_are_refused(offload):
     ],
 )
 def test_train_recipe_starts_the_update_in_backward_where_the_step_allows_it(overrides, overlap):
-    from fsdp_offload.train import read_config
+    from fsdp_offload.recipe import read_config
 
     recipe = read_config(composed(*overrides))[3]
     assert recipe.config.overlap == overlap

@@ -1,0 +1,70 @@
+"""The composed Hydra config (`fsdp_offload/recipes/`) as checked dataclasses: what `train.py` runs
+and what the planner plans, read by one function so that both see the same run."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from .checkpoint import CheckpointConfig
+from .config import OffloadConfig, dataclass_from
+from .data import DataConfig
+from .models import LlamaArgs
+
+log = logging.getLogger("train")  # the training run's logger: Hydra sends it to the console and train.log
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    micro_batches: int = 1  # gradient accumulation
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    cpu_threads: int | None = None  # threads of the CPU update; null: the node's physical cores / local ranks
+    log_every: int = 1
+    metrics_file: str = "metrics.jsonl"  # under the run's output dir; one file per rank
+    out_dir: str | None = None  # the run's output dir; null: Hydra's run dir (rank 0's, for every rank)
+    tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
+    progress: bool = True
+    kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+
+
+@dataclass
+class OffloadRecipe:
+    optimizer: str = "offload"  # offload (OffloadAdamW) | torch (plain FSDP2 + torch AdamW)
+    config: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+def to_dataclass(cls, node: DictConfig | dict, option: str):
+    """Builds dataclass `cls` from a config node; an unknown key is an error naming the option."""
+    return dataclass_from(cls, OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, option)
+
+
+def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
+    """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
+    tcfg = to_dataclass(TrainConfig, cfg.train, "train")
+    margs = to_dataclass(LlamaArgs, cfg.model, "model")
+    dcfg = to_dataclass(DataConfig, cfg.data, "data")
+    ocfg = OmegaConf.to_container(cfg.offload, resolve=True)
+    recipe = OffloadRecipe(ocfg.pop("optimizer", "offload"), to_dataclass(OffloadConfig, ocfg, "offload"))
+    if recipe.optimizer not in ("offload", "torch"):
+        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
+    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
+    if recipe.optimizer == "offload" and recipe.config.overlap == "auto":  # train.py knows the backwards per step
+        recipe.config.overlap = recipe.config.resolved_overlap(tcfg.micro_batches)
+        log.info("offload.overlap='auto': %s", recipe.config.overlap)
+    if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
+        raise ValueError(
+            f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "
+            "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
+            "train.micro_batches=1 or offload.overlap=next_forward"
+        )
+    margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
+    return tcfg, margs, dcfg, recipe, ckcfg
