@@ -43,11 +43,11 @@ _CPU_NORM_CHUNK = 1 << 22  # elements a CPU reduction upcasts at a time: bounds 
 def square_sum(flat: torch.Tensor) -> torch.Tensor:
     """Sum of squares of a flat grad as a 0-dim FP64 tensor on its device (inf/nan if any element is,
     and inf on the GPU if one is above 1.8e19, whose square FP32 cannot hold), the same bits every
-    time for the same grad. On the GPU one reduction kernel however large the
-    shard (the grad hooks call this for every grad, in the middle of backward): it upcasts the
-    low-precision elements in registers and accumulates in FP32 over a tree, whose rounding is far
-    below what the FP32 clip factor shows. On the CPU, whose reduction accumulates serially, chunks are
-    upcast to FP64 (the copy bounded by the chunk). The norms' squares are summed in FP64."""
+    time for the same grad. On the GPU it is one reduction kernel however large the shard (the grad
+    hooks call this for every grad, in the middle of backward): it upcasts the low-precision elements
+    in registers and accumulates in FP32 over a tree, whose rounding is far below what the FP32 clip
+    factor shows. On the CPU, whose reduction accumulates serially, chunks are upcast to FP64 (the
+    copy bounded by the chunk). The norms' squares are summed in FP64."""
     if flat.is_cuda:
         return torch.linalg.vector_norm(flat, dtype=torch.float32).double().square()
     norms = [
@@ -212,9 +212,9 @@ class StepGrads:
                 return None
         if not math.isfinite(norm):  # bf16: applying it would put NaN into every master and moment
             raise NonFiniteGradError(
-                f"the global grad norm is {norm}: a grad holds NaN or Inf, or (on the GPU) an element above 1.8e19 "
-                "(a diverging loss, a bad batch, too high an lr). Nothing was updated; call zero_grad() to drop these grads and go on with the next batch, "
-                "or resume from the last checkpoint with a lower lr"
+                f"the global grad norm is {norm}: a grad holds NaN or Inf, or (on the GPU) an element above "
+                "1.8e19 (a diverging loss, a bad batch, too high an lr). Nothing was updated; call zero_grad() to "
+                "drop these grads and go on with the next batch, or resume from the last checkpoint with a lower lr"
             )
         self.last_norm = norm
         clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
