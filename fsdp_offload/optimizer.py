@@ -137,7 +137,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store = SubgroupStore(
                 cfg, self.layout, on_gpu, device, budget, budget_name,
                 staging.nbytes + max(grad_slots, default=0),  # the FP32 grad path's one buffer
-                grad_slots, self._load_params_from_master, self._forward,
+                grad_slots, self._forward,
             )  # fmt: skip
         except BaseException:
             staging.close()  # its pinned pages, before the memory can be reused
@@ -173,7 +173,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order
-        self._pending: list[int] | None = None  # subgroups left of a step that raised
+        self._pending: list[int] | None = None  # subgroups left of a step begun and not finished
         self._unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
         self._pending_scale = 1.0
         self._hyper: list[dict[str, float]] = []  # each group's hyperparameters, taken when the step began
@@ -189,7 +189,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store.fill(self._pass_order(), {"master_param": flat.__getitem__})  # moments start at zero
         else:  # in param order, as a streamed source draws them; the model's params follow the masters
             self.store.fill(list(range(len(self.layout))), {"master_param": lambda i: masters(self._params[i])},
-                            then=self._load_params_from_master)  # fmt: skip
+                            then=self.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
         if model is not None:
             if masters is None:
@@ -280,12 +280,12 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def _ready_for_grads(self) -> None:
         """Before a backward's grads go into the staging buffer: the last update has ended (it writes
-        the new params there) and did not stop part-way (its grads are still there)."""
+        the new params there) and did not stop part-way (its buffers are still its own)."""
         self.finish_update()
         if self._pending is not None:
             raise RuntimeError(
-                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left) and its "
-                "buffers hold its grads: call step() again to finish it before the next backward"
+                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left to update) and "
+                "its buffers are still in use: call step() again to finish it before the next backward"
             )
 
     def _stage_grad_during_update(self, index: int, grad: torch.Tensor) -> None:
@@ -470,7 +470,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                     self._update_as_grads_arrive(update)
                 self.store.run_update([sg for sg in self._pending if sg not in updated], update)
             finally:
-                self._pending = [sg for sg in self._pending if sg not in updated] or None
+                # [] until _finish_step: every subgroup is new, the step is not closed (a retry closes it)
+                self._pending = [sg for sg in self._pending if sg not in updated]
                 if self._inflight is None:
                     self._params_written()
             self._finish_step(start)
@@ -583,6 +584,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._steps[i] += has
         self.step_count += 1
         self.grads.clear()
+        self._pending = None
 
     def _show_state(self) -> None:
         """`self.state[p]` answers as torch's AdamW's does: 'step' at once, the moments and the FP32
@@ -606,7 +608,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.finish_update()
         if self._pending is not None:
             raise RuntimeError(
-                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left); "
+                f"step {self.step_count} stopped part-way ({len(self._pending)} subgroups left to update); "
                 "call step() again to finish it before saving or loading state"
             )
 
@@ -618,8 +620,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         return order_ending_with(self._forward, self.step_count, self.offload.update_order)
 
     @torch.no_grad()
-    def _load_params_from_master(self, sg: int, master: torch.Tensor) -> None:
-        """The model's params in subgroup `sg` from its new FP32 masters, rounded (after a load)."""
+    def load_params_from_master(self, sg: int, master: torch.Tensor) -> None:
+        """The model's params in subgroup `sg` from its new FP32 masters, rounded (after a fill or a load)."""
         with self._copies.after_current():
             self.grads.staging.load_params_from_master(sg, master, [local_data(p) for p in self._params])
 
@@ -702,7 +704,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             return lambda i: local_data(state[i][key]).reshape(-1).to(torch.float32)
 
         self.begin_load()
-        self.store.fill(self._pass_order(), {key: flat(key) for key in STATE_KEYS}, then=self._load_params_from_master)
+        self.store.fill(self._pass_order(), {key: flat(key) for key in STATE_KEYS}, then=self.load_params_from_master)
         self._end_load(
             [{k: v for k, v in g.items() if k not in ("params", _META_KEY)} for g in groups],
             [int(s["step"]) for s in state],

@@ -264,7 +264,8 @@ class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
                 f"{where}: subgroup {entry.index} is corrupted ({problem}): restore the checkpoint from a good "
                 "copy or resume from an older one"
             )
-        entry.optimizer.store.overwrite(entry.index, payload[:n])
+        opt = entry.optimizer
+        opt.store.overwrite(entry.index, payload[:n], then=opt.load_params_from_master)
 
     def _where(self, read_item: ReadItem) -> str:
         """'<file> at offset <o> (<key>)' of an entry, for messages."""

@@ -136,7 +136,6 @@ class SubgroupStore:
     `host_budget` is the host memory it may keep in bytes (None: no limit), `budget_name` how errors
     name it; `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
     `extra_slot_bytes` are slots a tier file keeps after the subgroups' (the FP32 grad path's);
-    `on_overwrite(sg, masters)` runs after a load overwrote subgroup `sg` (the model's params follow);
     `forward` is every subgroup in the order the model's forward uses them (the placement plans for it).
     """
 
@@ -150,7 +149,6 @@ class SubgroupStore:
         budget_name: str,
         reserved_host_bytes: int,
         extra_slot_bytes: list[int],
-        on_overwrite: Callable[[int, torch.Tensor], None],
         forward: list[int],
     ) -> None:
         self.layout = layout
@@ -160,7 +158,6 @@ class SubgroupStore:
         self.host_subgroups = [sg for sg in range(len(layout)) if sg not in gpu_subgroups]
         # GPU-resident subgroups are the last ones: the placement and the tiers plan for the ones before them
         assert self.host_subgroups == list(range(len(self.host_subgroups)))
-        self._on_overwrite = on_overwrite
         # What close() releases, in reverse: registered as it is made, so a build that fails part-way
         # deletes tier files too.
         resources: list = []
@@ -306,9 +303,9 @@ class SubgroupStore:
         else:
             self.pipeline.read_stored(sg, out)
 
-    def overwrite(self, sg: int, state: torch.Tensor) -> None:
+    def overwrite(self, sg: int, state: torch.Tensor, then: Visit) -> None:
         """Replaces subgroup `sg`'s state with `state` (host bytes laid out as `read` gives them), then
-        calls `on_overwrite`. Only between `begin_load` and `end_load`."""
+        calls `then(sg, masters)` (the model's params follow). Only between `begin_load` and `end_load`."""
         if not self._loading:
             raise RuntimeError("a subgroup is overwritten only during a load: use OffloadOptimizerState with dcp.load")
         want = self.layout.subgroups[sg].state_bytes
@@ -326,7 +323,7 @@ class SubgroupStore:
             if state.is_cuda or state.data_ptr() % ALIGN:  # O_DIRECT wants page-aligned host memory
                 dest = aligned_host_buffer(want).copy_(state)
             self.pipeline.store(sg, dest)
-        self._on_overwrite(sg, self.layout.subgroups[sg].parts(dest)[0])
+        then(sg, self.layout.subgroups[sg].parts(dest)[0])
 
     # -- loads ----------------------------------------------------------------------------------------
 

@@ -235,6 +235,31 @@ def test_buffered_writes_surface_write_back_errors_at_write_time(tmp_path, monke
         tier.close()
 
 
+def _steps_through_ctrl_c(opt, ref_opt, mine, ref) -> int:
+    """STEPS steps, each step() called again after a KeyboardInterrupt as a training loop would;
+    returns how many were raised."""
+    import signal
+
+    raised = 0
+    # Python's own Ctrl-C handler, also where pytest was started with SIGINT ignored (a shell's background job)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for s in range(STEPS):
+            set_grads(mine, ref, s)
+            for _ in range(8):  # a retry that starts the step over would be interrupted again, forever
+                try:
+                    opt.step()
+                    break
+                except KeyboardInterrupt:
+                    raised += 1  # the loop catches it and calls step() again, which finishes the step
+            else:
+                raise AssertionError(f"step {s}: step() never finished after 8 tries")
+            ref_opt.step()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    return raised
+
+
 def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
     """A Ctrl-C that lands while a subgroup is being updated (after one kernel call, say: the kernel has
     written new params over that part of the grads) takes effect once the subgroup is done, so the
@@ -251,21 +276,36 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
             os.kill(os.getpid(), signal.SIGINT)
 
     opt._kernel = interrupted_kernel
-    raised = 0
-    # Python's own Ctrl-C handler, also where pytest was started with SIGINT ignored (a shell's background job)
-    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        for s in range(STEPS):
-            set_grads(mine, ref, s)
-            while True:
-                try:
-                    opt.step()
-                    break
-                except KeyboardInterrupt:
-                    raised += 1  # the loop catches it and calls step() again, which finishes the step
-            ref_opt.step()
-    finally:
-        signal.signal(signal.SIGINT, inherited)
-    assert raised == 6
+    assert _steps_through_ctrl_c(opt, ref_opt, mine, ref) == 6
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()
+
+
+def test_ctrl_c_in_the_last_subgroup_s_update_leaves_the_retry_to_close_the_step(tmp_path):
+    """A Ctrl-C held until the step's last subgroup is updated: every subgroup is new, and the step is
+    not closed yet (params not all copied back, step not counted). The retry closes it without updating
+    anything again (the staging buffer holds new params, not grads): bit for bit as torch AdamW."""
+    import signal
+
+    opt, ref_opt, mine, ref = fresh_pair(tmp_path)
+    real, tries = opt._update_subgroup, []
+
+    def interrupted_update(sg, state, grad_scale):
+        real(sg, state, grad_scale)
+        tries.append(sg)
+        if len(tries) == len(opt._pending):  # this try's last subgroup (_pending is set when the try ends)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    opt._update_subgroup = interrupted_update
+    opt.step = _clearing_before(opt.step, tries)
+    assert _steps_through_ctrl_c(opt, ref_opt, mine, ref) == STEPS  # each step's first try, at its last subgroup
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def _clearing_before(fn, seen: list):
+    def cleared(*args, **kwargs):
+        seen.clear()
+        return fn(*args, **kwargs)
+
+    return cleared

@@ -96,11 +96,11 @@ def test_a_load_that_fails_part_way_refuses_to_step_until_a_good_one(tmp_path, m
     other, other_params = build(tmp_path / "b", lr=0.5)
     write, calls = other.store.overwrite, []
 
-    def failing(sg: int, state: torch.Tensor) -> None:
+    def failing(sg: int, state: torch.Tensor, then) -> None:
         calls.append(sg)
         if len(calls) == 4:
             raise OSError(5, "Input/output error")
-        write(sg, state)
+        write(sg, state, then)
 
     monkeypatch.setattr(other.store, "overwrite", failing)
     with pytest.raises(CheckpointException, match="Input/output error"):
