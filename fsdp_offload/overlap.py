@@ -80,6 +80,7 @@ class UpdateInFlight:
                 future.set_result(fn())
             except BaseException as exc:  # raised where the update is waited for
                 future.set_exception(exc)
+            del job, fn, future  # the job holds the optimizer: nothing of it waits here for the next one
 
     def _run(self, run: Callable[[], None], threads: int) -> None:
         use_cpu_threads(threads)  # the intra-op thread count is per thread: give the worker the caller's

@@ -296,7 +296,10 @@ class SubgroupPipeline:
         if tier not in self.failed_tiers:
             if len(self.failed_tiers) + 1 >= len(self.tiers):
                 return False
-            self.placement.drop(tier)
+            try:
+                self.placement.drop(tier)
+            except ValueError:  # no other tier takes a share (fixed ratios with zeros)
+                return False
             self.failed_tiers.add(tier)
             t = self.tiers[tier]
             log.warning(

@@ -263,11 +263,13 @@ class FixedRatioPlacement:
         return self._tier[sg]
 
     def drop(self, tier: int) -> None:
-        """Takes `tier` out of the split (it failed): its share goes to the others."""
-        self._ratios[tier] = 0.0
-        if sum(self._ratios) <= 0:
+        """Takes `tier` out of the split (it failed): its share goes to the others. Refused, changing
+        nothing, when no other tier has a share."""
+        ratios = [0.0 if i == tier else r for i, r in enumerate(self._ratios)]
+        if sum(ratios) <= 0:
             raise ValueError(f"cannot drop tier {tier}: no other tier has a share")
-        self._tier = smooth_round_robin(self._ratios, len(self._tier))
+        self._ratios = ratios
+        self._tier = smooth_round_robin(ratios, len(self._tier))
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         """Fixed placement learns nothing from transfers."""

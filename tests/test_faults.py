@@ -87,6 +87,29 @@ def test_a_tier_that_fails_writes_is_dropped_and_its_subgroups_go_to_the_other(t
     opt.close()
 
 
+def test_a_failed_write_with_no_other_tier_to_take_it_keeps_the_subgroup_in_host_memory(tmp_path):
+    """Two tiers, the second with no share (fixed ratios 1:0): a failed write cannot fail over, so the
+    write's error stands, the subgroup stays in host memory, and the next step() finishes the step."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{d}" for d in dirs], subgroup_numel=SG, host_budget_gb=budget_for(3),
+                        placement="fixed", tier_ratios=[1.0, 0.0])  # fmt: skip
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    opt, ref_opt = OffloadAdamW(groups(mine), offload=cfg), torch.optim.AdamW(groups(ref), foreach=False)
+    tier = FaultyTier.around(opt.store, 0, [Fault("enospc", op="write", after=2, times=1)])
+
+    def expect(exc: BaseException) -> None:
+        assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+    assert train_through(opt, ref_opt, mine, ref, expect) == 1
+    assert tier.injected == 1 and not opt.store.pipeline.failed_tiers
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
 def test_stalls_change_no_result(tmp_path):
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
     tier = FaultyTier.around(opt.store, 0, [Fault("latency", op=op, after=2, times=0, delay_s=0.01) for op in ("read", "write")])
