@@ -127,6 +127,8 @@ class LowpStaging:
     def param_grad(self, param: int) -> torch.Tensor:
         """Param `param`'s staged grad as one flat tensor (a copy when it spans subgroups)."""
         pieces = [piece for piece, _ in self._pieces[param]]
+        if not pieces:  # an empty local shard (FSDP2 gives one where dim 0 is below the world size)
+            return torch.empty(0, dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
 
     def copy_params_to_model(self, sg: int, params: list[torch.Tensor]) -> None:

@@ -446,6 +446,20 @@ def test_clip_norm_is_taken_per_param_as_grads_arrive():
     opt.close()
 
 
+def test_an_empty_local_shard_counts_for_nothing_in_the_norm():
+    """FSDP2 leaves a rank an empty shard of a param whose dim 0 is below the world size: its grad adds
+    nothing to the norm, whether it is taken at clip_grad_norm_() or from accumulated grads."""
+    params = [torch.nn.Parameter(t) for t in make_params()] + [torch.nn.Parameter(torch.zeros(0))]
+    opt = OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    grads = grads_for(0) + [torch.zeros(0, dtype=torch.bfloat16)]
+    for p, g in zip(params, grads):
+        p.grad = g
+    norm = opt.clip_grad_norm_(1e9)
+    assert float(norm) == pytest.approx(sum(float(g.double().square().sum()) for g in grads) ** 0.5, rel=1e-12)
+    opt.step()
+    opt.close()
+
+
 def leaf_params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(t) for t in make_params()]
 
