@@ -191,6 +191,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store.fill(list(range(len(self.layout))), {"master_param": lambda i: masters(self._params[i])},
                             then=self.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
+        self._hooks: list = []  # removed at close(): a closed optimizer takes no grads
         if model is not None:
             if masters is None:
                 cast_params(model, self.param_dtype)
@@ -268,6 +269,7 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the staging buffer (hooks call this)."""
+        self._check_open()
         if self._during_backward:
             self._stage_grad_during_update(index, grad)
             return
@@ -336,6 +338,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         scale them so that it is at most `max_norm`, in flight. The first call on an optimizer built
         without `offload.max_grad_norm` sums the grads already staged on the CPU; from then on the
         hooks take each grad's sum of squares where it is, as `max_grad_norm` does."""
+        self._check_open()
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): OffloadAdamW clips by the L2 norm (2.0) only")
         if not (max_norm > 0 and math.isfinite(max_norm)):
@@ -367,6 +370,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         (the next forward waits per FSDP unit for its params; `finish_update` waits for all of it).
         If the update raises (an I/O error, say), nothing is lost: the error surfaces where it is
         waited for, and the next call finishes the same step from the subgroup where it stopped."""
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -604,7 +608,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.store.gather(list(self._subgroups_of[index]), out)  # (a pass reorders its list)
         return _like_param(out[index][key], p)
 
+    def _check_open(self) -> None:
+        if not self._closer.alive:
+            raise RuntimeError(
+                "this OffloadAdamW was closed (its tier files and buffers are gone): build a new one, and load "
+                "a checkpoint into it to go on"
+            )
+
     def _check_no_pending_step(self) -> None:
+        self._check_open()
         self.finish_update()
         if self._pending is not None:
             raise RuntimeError(
@@ -775,6 +787,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.finish_update()
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
             self._closer()
 
 

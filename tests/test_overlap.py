@@ -9,6 +9,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -279,3 +280,26 @@ def worker_retry(rank: int, world: int, tmp: str) -> None:
 
 def test_a_retried_update_lets_the_next_forward_through():
     run_ranks(1, worker_retry, "")
+
+
+def worker_closed(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
+    loss_of(model, batch(rank, 0)).backward()
+    opt.step()  # in flight when close() is called
+    opt.close()
+    done = threading.Event()
+
+    def after_close() -> None:
+        loss_of(model, batch(rank, 1)).backward()  # nothing waits for the closed optimizer's worker
+        done.set()
+
+    threading.Thread(target=after_close, daemon=True).start()
+    assert done.wait(60), "a forward and backward after close() hung"
+    assert all(p.grad is not None for p in model.parameters())  # no hook takes them any more
+    with pytest.raises(RuntimeError, match="was closed"):
+        opt.step()
+
+
+def test_a_closed_optimizer_lets_the_model_run_and_refuses_to_step():
+    run_ranks(1, worker_closed, "")
