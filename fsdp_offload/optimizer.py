@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
@@ -102,6 +103,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "the params are FSDP2-sharded DTensors: pass model=model so OffloadAdamW can cast the model "
                 "and hook its grad shards: OffloadAdamW(model.parameters(), ..., model=model)"
             )
+        overlap = cfg.resolved_overlap()  # checked before anything is allocated
+        if overlap == "backward" and not units:
+            if cfg.overlap == "backward":
+                raise ValueError(
+                    "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
+                    "model=model, or use offload.overlap='next_forward'"
+                )
+            overlap = "next_forward"  # auto without a model: nothing to hook
+        if cfg.overlap == "auto":
+            log.info("offload.overlap='auto': %s", overlap)
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
@@ -145,16 +156,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         if cfg.host_budget_gb == "auto":
             log.info("%s: %d of %d subgroups off the GPU kept in host memory", budget_name,
                      self.store.cache.num_slots, len(self.store.host_subgroups))  # fmt: skip
-        overlap = cfg.resolved_overlap()
-        if overlap == "backward" and not units:
-            if cfg.overlap == "backward":
-                raise ValueError(
-                    "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
-                    "model=model, or use offload.overlap='next_forward'"
-                )
-            overlap = "next_forward"  # auto without a model: nothing to hook
-        if cfg.overlap == "auto":
-            log.info("offload.overlap='auto': %s", overlap)
         # None: step() updates every subgroup before it returns
         self._inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._during_backward = overlap == "backward"
@@ -182,6 +183,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._norm_s = 0.0  # time this step's step() took to take the grad norm (metrics.norm_s)
         self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
         self.last_metrics: StepMetrics | None = None  # the last finished update's
+        self._untaken: deque[StepMetrics] = deque(maxlen=1024)  # finished steps' metrics, for take_metrics()
         self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
 
         if masters is None:  # the FP32 params are the masters
@@ -416,7 +418,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         count, used = last_that_fit(self.layout, self.store.host_subgroups, available, moving)
         if count:
             self._copies.wait_host()  # the grads staged for this step are read as they move
-            moved = self.store.move_to_gpu(count, device)
+            try:
+                moved = self.store.move_to_gpu(count, device)  # all or nothing
+            except torch.OutOfMemoryError as exc:  # an economy only: the state stays where it is
+                log.warning("offload.gpu_fraction=auto: moving %d subgroups to the GPU ran out of memory (%s); "
+                            "they stay off the GPU: raise offload.gpu_headroom_gb", count, str(exc).splitlines()[0])  # fmt: skip
+                return
             self.grads.staging.move_to_device(moved, device)
             self._gpu_kernel = self._gpu_kernel or _triton_kernel()
         log.info(
@@ -438,8 +445,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         try:
             self._inflight.finish()
-            self._copies.current_waits()  # the last params' copies, for whatever reads them next
         finally:
+            self._copies.current_waits()  # the params copied so far (all, or a failed try's), for what reads them next
             self._publish_metrics(self._inflight.waited_s)
 
     def _publish_metrics(self, waited_s: float) -> None:
@@ -448,8 +455,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             return  # the update raised before it ended
         m.exposed_update_s = m.update_s if self._inflight is None else self._begin_s + waited_s
         m.lock_wait_s = self.store.lock_waits()
-        self.last_metrics = m
+        self._published(m)
         m.log()
+
+    def _published(self, m: StepMetrics) -> None:
+        self.last_metrics = m
+        self._untaken.append(m)
+
+    def take_metrics(self) -> list[StepMetrics]:
+        """The metrics of every step finished since the last call (a skipped fp16 step's too), oldest
+        first: a step() that skips can follow the end of the step before it, so `last_metrics` alone
+        may pass one by. Kept for the last 1024 steps."""
+        taken = list(self._untaken)
+        self._untaken.clear()
+        return taken
 
     @torch.no_grad()  # grad mode is per thread: this may run on the update's own
     def _update(self, start: float) -> None:
@@ -513,10 +532,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if scale is None:
             self.skipped_steps += 1
             self.grads.clear()
-            self.last_metrics = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
-            self.last_metrics.skipped = True
-            self.last_metrics.exposed_update_s = self.last_metrics.update_s
-            self.last_metrics.norm_s, self._norm_s = self._norm_s, 0.0
+            m = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
+            m.skipped, m.exposed_update_s = True, m.update_s
+            m.norm_s, self._norm_s = self._norm_s, 0.0
+            self._published(m)
             return False
         self._plan_step(scale)
         return True

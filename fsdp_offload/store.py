@@ -234,23 +234,42 @@ class SubgroupStore:
         self.require_loaded()
         self.visit(order, gather, dirty=False)
 
+    def _bounce_buffer(self, copied: dict[int, torch.Tensor]) -> tuple[torch.Tensor, int | None]:
+        """A host slot to read stored subgroups through, and the cached subgroup whose slot it is (None:
+        a free slot, or a buffer of its own when no slot is free and nothing cached has been copied)."""
+        free = self.cache.take_free()
+        if free is not None:
+            self.cache.give_back(free)  # stays free: only read through, before anything else takes it
+            return self.cache.slots[free], None
+        lender = next(iter(copied), None)
+        if lender is None:
+            return aligned_host_buffer(self.layout.slot_bytes), None
+        return self.cache.slots[self.cache.slot_of[lender]], lender
+
     def move_to_gpu(self, count: int, device: torch.device) -> list[int]:
         """Moves the last `count` subgroups kept off the GPU into GPU memory, between steps (the state is
-        copied from the host cache, or read from its tier through one freed cache slot), and frees their
-        cache slots for the others."""
+        copied from the host cache, or read from its tier through one host slot), and frees their cache
+        slots for the others. All or nothing: if a copy or a read fails, nothing has moved."""
         chosen = self.host_subgroups[len(self.host_subgroups) - count :]
-        bounce = None  # host buffer for the stored ones: a slot freed by a cached one, else one of its own
-        for sg in sorted(chosen, key=lambda sg: not self.cache.is_resident(sg)):  # cached ones first
-            held = self.pipeline.resident_state(sg)
-            if held is None:
-                if bounce is None:
-                    free = self.cache.take_free()
-                    bounce = aligned_host_buffer(self.layout.slot_bytes) if free is None else self.cache.slots[free]
-                    if free is not None:
-                        self.cache.give_back(free)
-                held = bounce[: self.layout.subgroups[sg].state_bytes]
-                self.pipeline.read_stored(sg, held)
-            self.gpu_state[sg] = held.to(device)  # from pageable memory: done when it returns
+        copies: dict[int, torch.Tensor] = {}
+        # host buffer for the stored ones: a free slot, else the slot of a cached one already copied
+        # (restored from its copy if the move fails), else one of its own
+        bounce, lent_by = None, None
+        try:
+            for sg in sorted(chosen, key=lambda sg: not self.cache.is_resident(sg)):  # cached ones first
+                held = self.pipeline.resident_state(sg)
+                if held is None:
+                    if bounce is None:
+                        bounce, lent_by = self._bounce_buffer(copies)
+                    held = bounce[: self.layout.subgroups[sg].state_bytes]
+                    self.pipeline.read_stored(sg, held)
+                copies[sg] = held.to(device)  # from pageable memory: done when it returns
+        except BaseException:
+            if lent_by is not None:
+                self.pipeline.resident_state(lent_by).copy_(copies[lent_by])
+            raise
+        for sg, state in copies.items():
+            self.gpu_state[sg] = state
             self.pipeline.forget(sg)
         del self.host_subgroups[len(self.host_subgroups) - count :]  # the subgroups off the GPU stay 0..n-1
         try:

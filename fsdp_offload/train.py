@@ -225,16 +225,16 @@ def _run(cfg: DictConfig) -> list[dict]:
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
-    seen = [None]  # the optimizer's last metrics already given to a row
     board = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if tcfg.tensorboard and rank == 0 else None
+    drop_rows_from(metrics_path, start_step)  # a resumed run redoes the steps after its checkpoint
     with open(metrics_path, "a") as jsonl, contextlib.closing(board) if board is not None else contextlib.nullcontext():
 
         def write_finished() -> None:
-            # An OffloadAdamW publishes each update's metrics once it has finished, in step order.
-            m = getattr(optimizer, "last_metrics", None)
-            if waiting and m is not None and m is not seen[0]:
-                add_update_metrics(waiting[0], m)
-                seen[0] = m
+            # An OffloadAdamW publishes each update's metrics once it has finished, in step order
+            # (torch's optimizers' rows have theirs already).
+            if isinstance(optimizer, OffloadAdamW):
+                for row, m in zip([r for r in waiting if "update_s" not in r], optimizer.take_metrics()):
+                    add_update_metrics(row, m)
             while waiting and "update_s" in waiting[0]:
                 row = waiting.pop(0)
                 if row["step"] % tcfg.log_every == 0 or row["step"] == tcfg.steps - 1:
@@ -245,9 +245,10 @@ def _run(cfg: DictConfig) -> list[dict]:
 
         for step in range(start_step, tcfg.steps):
             row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
+            lr = scheduler.get_last_lr()[0]  # the lr this step's update took
             scheduler.step()
             row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                       lr=scheduler.get_last_lr()[0], tokens_per_s=tokens_per_step / row["step_s"],
+                       lr=lr, tokens_per_s=tokens_per_step / row["step_s"],
                        host_peak_gib=host_peak_gib(), **process_now(), cpu_threads=torch.get_num_threads())  # fmt: skip
             if device.type == "cuda":
                 row["gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -317,6 +318,21 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     else:
         row["update_s"] = row["exposed_update_s"] = row["step_call_s"]
     return row
+
+
+def drop_rows_from(path: str, step: int) -> None:
+    """Drops the rows of steps `step` and after from the metrics file at `path` (an earlier run's, past
+    the checkpoint this one resumes from), so each step has one row."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] < step]  # (a torn last line goes)
+    if len(kept) < len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
 
 
 def add_update_metrics(row: dict, m) -> None:

@@ -120,6 +120,46 @@ def test_gpu_fraction_auto_moves_what_fits_after_the_first_step(tmp_path, headro
 
 
 @needs_cuda
+def test_a_move_to_the_gpu_that_fails_part_way_moves_nothing(tmp_path):
+    """gpu_fraction=auto: a tier read failing after some subgroups were copied to the GPU (through a
+    cached one's slot) leaves every subgroup where it was, that slot restored; the step raises the
+    read's error, and its retry trains on off the GPU, bit for bit as torch AdamW."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    mine = [torch.nn.Parameter(t.cuda()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    cfg = config(tmp_path, gpu_headroom_gb=4.0)
+    cfg.gpu_fraction = "auto"
+    opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
+    ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
+    read, reads = opt.store.pipeline.read_stored, []
+
+    def failing_second(sg: int, out: torch.Tensor) -> None:
+        reads.append(sg)
+        if len(reads) == 2:
+            raise OSError(5, "Input/output error")
+        read(sg, out)
+
+    for s in range(STEPS):
+        for p, r, g in zip(mine, ref, grads(s)):
+            p.grad, r.grad = g.cuda(), g.float()
+        if s == 1:
+            opt.store.pipeline.read_stored = failing_second
+            with pytest.raises(OSError, match="Input/output error"):
+                opt.step()
+            opt.store.pipeline.read_stored = read
+            assert not opt.store.gpu_state and len(opt.store.host_subgroups) == len(opt.layout)
+        opt.step()
+        ref_opt.step()
+        assert opt.last_metrics.subgroups_on_gpu == 0
+    state = opt.state_dict()["state"]
+    for i, r in enumerate(ref):
+        assert torch.equal(state[i]["master_param"], r.data)
+        assert torch.equal(state[i]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"])
+    opt.close()
+
+
+@needs_cuda
 def test_gpu_resident_state_survives_a_dcp_checkpoint(tmp_path):
     def run(split: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)

@@ -126,6 +126,30 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     assert "optimizer.rank0.subgroup_000000): subgroup 0 is corrupted" in errors[0] and "restore the checkpoint" in errors[0]
 
 
+def test_skipped_fp16_steps_keep_one_row_each_with_their_own_metrics(tmp_path):
+    """With fp16 and the loss scale growing every step, steps overflow and are skipped now and then: a
+    skip's metrics follow the end of the overlapped update before it, and each row gets its own."""
+    train(tmp_path / "run", "train.steps=20", "offload.param_dtype=float16", "offload.loss_scale_growth_interval=1")
+    log = rows(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(20)) and all("update_s" in r for r in log)
+    assert log[0]["lr"] == pytest.approx(log[4]["lr"] / 5)  # each row's own lr: step 0 is 1/5 into the warmup
+    skipped = [r["skipped"] for r in log]
+    assert any(skipped) and not all(skipped)
+    # the scale halves on a skipped step and doubles on a good one
+    assert all(r["skipped"] == (r["loss_scale"] < prev["loss_scale"]) for prev, r in zip(log, log[1:]))
+
+
+def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
+    """Killed after step 3 with a checkpoint after step 2, resumed into the same run dir: steps 2 and 3
+    are done again, and their rows replace the killed run's."""
+    # the update not overlapped: step 2's row is written before the kill (else it waits for step 3)
+    common = ["train.steps=4", "checkpoint.every=2", f"checkpoint.dir={tmp_path}/ck", "offload.overlap=none"]
+    assert train(tmp_path / "run", *common, "train.kill_at_step=3", check=False).returncode != 0
+    assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    train(tmp_path / "run", *common)
+    assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "overrides, message",
