@@ -103,7 +103,3 @@ class SubgroupLayout:
     def slot_bytes(self) -> int:
         """Bytes of the largest subgroup's state: the size of one host cache slot."""
         return max(sg.state_bytes for sg in self.subgroups)
-
-    @property
-    def padded_numel(self) -> int:
-        return sum(sg.padded for sg in self.subgroups)
