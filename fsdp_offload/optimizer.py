@@ -532,7 +532,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         if scale is None:
             self.skipped_steps += 1
             self.grads.clear()
-            m = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, [], {})
+            transfers, _ = self.store.take_io()  # the FP32 grads written before the overflow was seen
+            m = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, transfers, {})
             m.skipped, m.exposed_update_s = True, m.update_s
             m.norm_s, self._norm_s = self._norm_s, 0.0
             self._published(m)
