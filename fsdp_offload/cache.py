@@ -1,4 +1,5 @@
-"""Host memory: pinned (or page-aligned) buffers under a byte budget, and which subgroup is where.
+"""Host memory: page-aligned (and, for staging, pinned) buffers under a byte budget, and which
+subgroup is where.
 
 `HostCache` owns the slot buffers that hold subgroups' FP32 state and tracks residency: which
 subgroup is in which slot, whether its host copy is newer than its stored one (dirty), and the order
@@ -70,13 +71,14 @@ def unpin(buf: torch.Tensor) -> None:
 
 
 class HostCache:
-    """`num_slots` buffers of `slot_bytes` each, and the residency of subgroups in them."""
+    """`num_slots` buffers of `slot_bytes` each, and the residency of subgroups in them. Its memory is
+    not page-locked: the FP32 state never meets the GPU (the bf16 staging buffer does), and pages given
+    back to the OS (release_spare) must not be."""
 
-    def __init__(self, slot_bytes: int, num_slots: int, pin: bool) -> None:
+    def __init__(self, slot_bytes: int, num_slots: int) -> None:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        self.pinned = pin
-        self._arena = host_buffer(slot_bytes * num_slots, pin)
+        self._arena = aligned_host_buffer(slot_bytes * num_slots)
         self.slots = [self._arena[i * slot_bytes : (i + 1) * slot_bytes] for i in range(num_slots)]
         self._free = list(range(num_slots - 1, -1, -1))
         self.slot_of: dict[int, int] = {}  # resident subgroup -> slot
@@ -128,14 +130,12 @@ class HostCache:
         good (subgroups moved to GPU memory leave fewer to cache than there are slots); returns the
         bytes given back. A slot whose release fails stays in use, and the error is raised."""
         released = 0
-        while self._free and self.num_slots > needed and not self.pinned:  # page-locked pages stay
+        while self._free and self.num_slots > needed:
             released += release_pages(self.slots[self._free[0]])
             self._free.pop(0)  # (the free list hands out from its end)
             self.num_slots -= 1
         return released
 
     def close(self) -> None:
-        if self.pinned and self._arena is not None and self.nbytes:
-            unpin(self._arena)
         self._arena = None
         self.slots = []

@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -41,6 +40,7 @@ import torch
 from .cache import aligned_host_buffer
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
+from .storage.chunked import tier_file_tag
 from .storage.posix import _pread_all, _pwrite_all, open_private_file
 from .storage.spec import as_spec
 
@@ -107,7 +107,7 @@ def tier_passes(
     tier: Tier = make_tier(spec)
     times: dict[str, list[float]] = {"read": [], "write": [], "mixed": []}
     try:
-        tier.attach(f"calibrate-{platform.node()}-{os.getpid()}-{uuid.uuid4().hex[:8]}", [ALIGN] + [transfer_bytes] * count)
+        tier.attach(tier_file_tag("calibrate"), [ALIGN] + [transfer_bytes] * count)
         buffers = [aligned_host_buffer(transfer_bytes) for _ in range(min(in_flight, count))]
         for b in buffers:  # incompressible, so a compressing file system cannot flatter itself
             b.copy_(torch.randint(0, 256, (transfer_bytes,), dtype=torch.uint8))
@@ -161,7 +161,7 @@ def measure_tier(
         return total / max(passes[kind] - count * latency, 0.1 * passes[kind])
 
     read, write = bandwidth("read"), bandwidth("write")
-    scale = bandwidth("mixed") / (2 / (1 / read + 1 / write))
+    scale = min(1.0, bandwidth("mixed") / (2 / (1 / read + 1 / write)))  # only down: a faster mixed pass leaves them
     speed = TierSpeed(read * scale, write * scale, latency)
     if not speed.valid:
         raise TierError(f"calibrating {spec} gave {speed}: not a usable bandwidth; measure again with more bytes")

@@ -7,7 +7,8 @@ A checkpoint is a directory `step_<k>` of two torch.distributed.checkpoint check
   optimizer/    the optimizer: an OffloadAdamW as a Stateful whose subgroups stream one at a time from
                 the host cache and tiers (see optimizer_state.py)
 It is written under `step_<k>.tmp` and renamed once every rank has finished, so a run killed while
-saving leaves the previous checkpoint as the latest.
+saving leaves the previous checkpoint as the latest; a checkpoint being replaced or pruned is renamed
+`step_<k>.old` before it is removed.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,8 @@ from .optimizer_state import (
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"
+_STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
+_OLD_DIR = re.compile(r"^step_\d+\.old$")  # one being removed
 
 
 @dataclass
@@ -54,6 +58,11 @@ class CheckpointConfig:
             self.resume = "auto" if self.resume else "never"
         if self.io_threads < 1:
             raise ValueError(f"checkpoint.io_threads={self.io_threads}: at least 1 writer is needed")
+        if self.keep < 1:
+            raise ValueError(
+                f"checkpoint.keep={self.keep}: at least the checkpoint just written must be kept; give checkpoint.keep=1 "
+                "or more, or checkpoint.dir=null for no checkpoints"
+            )
 
 
 def _rank() -> int:
@@ -63,6 +72,27 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _on_rank0(what: str, work: Callable[[], None]) -> None:
+    """Runs `work` on rank 0 and tells every rank how it went, so that a failure there is an error on
+    every rank rather than a hang of the others in their next collective. `what` names it for them."""
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            work()
+        except BaseException as exc:  # the other ranks hear of it first
+            error = exc
+    if dist.is_initialized():
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if status[0] is not None and error is None:
+            raise RuntimeError(
+                f"{what} failed on rank 0: {status[0]}; fix checkpoint.dir (its space, its permissions) and resume: the "
+                "checkpoints saved before are intact"
+            )
+    if error is not None:
+        raise error
 
 
 def _pack(obj: Any) -> bytes:
@@ -119,11 +149,24 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
 
 
 def latest_checkpoint(directory: str | None) -> str | None:
-    """The newest complete checkpoint under `directory` (never a half-written .tmp one)."""
+    """The newest complete checkpoint under `directory` (never a half-written .tmp one, nor a step_* dir
+    that lacks a part: one copied in part, say)."""
     if not directory or not os.path.isdir(directory):
         return None
-    done = sorted(d for d in os.listdir(directory) if d.startswith("step_") and not d.endswith(".tmp"))
-    return os.path.join(directory, done[-1]) if done else None
+    done = [path for path in reversed(_step_dirs(directory)) if is_checkpoint(path)]
+    return done[0] if done else None
+
+
+def _step_dirs(directory: str) -> list[str]:
+    """The step_* dirs in `directory`, oldest first (their names sort by step)."""
+    return [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if _STEP_DIR.match(d)]
+
+
+def _move_aside(path: str) -> str:
+    """Renames a checkpoint out of the way before it is removed, so that a run killed while removing
+    it never leaves a step_* dir with a part's .metadata but not all its files."""
+    os.replace(path, path + ".old")
+    return path + ".old"
 
 
 def save_checkpoint(
@@ -142,27 +185,39 @@ def save_checkpoint(
     subgroups are read from the tiers and written at once (each thread writes its own file)."""
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
-    rank = _rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # the leftovers of a run killed while saving
+
+    def start() -> None:
+        os.makedirs(directory, exist_ok=True)
+        # the leftovers of a run killed while saving: a half-written step, half-removed old ones
+        for leftover in [tmp] + [os.path.join(directory, d) for d in os.listdir(directory) if _OLD_DIR.match(d)]:
+            shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(tmp, mode=0o700)
-    _barrier()
+
+    def commit() -> None:
+        with open(os.path.join(tmp, RUN_FILE), "w") as f:
+            json.dump({**run, "step": step}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        for d in (os.path.join(tmp, "model"), os.path.join(tmp, "optimizer"), tmp):
+            _fsync_dir(d)  # DCP fsyncs its files, not their names
+        # Saving a step again (a run resumed from an earlier one): the complete old one goes aside and
+        # only then away, so there is always a complete copy of the step on disk.
+        replaced = _move_aside(final) if os.path.exists(final) else None
+        os.replace(tmp, final)
+        _fsync_dir(directory)  # the rename itself survives a power loss
+        others = [d for d in _step_dirs(directory) if d != final]
+        gone = [_move_aside(d) for d in others[: max(0, len(others) - (keep - 1))]]  # the one just written stays
+        for d in ([replaced] if replaced else []) + gone:
+            shutil.rmtree(d, ignore_errors=True)
+
+    _on_rank0(f"creating {tmp}", start)
+    rank = _rank()
     dcp.save({"model": get_model_state_dict(model), f"rank{rank}": _pack(rank_state)}, checkpoint_id=os.path.join(tmp, "model"))
     optim = {"optimizer": _optimizer_state(model, optimizer)}
     writer = CheckedFileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)
     dcp.save(optim, storage_writer=writer, planner=StreamingSavePlanner())
     _barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, RUN_FILE), "w") as f:
-            json.dump({**run, "step": step}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(directory)  # the rename itself survives a power loss
-        old = sorted(d for d in os.listdir(directory) if d.startswith("step_") and not d.endswith(".tmp"))
-        for d in old[: max(0, len(old) - keep)]:
-            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
-    _barrier()
+    _on_rank0(f"committing checkpoint {final}", commit)
     return final
 
 

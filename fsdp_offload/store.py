@@ -13,9 +13,6 @@ written.
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import uuid
 import weakref
 from typing import Callable
 
@@ -28,6 +25,7 @@ from .pipeline import SubgroupPipeline
 from .placement import make_placement
 from .storage import Tier, Transfer, open_tiers
 from .storage.base import ALIGN
+from .storage.chunked import tier_file_tag
 from .subgroups import SubgroupLayout
 
 Visit = Callable[[int, torch.Tensor], None]
@@ -122,14 +120,6 @@ def host_cache_slots(
     return slots
 
 
-def _rank_tag() -> str:
-    """rank<r>-<host>-pid<p>-<id>: unique per process, and what tells a later start whether the file's
-    process is gone (only processes of its own host are judged)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
-    return f"rank{rank}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 class SubgroupStore:
     """Every subgroup's FP32 state, at the GPU, host-cache or tier level.
 
@@ -164,7 +154,7 @@ class SubgroupStore:
         self._closer = weakref.finalize(self, _close_all, resources)
         slots = host_cache_slots(cfg, host_budget, budget_name, len(self.host_subgroups), layout.slot_bytes, reserved_host_bytes)
         # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
-        self.cache = HostCache(layout.slot_bytes, slots, pin=False)
+        self.cache = HostCache(layout.slot_bytes, slots)
         resources.append(self.cache)
         streamed = len(self.host_subgroups)
         host_forward = [sg for sg in forward if sg < streamed]
@@ -172,7 +162,7 @@ class SubgroupStore:
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         resources.extend(self.tiers)
-        tag = _rank_tag()
+        tag = tier_file_tag(f"rank{dist.get_rank() if dist.is_initialized() else 0}")
         for t in self.tiers:
             t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
         self.pipeline = SubgroupPipeline(layout, self.cache, self.tiers, self.placement, cfg.prefetch)

@@ -158,7 +158,9 @@ def _run(cfg: DictConfig) -> list[dict]:
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads))
+    group = dist.group.WORLD if world > 1 else None
+    local = node_ranks(group)  # by host name: srun and mp.spawn set no LOCAL_WORLD_SIZE
+    use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads, local))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
@@ -170,8 +172,6 @@ def _run(cfg: DictConfig) -> list[dict]:
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
-        group = dist.group.WORLD if world > 1 else None
-        local = node_ranks(group)
         if recipe.config.host_budget_gb == "auto":
             # Sized once, now, for the plan and the optimizer alike: what this process takes from here on
             # (the CUDA context, the model's build) is the headroom's share, not the optimizer's.

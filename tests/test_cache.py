@@ -1,9 +1,13 @@
-"""HostCache: slots under the budget, and giving back the ones no subgroup needs any more."""
+"""HostCache: slots under the budget, and giving back the ones no subgroup needs any more; and the host
+resources it is sized from: the memory a cgroup leaves (host_budget_gb=auto) and each rank's CPU cores."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
+from fsdp_offload import memory, threads
 from fsdp_offload.cache import HostCache, aligned_host_buffer, release_pages
 
 MIB = 1 << 20
@@ -17,7 +21,7 @@ def resident_bytes() -> int:
 def test_spare_slots_go_back_to_the_os_for_good():
     """After subgroups moved to GPU memory, the free slots beyond what the rest needs are handed back:
     resident memory drops by their size and they are never handed out again."""
-    cache = HostCache(64 * MIB, 4, pin=False)
+    cache = HostCache(64 * MIB, 4)
     for slot in cache.slots:
         slot.fill_(1)  # every page resident
     for sg in range(2):
@@ -32,7 +36,7 @@ def test_spare_slots_go_back_to_the_os_for_good():
 
 
 def test_no_slot_goes_back_while_the_subgroups_left_need_it():
-    cache = HostCache(MIB, 3, pin=False)
+    cache = HostCache(MIB, 3)
     assert cache.release_spare(needed=5) == 0 and cache.num_slots == 3
     assert cache.release_spare(needed=3) == 0
     cache.close()
@@ -49,3 +53,66 @@ def test_only_whole_pages_go_back():
     assert bool((raw[: page] == 7).all()) and bool((raw[3 * page :] == 7).all())
     assert bool((raw[page : 3 * page] == 0).all())
     assert release_pages(raw[10 : page - 10]) == 0
+
+
+def fake_cgroups(tmp_path, monkeypatch, version: int, files: dict[str, str]) -> None:
+    """This process in cgroup /job/step (v1: of the memory and cpuset hierarchies), whose dirs hold
+    `files` ({"job/memory.max": "...", ...}, relative to the hierarchy's root)."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n" if version == 2 else "5:memory:/job/step\n3:cpuset:/job/step\n0::/\n")
+    root = tmp_path / "sys"
+    for name, text in files.items():
+        for hierarchy in [root] if version == 2 else [root / "memory", root / "cpuset"]:
+            (hierarchy / name).parent.mkdir(parents=True, exist_ok=True)
+            (hierarchy / name).write_text(text)
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(proc))
+    monkeypatch.setattr(memory, "CGROUP_ROOT", str(root))
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_auto_budget_takes_the_cgroup_limit_where_it_is_less(tmp_path, monkeypatch, version):
+    """A Slurm job's --mem or a container's limit is what the job can take, however much the node has
+    free: the least limit less usage over the process's cgroup and its ancestors, page cache that the
+    kernel reclaims first not counted as used."""
+    limit, usage, stat = ("memory.max", "memory.current", "inactive_file") if version == 2 else (
+        "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")  # fmt: skip
+    no_limit = "max" if version == 2 else str(2**63 - 4096)
+    fake_cgroups(tmp_path, monkeypatch, version, {
+        f"job/{limit}": str(8 * GIB), f"job/{usage}": str(5 * GIB), "job/memory.stat": f"anon 1\n{stat} {1 * GIB}\n",
+        f"job/step/{limit}": no_limit, f"job/step/{usage}": str(5 * GIB),
+    })  # fmt: skip
+    assert memory.cgroup_available_bytes() == 4 * GIB
+    assert memory.available_host_bytes() <= 4 * GIB
+
+
+def test_no_cgroup_limit_leaves_the_node_s_available_memory(tmp_path, monkeypatch):
+    fake_cgroups(tmp_path, monkeypatch, 2, {"job/step/memory.max": "max", "job/step/memory.current": str(GIB)})
+    assert memory.cgroup_available_bytes() is None
+    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "none"))  # no cgroups at all
+    assert memory.cgroup_available_bytes() is None
+    assert memory.available_host_bytes() > 0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_node_cpus_are_the_cpuset_cgroup_s(tmp_path, monkeypatch, version):
+    name = "cpuset.cpus.effective" if version == 2 else "cpuset.effective_cpus"
+    fake_cgroups(tmp_path, monkeypatch, version, {f"job/step/{name}": "0-3,8,10-11\n"})
+    assert threads.node_cpus() == {0, 1, 2, 3, 8, 10, 11}
+
+
+def test_cores_are_divided_among_the_node_s_ranks_only_where_a_rank_may_use_them_all(monkeypatch):
+    """Unbound ranks share the node's cores; a rank bound to its own CPUs (taskset, numactl, srun
+    --cpu-bind) already has its share. The node's rank count is memory.node_ranks(): srun and mp.spawn
+    set no LOCAL_WORLD_SIZE."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(memory, "_job_node_ranks", 2)  # as node_ranks(group) counted them
+    affinity = os.sched_getaffinity(0)
+    cores = threads.physical_cores()
+    monkeypatch.setattr(threads, "node_cpus", lambda: set(affinity))
+    assert threads.cpu_threads_per_rank(None) == max(1, cores // 2)
+    monkeypatch.setattr(threads, "node_cpus", lambda: set(affinity) | {max(affinity) + 1})  # bound to part of the node
+    assert threads.cpu_threads_per_rank(None) == cores
+    assert threads.cpu_threads_per_rank(3) == 3

@@ -73,6 +73,20 @@ def test_measure_tier_sees_the_throttle(ram_dir):
     assert os.listdir(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}")) == []  # its file is gone
 
 
+def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):
+    """Reads and writes under way together (a disk) slow both; a mixed pass that ran faster than the
+    separate ones (full duplex, or noise) leaves the measured bandwidths as they are, never above."""
+    from fsdp_offload import calibrate
+
+    passes = {"write": 2.0, "read": 1.0, "bytes": 1e9, "count": 2, "latency": 0.0}
+    monkeypatch.setattr(calibrate, "tier_passes", lambda *a, **kw: {**passes, "mixed": 0.5})
+    speed = measure_tier("posix:/tmp")
+    assert (speed.read_bps, speed.write_bps) == (1e9, 0.5e9)
+    monkeypatch.setattr(calibrate, "tier_passes", lambda *a, **kw: {**passes, "mixed": 3.0})  # 2x the serial time: halved
+    speed = measure_tier("posix:/tmp")
+    assert (speed.read_bps, speed.write_bps) == pytest.approx((0.5e9, 0.25e9))
+
+
 def test_cli_measures_prints_and_saves(tmp_path, ram_dir, capsys):
     tiers = [f"throttle:posix:{d}?read=60MB/s&write=30MB/s" for d in (ram_dir / "a", ram_dir / "b")]
     for d in (ram_dir / "a", ram_dir / "b"):

@@ -1,17 +1,24 @@
-"""A checkpoint never runs code on load: an object entry whose pickle has a side effect (here, creating
-a file) is refused with a clear error, and the side effect does not happen. DCP's own load planner
-would unpickle it with weights_only=False; load_checkpoint's planners load tensors and plain values only."""
+"""Checkpoints can be trusted: one never runs code on load (an object entry whose pickle has a side
+effect, here creating a file, is refused with a clear error, and the side effect does not happen: DCP's
+own load planner would unpickle it with weights_only=False; load_checkpoint's planners load tensors and
+plain values only); saving never deletes the checkpoint just written, saves a step again, and fails on
+every rank when rank 0 cannot commit; resuming takes the newest complete checkpoint."""
 
 from __future__ import annotations
 
+import errno
 import os
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from dist_utils import free_port
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp_offload.checkpoint import load_checkpoint
+from fsdp_offload.checkpoint import CheckpointConfig, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
 
 
 class SideEffect:
@@ -36,3 +43,83 @@ def test_a_pickle_with_a_side_effect_is_refused_without_running(tmp_path):
         load_checkpoint(str(step), model, optimizer)
     assert not marker.exists(), "the checkpoint's pickle ran"
     assert os.listdir(step / "model")  # the checkpoint is left as it was
+
+
+def save(directory, step: int, weight: float, keep: int = 2) -> str:
+    """A checkpoint of a 4x4 Linear whose weights are all `weight`, as train.py saves one."""
+    model = torch.nn.Linear(4, 4)
+    torch.nn.init.constant_(model.weight, weight)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return save_checkpoint(str(directory), step, model, optimizer, {"world_size": 1}, {"step": step}, keep=keep)
+
+
+def saved_weight(path: str) -> float:
+    model = torch.nn.Linear(4, 4)
+    load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))
+    return float(model.weight[0, 0])
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("keep", [0, -1])
+def test_keep_below_one_is_refused(keep):
+    with pytest.raises(ValueError, match=rf"checkpoint.keep={keep}: at least the checkpoint just written .* checkpoint.keep=1"):
+        CheckpointConfig(dir="/tmp/runs", keep=keep)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("keep", [1, 2, 0])  # 0: what save_checkpoint is given directly; the config refuses it
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path, keep):
+    for step in (1, 2, 3):
+        path = save(tmp_path, step, weight=step, keep=keep)
+    assert sorted(os.listdir(tmp_path)) == [f"step_{s:08d}" for s in (3, 2, 1)[: max(1, keep)]][::-1]
+    assert latest_checkpoint(str(tmp_path)) == path and saved_weight(path) == 3
+    # a step saved again while newer ones exist (a run resumed from an earlier checkpoint) is kept too
+    save(tmp_path, 1, weight=7, keep=keep)
+    assert os.path.isdir(tmp_path / "step_00000001") and saved_weight(str(tmp_path / "step_00000001")) == 7
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_step_saved_again_replaces_the_old_copy(tmp_path):
+    save(tmp_path, 4, weight=1.0)
+    path = save(tmp_path, 4, weight=2.0)
+    assert sorted(os.listdir(tmp_path)) == ["step_00000004"]  # no .tmp nor .old left behind
+    assert saved_weight(path) == 2.0
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_latest_checkpoint_skips_incomplete_ones(tmp_path):
+    good = save(tmp_path, 2, weight=1.0)
+    (tmp_path / "step_00000009" / "model").mkdir(parents=True)  # copied in part: no optimizer/, no .metadata
+    (tmp_path / "step_00000010.tmp").mkdir()
+    (tmp_path / "step_00000011.old").mkdir()
+    assert latest_checkpoint(str(tmp_path)) == good
+    assert resume_point(CheckpointConfig(dir=str(tmp_path)))[0] == good
+
+
+def _commit_fails_on_rank0(rank: int, world: int, directory: str) -> None:
+    import json
+
+    if rank == 0:  # rank 0 cannot write the run note (a full disk, say)
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        json.dump = full
+    wanted = "No space left on device" if rank == 0 else r"committing checkpoint .*step_00000003 failed on rank 0: OSError"
+    with pytest.raises((OSError, RuntimeError), match=wanted):
+        save(directory, 3, weight=1.0)
+
+
+def _entry(rank: int, world: int, port: int, directory: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a short timeout: a rank left waiting for rank 0 fails the test rather than hanging it
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        _commit_fails_on_rank0(rank, world, directory)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_failure_on_rank0_reaches_the_other_ranks(tmp_path):
+    mp.start_processes(_entry, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    assert latest_checkpoint(str(tmp_path)) is None

@@ -5,8 +5,10 @@ The tier needs the CUDA driver even for host buffers, so every I/O test here ski
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -171,3 +173,75 @@ def test_optimizer_bit_exact_with_posix(tmp_path, where):
             assert torch.equal(a[name], b[name]), f"{name} differs between the kvikio and posix tiers"
     opt.close()
     posix_opt.close()
+
+
+class FakeCuFile:
+    """kvikio.CuFile over plain POSIX I/O, whose pwrite fails as KvikIO's does (a RuntimeError, no errno)
+    while `failing` is set: the KvikIO tier's error handling, tested without a GPU."""
+
+    failing = False
+
+    def __init__(self, path: str, mode: str) -> None:
+        self._fd = os.open(path, os.O_RDWR)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def pwrite(self, buf, size: int, offset: int, task_size: int):
+        if FakeCuFile.failing:
+            raise RuntimeError("POSIX error at pwrite: Input/output error")
+        n = os.pwrite(self._fd, memoryview(buf)[:size], offset)
+        return types.SimpleNamespace(get=lambda: n)
+
+    def pread(self, buf, size: int, offset: int, task_size: int):
+        n = os.preadv(self._fd, [memoryview(buf)[:size]], offset)
+        return types.SimpleNamespace(get=lambda: n)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@pytest.fixture
+def fake_kvikio(monkeypatch):
+    """KvikIO in compat mode, faked (FakeCuFile), so that a kvikio: tier builds on a CPU machine."""
+    defaults = types.SimpleNamespace(set=lambda settings: None, is_compat_mode_preferred=lambda: True)
+    module = types.SimpleNamespace(CuFile=FakeCuFile, defaults=defaults, cufile_driver=types.SimpleNamespace())
+    monkeypatch.setattr(kvikio_tier, "_cuda_driver_error", lambda: None)
+    monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", module.cufile_driver)
+    monkeypatch.setattr(FakeCuFile, "failing", False)
+    return FakeCuFile
+
+
+def test_a_failed_write_is_an_oserror_with_its_errno_and_path(tmp_path, fake_kvikio):
+    """The pipeline fails over to another tier on an OSError only: a KvikIO tier's I/O errors must be
+    OSErrors, as a POSIX tier's are, keeping the errno (EIO where KvikIO gave none) and the file."""
+    tier = make_tier(spec(tmp_path))
+    tier.attach("rank0-test", SLOTS)
+    try:
+        buf = aligned_host_buffer(SLOTS[1]).fill_(3)
+        fake_kvikio.failing = True
+        with pytest.raises(OSError, match=r"writing subgroup 1 \(.* at offset .*\) failed: POSIX error") as caught:
+            tier.write(1, buf).result()
+        assert caught.value.errno == errno.EIO and caught.value.filename == tier.path
+        assert not isinstance(caught.value, TierError)
+        fake_kvikio.failing = False
+        tier.write(1, buf).result()  # the tier works again: nothing was lost
+        out = aligned_host_buffer(SLOTS[1])
+        tier.read(1, out).result()
+        assert torch.equal(out, buf)
+    finally:
+        tier.close()
+
+
+def test_a_kvikio_tier_that_fails_writes_is_dropped_for_the_other(tmp_path, fake_kvikio):
+    (tmp_path / "posix").mkdir()
+    (tmp_path / "kvikio").mkdir()
+    cfg = OffloadConfig(kernel="torch", tiers=[spec(tmp_path / "kvikio"), f"posix:{tmp_path / 'posix'}"], subgroup_numel=SG,
+                        host_budget_gb=budget_for(3), placement="fixed")  # fmt: skip
+    fake_kvikio.failing = True  # every write to the KvikIO tier fails from the start
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    assert opt.store.pipeline.failed_tiers == {0}
+    opt.close()

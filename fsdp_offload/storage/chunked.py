@@ -20,8 +20,10 @@ import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
+import uuid
 import zlib
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -89,32 +91,40 @@ def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.detach().reshape(-1).view(torch.uint8)
 
 
-_TIER_FILE = re.compile(r"^rank(\d+)-(.+)-pid(\d+)-[0-9a-f]+\.subgroups$")  # rank, host, pid
+_TIER_FILE = re.compile(r"^(?:rank\d+|calibrate)-(.+)-pid(\d+)-[0-9a-f]+\.subgroups$")  # host, pid
+
+
+def tier_file_tag(owner: str) -> str:
+    """`<owner>-<host>-pid<p>-<id>` (owner: rank<r> or calibrate), the name of a process's tier file:
+    unique per process, and what tells a later start on this host whether the file's process is gone."""
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
+    return f"{owner}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def remove_stale_files(directory: str, tag: str) -> list[str]:
-    """Removes the files that a killed process of the same rank and host as `tag`
-    ("rank<r>-<host>-pid<p>-<id>") left in `directory`: those whose process is gone and whose lock
-    no process holds. Live files are held, and their processes alive, so they stay; other hosts'
-    files (a shared file system) are never judged."""
+    """Removes the files that killed processes of this host (named in `tag`, see tier_file_tag) left in
+    `directory`, any rank's or calibration's: those whose process is gone and whose lock no process
+    holds. Live files are held, and their processes alive, so they stay; other hosts' files (a shared
+    file system) are never judged."""
     mine = _TIER_FILE.match(f"{tag}.subgroups")
     if mine is None:
         return []
     removed = []
     for name in os.listdir(directory):
         m = _TIER_FILE.match(name)
-        if m is None or m.group(1, 2) != mine.group(1, 2) or _alive(int(m.group(3))):
+        if m is None or m.group(1) != mine.group(1) or _alive(int(m.group(2))):
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # read-write: where flock is emulated by POSIX locks (NFS), an exclusive lock needs write access
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any owner holds it
             os.unlink(path)
             removed.append(path)
-            log.info("removed %s: left by process %s, which is gone", path, m.group(3))
+            log.info("removed %s: left by process %s, which is gone", path, m.group(2))
         except OSError:
             pass
         finally:
@@ -209,8 +219,9 @@ class ChunkedFileTier(Tier):
     def _open(self, tag: str, total_bytes: int) -> None:
         remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of the node writing here too
-        self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * local_ranks
+        from ..memory import node_ranks  # here: memory needs config, which needs this package
+
+        self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * node_ranks()  # the node's ranks write here too
         if self._short_of_space:
             log.info("%s: %s has less free space than every subgroup of the node's ranks takes: the stale copy of a "
                      "subgroup that changed in host memory is freed", self.spec, self.root)  # fmt: skip

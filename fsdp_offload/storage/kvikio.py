@@ -13,6 +13,7 @@ driver, libcuda.so.1, even for host buffers in compat mode, so this tier runs on
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 from types import ModuleType
@@ -133,9 +134,9 @@ class KvikioTier(ChunkedFileTier):
         try:
             done = self._file.pwrite(part, want, file_offset, self.chunk_bytes).get()
         except (RuntimeError, OSError) as exc:
-            raise TierError(f"{self._path}: writing subgroup {key} at offset {file_offset} failed: {exc}") from exc
+            raise self._io_error("writing", key, f"{want} bytes at offset {file_offset}", exc) from exc
         if done != want:
-            raise TierError(f"{self._path}: writing subgroup {key} at offset {file_offset} wrote {done} of {want} bytes")
+            raise self._io_error("writing", key, f"{want} bytes at offset {file_offset}", f"wrote {done} of {want} bytes")
 
     def _read_at(self, key: int, part: Any, file_offset: int) -> None:
         want, error = part.nbytes, None
@@ -151,7 +152,16 @@ class KvikioTier(ChunkedFileTier):
                 f"{self._path}: subgroup {key} is truncated: wanted {want} bytes at offset {file_offset}, "
                 f"the file has {size} bytes"
             ) from error
-        raise TierError(
-            f"{self._path}: reading subgroup {key} at offset {file_offset} failed: "
-            f"{error if error is not None else f'got {got} of {want} bytes'}"
-        ) from error
+        cause = error if error is not None else f"got {got} of {want} bytes"
+        raise self._io_error("reading", key, f"{want} bytes at offset {file_offset}", cause) from error
+
+    def _io_error(self, doing: str, key: int, what: str, cause: BaseException | str) -> OSError:
+        """A failed transfer as an OSError, as PosixTier raises it: the pipeline fails over on OSError. It
+        keeps the errno KvikIO gave (EIO where it gave none: its POSIX errors are RuntimeErrors)."""
+        code = getattr(cause, "errno", None) or errno.EIO
+        return OSError(
+            code,
+            f"{doing} subgroup {key} ({what}) failed: {cause}; check the file system of {self.root} or point "
+            "offload.tiers elsewhere",
+            self._path,
+        )

@@ -3,8 +3,9 @@
 A subgroup is cut into MiB-scale, 4 KiB-aligned requests that the pool issues in parallel; each
 request loops over short reads and writes and carries a CRC32 so that a truncated or corrupted file
 is caught on read and reported with its path. Where the file system refuses O_DIRECT, each subgroup's
-write ends with an fdatasync, so that a write-back error is that write's error (nothing is fsynced
-for durability: tier files are scratch, checkpoints are the durable copy).
+write ends with an fdatasync, so that a write-back error is that write's error, or, where writes
+overlap, the error of every write whose page it could be (nothing is fsynced for durability: tier
+files are scratch, checkpoints are the durable copy).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import fcntl
 import logging
 import mmap
 import os
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -89,6 +92,12 @@ class PosixTier(ChunkedFileTier):
     def __init__(self, spec: TierSpec) -> None:
         self.direct = False
         self._fd = -1
+        # Buffered I/O only: the fdatasyncs begun so far (one at a time), the ones that failed, and how
+        # many had begun when each write in flight started.
+        self._sync_lock = threading.Lock()
+        self._syncs = 0
+        self._sync_errors: dict[int, OSError] = {}
+        self._write_began: dict[int, int] = {}
         super().__init__(spec)
 
     def _create(self, total_bytes: int) -> None:
@@ -118,13 +127,29 @@ class PosixTier(ChunkedFileTier):
         except OSError as exc:
             raise self._write_error(key, f"({len(part)} bytes at offset {file_offset})", exc) from exc
 
+    def write(self, key: int, buf: torch.Tensor) -> Future:
+        if not self.direct:
+            self._write_began[key] = self._syncs
+        return super().write(key, buf)
+
     def _written(self, key: int) -> None:
+        """Buffered I/O: an fdatasync makes a write-back error this write's. The kernel reports such an
+        error once, to whichever fdatasync meets it, though it may be any write's: so the syncs run one
+        at a time, and a write fails if any sync that began after it started failed, up to the first one
+        that began once all of it was written (which, succeeding, wrote it back)."""
         if self.direct:  # O_DIRECT: pwrite returned once the device had the data
             return
-        try:
-            os.fdatasync(self._fd)  # buffered: write-back errors surface now, as this write's
-        except OSError as exc:
-            raise self._write_error(key, f"back to {self._path}", exc) from exc
+        began, finished = self._write_began.pop(key), self._syncs
+        with self._sync_lock:
+            if self._syncs == finished:  # no sync has begun since it was all written: this one writes it back
+                self._syncs += 1
+                try:
+                    os.fdatasync(self._fd)
+                except OSError as exc:
+                    self._sync_errors[self._syncs] = exc
+            error = next((self._sync_errors[n] for n in range(began + 1, finished + 2) if n in self._sync_errors), None)
+        if error is not None:
+            raise self._write_error(key, f"back to {self._path}", error) from error
 
     def _write_error(self, key: int, what: str, exc: OSError) -> OSError:
         """A failed write of subgroup `key`, keeping the errno, saying where and what to do."""
