@@ -33,6 +33,16 @@ def parse_size(text: str) -> tuple[float, str]:
     return float(text), "GiB"
 
 
+def is_whole(value: object) -> bool:
+    """An int, and not a bool (True is an int to Python, never a count to a recipe)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def in_unit(nbytes: float, unit: str) -> str:
     """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
     return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
@@ -138,13 +148,13 @@ class OffloadConfig:
                 raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
-        if self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
+        if not is_whole(self.subgroup_numel) or self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
             raise ValueError(
-                f"offload.subgroup_numel={self.subgroup_numel} must be a positive multiple of {ALIGN_NUMEL} "
+                f"offload.subgroup_numel={self.subgroup_numel!r} must be a positive multiple of {ALIGN_NUMEL} "
                 "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
             )
-        if self.prefetch < 0:
-            raise ValueError(f"offload.prefetch={self.prefetch} must be >= 0")
+        if not is_whole(self.prefetch) or self.prefetch < 0:
+            raise ValueError(f"offload.prefetch={self.prefetch!r} must be >= 0, a whole number of subgroups read ahead (e.g. 2)")
         if self.gpu_fraction != "auto" and not (isinstance(self.gpu_fraction, (int, float)) and 0.0 <= self.gpu_fraction <= 1.0):
             raise ValueError(f"offload.gpu_fraction={self.gpu_fraction!r} must be a number between 0 and 1, or 'auto'")
         if not self.gpu_headroom_gb >= 0:

@@ -385,19 +385,26 @@ class AdaptivePlacement:
         self._profile = None
 
 
+def placement_request_bytes(layout: SubgroupLayout) -> int:
+    """The transfer size a placement's tiers are measured with: one state slot, at most 64 MiB."""
+    return min(layout.slot_bytes, 64 << 20)
+
+
 def make_placement(
-    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int, forward: list[int] | None = None
+    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int, forward: list[int] | None = None,
+    speeds: list[TierSpeed] | None = None,
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
     stay in GPU memory and never move); `forward` is their forward order (default: ascending). With 2+
-    tiers and a bandwidth rule, its model starts from the bandwidth profile, measuring (and saving)
-    the tiers the profile lacks."""
+    tiers and a bandwidth rule, its model starts from `speeds` (the planner's, measured once for every
+    rank it plans; nothing is saved), else from the bandwidth profile, measuring (and saving) the tiers
+    the profile lacks."""
     num_tiers, m = len(cfg.tiers), streamed
     if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, num_tiers), m)
-    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
+    profile = None if cfg.bandwidth_profile is None or speeds is not None else BandwidthProfile(cfg.bandwidth_profile)
     try:
-        seeds = seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), min(layout.slot_bytes, 64 << 20))
+        seeds = speeds or seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(layout))
     except BaseException:
         if profile is not None:
             profile.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CheckpointConfig
-from .config import OffloadConfig, dataclass_from
+from .config import OffloadConfig, dataclass_from, is_number, is_whole
 from .data import DataConfig
 from .models import LlamaArgs
 
@@ -34,6 +34,26 @@ class TrainConfig:
     tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
     progress: bool = True
     kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+
+    def __post_init__(self) -> None:  # a bad recipe fails here, before a process group or a model exists
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device={self.device!r}: choose auto, cpu or cuda")
+        counts = {"steps": 1, "micro_batches": 1, "log_every": 1, "warmup_steps": 0, "cpu_threads": 1, "kill_at_step": 0}
+        for name, least in counts.items():
+            value = getattr(self, name)
+            if value is None and name in ("cpu_threads", "kill_at_step"):  # null: not set
+                continue
+            if not (is_whole(value) and value >= least):
+                raise ValueError(f"train.{name}={value!r} must be a whole number >= {least}")
+        if not is_whole(self.seed):
+            raise ValueError(f"train.seed={self.seed!r} must be a whole number")
+        for name in ("lr", "weight_decay", "min_lr_ratio"):
+            value = getattr(self, name)
+            if not (is_number(value) and value >= 0):
+                raise ValueError(f"train.{name}={value!r} must be a number >= 0")
+        if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
+        self.betas = tuple(self.betas)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any
@@ -172,13 +173,21 @@ def _save(fig, out_dir: str, name: str) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run dirs of scripts/train.py (each with metrics.jsonl)")
+    ap.add_argument("runs", nargs="+", help="run dirs of scripts/train.py (each with metrics.jsonl); files are skipped")
     ap.add_argument("--out", default="figures", help="where the PNGs and summary.json go")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the means")
     args = ap.parse_args(argv)
-    runs = [load_run(p) for p in args.runs]
+    # a sweep's dir holds Hydra's multirun.yaml beside the job dirs: `multirun/<date>/<time>/*` names it too
+    dirs = [p for p in args.runs if not os.path.isfile(p)]
+    try:
+        if not dirs:
+            raise FileNotFoundError(f"no dir among {args.runs}: give the run dirs of scripts/train.py runs")
+        runs = [load_run(p) for p in dirs]
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     paths = write_figures(runs, args.out, args.skip)
     table = [summarize(r, args.skip) for r in runs]
     with open(os.path.join(args.out, "summary.json"), "w") as f:
@@ -187,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['name']:>24}  iteration {row['iteration_s']:.3f} s  update {row['update_s'] or 0:.3f} s  "
               f"exposed {row['exposed_update_s'] or 0:.3f} s  I/O {row['effective_io_gbps'] or 0:.2f} GB/s")  # fmt: skip
     print("wrote " + ", ".join(paths))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -77,10 +77,15 @@ def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torc
         return frozenset()
     if device.type != "cuda":
         raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
+    return check_gpu_share(layout, fraction, torch.cuda.mem_get_info(device)[0])
+
+
+def check_gpu_share(layout: SubgroupLayout, fraction: float, free: int) -> frozenset[int]:
+    """The subgroups a fixed offload.gpu_fraction keeps in GPU memory, if they fit in 0.9 of the `free`
+    bytes of it (what is free when the optimizer is built; the planner's estimate of it), else why not."""
     m = len(layout)
     chosen = gpu_share(layout, fraction)
     need = sum(gpu_subgroup_bytes(layout, sg, 2) for sg in chosen)
-    free = torch.cuda.mem_get_info(device)[0]
     if need > 0.9 * free:
         per_sg = need / max(1, len(chosen))
         raise ValueError(

@@ -1,7 +1,8 @@
 """Bad input across the public API: each is refused at once with a message that names the option (or
 path) and says what to give instead, and nothing on disk changes (no tier file, no lock, no profile).
-The CLI and the recipes have theirs in test_train.py (test_bad_input_is_one_clear_line) and
-test_recipes.py; checkpoints in test_train.py and test_checkpoint_trust.py."""
+The planner's and the report's commands have theirs here too; train.py's CLI and the recipes in
+test_train.py (test_bad_input_is_one_clear_line) and test_recipes.py; checkpoints in test_train.py and
+test_checkpoint_trust.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload import plan as plan_module
 from fsdp_offload.grads import NonFiniteGradError
+from fsdp_offload.models import LlamaArgs
+from fsdp_offload.recipe import TrainConfig
 from fsdp_offload.storage import TierError
 
 pytestmark = pytest.mark.bad_input  # scripts/bad_input_sweep.py runs and counts every test so marked
@@ -71,6 +75,15 @@ CASES = [  # (what, how to build it with the tier dir `tmp`, what the message mu
     ("a param in two groups", lambda tmp: (lambda p: OffloadAdamW([{"params": p}, {"params": p}]))(params()), "more than one parameter group"),
     ("no params", lambda tmp: OffloadAdamW([]), "empty parameter list"),
     ("an integer param", lambda tmp: OffloadAdamW([torch.nn.Parameter(torch.ones(5, dtype=torch.int64), requires_grad=False)]), "torch.int64"),
+    ("prefetch not a number", lambda tmp: OffloadConfig(prefetch="abc"), "offload.prefetch='abc' must be >= 0, a whole number"),
+    ("no steps", lambda tmp: TrainConfig(steps=0), "train.steps=0 must be a whole number >= 1"),
+    ("steps not a number", lambda tmp: TrainConfig(steps="abc"), "train.steps='abc' must be a whole number >= 1"),
+    ("no micro-batches", lambda tmp: TrainConfig(micro_batches=0), "train.micro_batches=0 must be a whole number >= 1"),
+    ("log every 0 steps", lambda tmp: TrainConfig(log_every=0), "train.log_every=0 must be a whole number >= 1"),
+    ("one beta", lambda tmp: TrainConfig(betas=[0.9]), "train.betas=[0.9] must be two numbers in [0, 1)"),
+    ("a beta of 1", lambda tmp: TrainConfig(betas=(0.9, 1.0)), "train.betas=(0.9, 1.0) must be two numbers in [0, 1)"),
+    ("no heads", lambda tmp: LlamaArgs(n_heads=0), "model.n_heads=0 must be a whole number >= 1"),
+    ("heads not dividing dim", lambda tmp: LlamaArgs(dim=64, n_heads=5), "model.dim=64 is not divisible by model.n_heads=5"),
 ]  # fmt: skip
 
 
@@ -150,3 +163,42 @@ def test_no_symlink_is_followed(tmp_path):
         OffloadAdamW(params(), offload=OffloadConfig(tiers=[f"posix:{lock_tier}"], subgroup_numel=16384, host_budget_gb=0.002,
                                                      tier_lock_dir=str(locks)))  # fmt: skip
     assert (target / "x.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.log_every=0"], "train.log_every=0 must be a whole number >= 1"),
+        (["train.micro_batches=0"], "train.micro_batches=0 must be a whole number >= 1"),
+        (["train.steps=abc"], "train.steps='abc' must be a whole number >= 1"),
+        (["train.betas=[0.9]"], "train.betas=[0.9] must be two numbers in [0, 1)"),
+        (["offload.prefetch=abc"], "offload.prefetch='abc' must be >= 0"),
+        (["model.n_heads=0"], "model.n_heads=0 must be a whole number >= 1"),
+        (["model=nope"], "Could not find 'model/nope'; Available options in 'model': 100b, 120b"),
+        (["offload.nope=1"], "Could not override 'offload.nope'; Key 'nope' is not in struct"),
+        (["train.steps=[1"], "no viable alternative at input '[1'"),
+        (["machine.ranks_per_node=abc"], "machine.ranks_per_node='abc' must be a whole number"),
+        (["offload=none"], "is not what the planner plans: it places OffloadAdamW's state; choose an offload recipe"),
+        (["offload.gpu_fraction=0.2", "machine.gpu_gib=0"], "offload.gpu_fraction=0.2 keeps state on the GPU, but the planned run trains on the CPU"),
+        (["offload.grad_path=gpu_bf16", "train.device=cpu"], "keeps the grads in GPU memory, but the planned run trains on the CPU"),
+        (["train.device=cuda", "machine.gpu_gib=0"], "train.device=cuda, but the machine planned for has no GPU"),
+    ],
+)  # fmt: skip
+def test_the_planner_refuses_bad_options_in_one_line(overrides, message, capsys):
+    assert plan_module.main(overrides) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_the_report_skips_files_and_refuses_a_missing_run_in_one_line(tmp_path, capsys):
+    report = pytest.importorskip("fsdp_offload.report")
+    sweep = tmp_path / "multirun"  # as Hydra leaves a sweep: job dirs 0, 1, ... and multirun.yaml
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "metrics.jsonl").write_text('{"step": 0, "step_s": 1.0}\n{"step": 1, "step_s": 0.5}\n')
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert report.main([str(sweep / "0"), str(sweep / "multirun.yaml"), "--out", str(tmp_path / "figures")]) == 0
+    assert (tmp_path / "figures" / "summary.json").is_file()
+    capsys.readouterr()
+    assert report.main([str(sweep / "1"), "--out", str(tmp_path / "figures")]) == 2
+    err = capsys.readouterr().err
+    assert "multirun/1/metrics.jsonl does not exist: give the run dir" in err and err.count("\n") == 1, err

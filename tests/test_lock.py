@@ -212,26 +212,3 @@ def test_a_lock_held_too_long_fails_naming_its_holder(tmp_path, caplog):
         proc.wait()
     with pytest.raises(ValueError, match="tier_lock_timeout_s=0 must be a positive number"):
         OffloadConfig(tier_lock_timeout_s=0)
-
-
-def test_two_dirs_on_one_device_share_the_lock(tmp_path):
-    """The lock is the disk's: processes on /nvme/a and /nvme/b compete for one device's bandwidth."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    a = NodeTierLock(str(tmp_path / "a"), str(tmp_path), 1, timeout_s=0.2)
-    b = NodeTierLock(str(tmp_path / "b"), str(tmp_path), 1, timeout_s=0.2)
-    assert a.paths == b.paths
-    assert a.acquire(timeout=0)
-    assert not b.acquire(timeout=0.05)
-    with pytest.raises(TierError, match=r"shared by this user's processes on this node whose tiers are on the same device"):
-        b.wait()
-    a.release()
-    assert b.acquire(timeout=1)
-    for lock in (a, b):
-        lock.close()
-
-
-@pytest.mark.bad_input
-def test_a_missing_tier_dir_is_named_before_its_lock_is_made(tmp_path):
-    with pytest.raises(TierError, match=rf"tier dir {tmp_path}/missing does not exist; create it or pick another path"):
-        NodeTierLock(str(tmp_path / "missing"), str(tmp_path), 1)

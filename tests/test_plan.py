@@ -5,8 +5,12 @@ the command prints the table and the largest preset that fits."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,12 +18,18 @@ from dist_utils import run_ranks
 from hydra import compose, initialize_config_module
 from test_fsdp import ARGS, SG
 
-from fsdp_offload import OffloadConfig, train
+from fsdp_offload import OffloadConfig, calibrate, train
 from fsdp_offload import plan as plan_module
 from fsdp_offload.calibrate import TierSpeed
+from fsdp_offload.grads import TierFP32Grads
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
-from fsdp_offload.plan import MachineConfig, PlanError, main, make_plan
+from fsdp_offload.plan import (
+    MachineConfig, ModelShapes, PlanError, compose_plan_config, main, make_plan, plan_from_config,
+)  # fmt: skip
+from fsdp_offload.subgroups import SubgroupLayout
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def offload(tmp: str, **kw) -> OffloadConfig:
@@ -51,6 +61,99 @@ def test_plan_is_the_placement_the_optimizer_builds(tmp_path, world):
     run_ranks(world, _same_placement, str(tmp_path))
 
 
+def test_the_tiers_are_measured_once_a_plan(tmp_path, monkeypatch, capsys):
+    """Every rank's placement, and the presets tried for the largest that fits, start from one
+    measurement of each tier (none is measured per rank)."""
+    measured = []
+
+    def measure(spec, nbytes, transfer_bytes):
+        measured.append(str(spec))
+        return TierSpeed(3e9, 3e9, 1e-4) if str(spec).endswith("/a") else TierSpeed(1e9, 1e9, 1e-4)
+
+    monkeypatch.setattr(calibrate, "measure_tier", measure)
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    rc = main([f"offload.tiers=[posix:{tmp_path}/a,posix:{tmp_path}/b]", "offload.subgroup_numel=4096",
+               "offload.host_budget_gb=0.0003", "machine.ranks_per_node=4", "machine.host_gib=64",
+               "machine.cpu_mparams_per_s=500", "train.device=cpu"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"\| [1-9]\d* sg ", out), out  # a tier is used: the placement needed the speeds
+    assert sorted(measured) == [f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"]
+
+
+def test_a_stated_gpu_plans_a_cuda_run():
+    """With train.device=auto, a stated machine.gpu_gib > 0 is a GPU run, whatever this machine has."""
+    cfg, machine = compose_plan_config(["model=1b", "offload=host", "offload.gpu_fraction=0.2", "machine.gpu_gib=80",
+                                        "machine.host_gib=125", "machine.cpu_mparams_per_s=500"])  # fmt: skip
+    plan, _ = plan_from_config(cfg, machine)
+    assert plan.gpu_bytes == 80 << 30
+    assert plan.ranks[0].gpu_subgroups == round(0.2 * plan.ranks[0].subgroups) > 0
+
+
+def test_gpu_share_is_refused_where_the_optimizer_refuses_it():
+    """The optimizer keeps the resident state within 0.9 of the GPU memory free once the model is built
+    (store.gpu_resident_subgroups), not within the whole GPU."""
+    cfg = OffloadConfig(gpu_fraction=0.7)
+    machine = MachineConfig(gpu_gib=79.1, host_gib=1024)
+    with pytest.raises(PlanError, match=r"GPU memory, rank 0: offload\.gpu_fraction=0\.7 keeps 46 of 65 subgroups on the GPU: "
+                                        r".* is free; use at most 0\.6\d\d"):  # fmt: skip
+        make_plan("7b", MODEL_PRESETS["7b"], cfg, machine, 2048, 1, "cuda")
+    fits = make_plan("7b", MODEL_PRESETS["7b"], dataclasses.replace(cfg, gpu_fraction=0.6), machine, 2048, 1, "cuda")
+    assert fits.ranks[0].gpu_subgroups == 39
+
+
+def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
+    cfg = offload(str(tmp_path), tiers=[f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"], placement="fixed")
+    plan = lambda: make_plan("test", ARGS, cfg, MachineConfig(host_gib=64), 32, 2, "cpu")  # noqa: E731
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    need = [t.bytes for t in plan().ranks[0].tiers]
+    assert all(need)
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: max(need))  # room for either tier, not both
+    with pytest.raises(PlanError, match=rf"tiers posix:{tmp_path}/a and posix:{tmp_path}/b: the node's ranks write up to "
+                                        r".* short by"):  # fmt: skip
+        plan()
+
+
+def test_a_tier_in_memory_counts_against_host_memory(ram_dir):
+    if not plan_module.file_system(str(ram_dir))[1]:
+        pytest.skip(f"{ram_dir} is not tmpfs")
+    cfg = offload(str(ram_dir), tiers=[f"posix:{ram_dir}"])
+    plan = lambda host_gib: make_plan("test", ARGS, cfg, MachineConfig(host_gib=host_gib), 32, 2, "cpu")  # noqa: E731
+    r = plan(64).ranks[0]
+    assert r.tiers[0].bytes > 0
+    room = (r.host_bytes + r.tiers[0].bytes // 2) / 2**30  # the optimizer's host memory, and half the tier's files
+    with pytest.raises(PlanError, match=rf"host memory: .* of it the files of posix:{ram_dir} \(in memory\).* short by"):
+        plan(room)
+
+
+def test_fp32_grads_on_a_tier_are_planned(tmp_path):
+    """grad_path="tier_fp32": each subgroup's FP32 grads are written to its tier and read back every step,
+    in slots of their own, even where the host cache holds all the state."""
+    cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], grad_path="tier_fp32", subgroup_numel=SG, kernel="torch")
+    plan = make_plan("test", ARGS, cfg, MachineConfig(host_gib=64), 32, 2, "cpu", cpu_rate=1e9,
+                     speeds=[TierSpeed(1e9, 1e9, 0.0)])  # fmt: skip
+    r = plan.ranks[0]
+    grads = sum(TierFP32Grads.slot_bytes(SubgroupLayout(ModelShapes.of(ARGS).local_numels(1, 0), SG)))
+    assert r.cache_slots == r.subgroups  # no state on the tier
+    tier = r.tiers[0]
+    assert (tier.bytes, tier.read_bytes_per_step, tier.written_bytes_per_step) == (grads, grads, grads)
+    assert r.grad_io_s == pytest.approx(2 * grads / 1e9)
+    assert r.update_s == pytest.approx(r.cpu_s + r.grad_io_s)
+
+
+def test_the_readme_s_plan_commands_run(tmp_path, monkeypatch, capsys):
+    # Free space is test_tier_short_of_free_space's subject; the CPU speed is stated and the tiers are
+    # measured briefly, into a profile of the test's own.
+    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    commands = [line for line in README.read_text().splitlines() if line.startswith("python3 -m fsdp_offload.plan ")]
+    assert len(commands) >= 2
+    for command in commands:
+        argv = shlex.split(command)[3:] + ["machine.cpu_mparams_per_s=500", "offload.calibration_gb=0.01",
+                                           f"offload.bandwidth_profile={tmp_path}/bandwidth.json"]  # fmt: skip
+        assert main(argv) == 0, f"{command}: {capsys.readouterr().err}"
+
+
 def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
     # Same world size and layout per rank; on one node the two ranks stream through one disk, so each
     # rank's I/O takes twice as long as with one rank on each of two nodes. The 7b's state would not fit
@@ -79,9 +182,6 @@ def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
     assert gpu.staging_bytes == 2 * 100 * (1 << 20)  # one subgroup's window
     assert (host.cache_slots, gpu.cache_slots) == (4, 6)
     assert gpu.gpu_train_bytes - host.gpu_train_bytes == gpu.gpu_state_bytes == host.staging_bytes
-    cpu = make_plan("1b", MODEL_PRESETS["1b"], OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=8, grad_path="gpu_bf16"),
-                    MachineConfig(host_gib=512), 2048, 1, "cpu")  # fmt: skip
-    assert cpu.ranks[0].staging_bytes == host.staging_bytes  # no GPU: the grads stay in host memory
 
 
 def test_host_too_small_names_the_level_and_the_shortfall():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,13 @@ def test_train_recipe_starts_the_update_in_backward_where_the_step_allows_it(ove
 
     recipe = read_config(composed(*overrides))[3]
     assert recipe.config.overlap == overlap
+
+
+def test_tiny_disk_says_what_it_builds():
+    from fsdp_offload.plan import MachineConfig, make_plan
+    from fsdp_offload.recipe import read_config
+
+    cached, total = map(int, re.search(r"caches (\d+) of its (\d+)", (RECIPES / "offload" / "tiny_disk.yaml").read_text()).groups())
+    _, args, data, recipe, _ = read_config(composed("train.device=cpu"))
+    rank = make_plan("tiny", args, recipe.config, MachineConfig(host_gib=64), data.seq_len, data.micro_batch, "cpu").ranks[0]
+    assert (rank.cache_slots, rank.subgroups) == (cached, total)

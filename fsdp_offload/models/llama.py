@@ -44,15 +44,25 @@ class LlamaArgs:
     activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
+        sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "vocab_size": self.vocab_size,
+                 "multiple_of": self.multiple_of, "max_seq_len": self.max_seq_len, "n_kv_heads": self.n_kv_heads,
+                 "ffn_hidden": self.ffn_hidden}  # fmt: skip
+        for name, value in sizes.items():
+            if value is None and name in ("n_kv_heads", "ffn_hidden"):  # None: n_heads, LLaMA's rule
+                continue
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"model.{name}={value!r} must be a whole number >= 1")
+        if not all(isinstance(v, (int, float)) and v > 0 for v in (self.norm_eps, self.rope_theta)):
+            raise ValueError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be positive")
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
             raise ValueError(
                 f"head_dim={self.head_dim} must be even for RoPE; change dim or n_heads"
             )
         if self.n_heads % self.kv_heads:
             raise ValueError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.kv_heads}: pick a divisor of n_heads"
             )
 
     @property

@@ -2,8 +2,7 @@
 
 Concurrent processes on one disk lose aggregate bandwidth (DEVICE.md: 4 processes lose a fifth of the
 reads), so by default a process must hold the tier's lock to issue I/O on it. The lock is one of k
-flock()ed files in this user's node-local dir, per device (two tier dirs on one disk share it): the
-kernel drops a flock when its holder dies, even by SIGKILL.
+flock()ed files in a node-local dir: the kernel drops a flock when its holder dies, even by SIGKILL.
 A process holds the lock only while it has requests on the tier in flight, so a holder never waits
 for anything else while holding, and processes waiting for one tier keep using the others.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -46,9 +46,9 @@ def access_slots(access: str | int) -> int | None:
 
 
 class NodeTierLock:
-    """`slots` flock()ed files for the device of one tier dir, in this user's private dir under
-    `lock_root`: holding any one of them is a licence to do I/O on that device. Keeps a log of its
-    holds in perf_counter times (CLOCK_MONOTONIC on Linux: comparable across processes).
+    """`slots` flock()ed files for one tier dir in `lock_root`: holding any one of them is a licence
+    to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
+    comparable across processes).
 
     The last user removes the files (tier dirs come and go; their lock files should too). Removing a
     file that another process has open and waits on would give two holders, one on the removed file:
@@ -63,16 +63,8 @@ class NodeTierLock:
         except TierError as exc:
             raise TierError(f"offload.tier_lock_dir={lock_root!r}: {exc}; set it to a node-local directory") from exc
         real = os.path.realpath(tier_dir)
-        try:
-            device = os.stat(real).st_dev
-        except FileNotFoundError as exc:
-            raise TierError(f"tier dir {tier_dir} does not exist; create it or pick another path") from exc
-        except OSError as exc:
-            raise TierError(f"cannot stat tier dir {tier_dir}: {exc.strerror}; fix its permissions or pick another path") from exc
-        # Keyed by the device, not the path: two dirs on one disk are one tier for its bandwidth.
-        name = f"dev{os.major(device)}-{os.minor(device)}"
+        name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
         self.tier_dir = real
-        self.lock_dir = lock_dir
         self.paths = [os.path.join(lock_dir, f"{name}.slot{j}.lock") for j in range(slots)]
         self._fds = [self._open(p) for p in self.paths]
         self._held: int | None = None  # index of the slot this process holds
@@ -146,10 +138,8 @@ class NodeTierLock:
         if not self.acquire(timeout=self.timeout_s * 0.9):
             raise TierError(
                 f"waited {self.timeout_s:.0f} s for the node lock of {self.tier_dir} ({', '.join(self.paths)}), held "
-                f"by {self.holders()}: the lock is shared by this user's processes on this node whose tiers are on the "
-                f"same device (its files are in {self.lock_dir}), so another of your jobs, or a rank that a killed "
-                "launcher left behind, holds it. End that process, or raise offload.tier_lock_timeout_s, or set "
-                "offload.tier_access=shared"
+                f"by {self.holders()}: another job's process, or a rank that a killed launcher left behind, holds it. "
+                "End that process, or raise offload.tier_lock_timeout_s, or set offload.tier_access=shared"
             )
 
     def holders(self) -> str:
