@@ -306,13 +306,28 @@ class BandwidthProfile:
             self._lock_fd = -1
 
 
+@contextlib.contextmanager
+def node_turn() -> Iterator[None]:
+    """Holds this user's calibration lock on this node (an flock on a file in the temp dir, dropped by
+    the kernel even if the holder is killed): one measurement at a time."""
+    path = os.path.join(tempfile.gettempdir(), f"fsdp-offload-calibrate-{os.getuid()}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def seed_speeds(
     specs: list[TierSpec | str], profile: BandwidthProfile | None, nbytes: int, transfer_bytes: int
 ) -> list[TierSpeed]:
     """Each tier's speed from the profile, measuring (and saving) those it lacks. Ranks of one node
-    take turns on the profile's lock, so a tier is measured once and never by two ranks at a time."""
+    take turns on the profile's lock, so a tier is measured once and never by two ranks at a time.
+    Without a profile each rank measures, in turns (at once, each would see a share of the device)."""
     if profile is None:
-        return [measure_tier(s, nbytes, transfer_bytes) for s in specs]
+        with node_turn():
+            return [measure_tier(s, nbytes, transfer_bytes) for s in specs]
     with profile.locked():
         known = profile.load()
         measured: dict[str, TierSpeed] = {}

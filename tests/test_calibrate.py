@@ -8,6 +8,8 @@ import errno
 import json
 import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -222,3 +224,26 @@ def test_mixed_io_timeline_windows_cover_the_run(tmp_path):
     assert sum(w["read_gbps"] for w in windows) > 0 and sum(w["write_gbps"] for w in windows) > 0
     with pytest.raises(ValueError, match="window_s"):
         mixed_io_timeline(str(tmp_path), seconds=1, window_s=0)
+
+
+def test_without_a_profile_the_node_s_ranks_measure_in_turns(monkeypatch):
+    """Two ranks seeding without a bandwidth profile measure one after the other, never at once (each
+    would see a share of the device)."""
+    from fsdp_offload import calibrate
+
+    spans = []
+
+    def slow_measure(spec, nbytes, transfer_bytes):
+        start = time.monotonic()
+        time.sleep(0.2)
+        spans.append((start, time.monotonic()))
+        return calibrate.TierSpeed(1e9, 1e9, 0.0)
+
+    monkeypatch.setattr(calibrate, "measure_tier", slow_measure)
+    ranks = [threading.Thread(target=calibrate.seed_speeds, args=(["posix:/tmp"], None, 1 << 20, 1 << 20)) for _ in range(2)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0
