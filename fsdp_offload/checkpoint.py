@@ -149,12 +149,13 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
 
 
 def latest_checkpoint(directory: str | None) -> str | None:
-    """The newest complete checkpoint under `directory` (never a half-written .tmp one, nor a step_* dir
-    that lacks a part: one copied in part, say)."""
+    """The newest checkpoint under `directory` (never a half-written .tmp one, nor one being removed).
+    One that lacks a part (copied in part, an older layout) is still the newest: check_checkpoint
+    refuses it, saying what is missing, rather than a run going on from an older one or from scratch."""
     if not directory or not os.path.isdir(directory):
         return None
-    done = [path for path in reversed(_step_dirs(directory)) if is_checkpoint(path)]
-    return done[0] if done else None
+    done = _step_dirs(directory)
+    return done[-1] if done else None
 
 
 def _step_dirs(directory: str) -> list[str]:
