@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .memory import cgroup_dirs, node_ranks
+from .node import cgroup_dirs, node_ranks
 
 
 def physical_cores() -> int:
@@ -56,7 +56,7 @@ def node_cpus() -> set[int]:
 
 def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None) -> int:
     """`threads` (train.cpu_threads) if given, else the physical cores this process may run on, divided
-    among the node's ranks (`local_ranks`, by default memory.node_ranks()) where its CPU affinity spans
+    among the node's ranks (`local_ranks`, by default node.node_ranks()) where its CPU affinity spans
     the node's CPUs: under a binding (taskset, numactl, srun --cpu-bind) the affinity is already this
     rank's share."""
     if threads is not None:

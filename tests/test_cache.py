@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fsdp_offload import memory, threads
+from fsdp_offload import memory, node, threads
 from fsdp_offload.cache import HostCache, aligned_host_buffer, release_pages
 
 MIB = 1 << 20
@@ -65,8 +65,8 @@ def fake_cgroups(tmp_path, monkeypatch, version: int, files: dict[str, str]) -> 
         for hierarchy in [root] if version == 2 else [root / "memory", root / "cpuset"]:
             (hierarchy / name).parent.mkdir(parents=True, exist_ok=True)
             (hierarchy / name).write_text(text)
-    monkeypatch.setattr(memory, "PROC_CGROUP", str(proc))
-    monkeypatch.setattr(memory, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(node, "PROC_CGROUP", str(proc))
+    monkeypatch.setattr(node, "CGROUP_ROOT", str(root))
 
 
 GIB = 1 << 30
@@ -91,7 +91,7 @@ def test_auto_budget_takes_the_cgroup_limit_where_it_is_less(tmp_path, monkeypat
 def test_no_cgroup_limit_leaves_the_node_s_available_memory(tmp_path, monkeypatch):
     fake_cgroups(tmp_path, monkeypatch, 2, {"job/step/memory.max": "max", "job/step/memory.current": str(GIB)})
     assert memory.cgroup_available_bytes() is None
-    monkeypatch.setattr(memory, "PROC_CGROUP", str(tmp_path / "none"))  # no cgroups at all
+    monkeypatch.setattr(node, "PROC_CGROUP", str(tmp_path / "none"))  # no cgroups at all
     assert memory.cgroup_available_bytes() is None
     assert memory.available_host_bytes() > 0
 
@@ -105,10 +105,10 @@ def test_node_cpus_are_the_cpuset_cgroup_s(tmp_path, monkeypatch, version):
 
 def test_cores_are_divided_among_the_node_s_ranks_only_where_a_rank_may_use_them_all(monkeypatch):
     """Unbound ranks share the node's cores; a rank bound to its own CPUs (taskset, numactl, srun
-    --cpu-bind) already has its share. The node's rank count is memory.node_ranks(): srun and mp.spawn
+    --cpu-bind) already has its share. The node's rank count is node.node_ranks(): srun and mp.spawn
     set no LOCAL_WORLD_SIZE."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(memory, "_job_node_ranks", 2)  # as node_ranks(group) counted them
+    monkeypatch.setattr(node, "_job_node_ranks", 2)  # as node_ranks(group) counted them
     affinity = os.sched_getaffinity(0)
     cores = threads.physical_cores()
     monkeypatch.setattr(threads, "node_cpus", lambda: set(affinity))

@@ -1,7 +1,7 @@
 """Tier files left behind by killed processes: a later start on the same host removes every one whose
 process is gone and whose lock no process holds (any rank's, and a killed calibration's), also where
 flock is emulated by POSIX locks (NFS); and the node's rank count that sizes a tier's free-space check
-is memory.node_ranks', which srun and mp.spawn (no LOCAL_WORLD_SIZE) need."""
+is node.node_ranks', which srun and mp.spawn (no LOCAL_WORLD_SIZE) need."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from fsdp_offload import memory
+from fsdp_offload import node
 from fsdp_offload.storage import chunked, make_tier
 from fsdp_offload.storage.chunked import remove_stale_files, tier_file_tag
 
@@ -90,7 +90,7 @@ def test_the_free_space_check_counts_the_node_s_ranks_by_node_ranks(tmp_path, mo
     """4 ranks on this node (counted by node_ranks over the job; no LOCAL_WORLD_SIZE, as under srun):
     room for one rank's file but not four's is short of space."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(memory, "_job_node_ranks", 4)
+    monkeypatch.setattr(node, "_job_node_ranks", 4)
     monkeypatch.setattr(chunked.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 2 * MIB))
     tier = make_tier(f"posix:{tmp_path}")
     tier.attach(tier_file_tag("rank0"), [MIB])
@@ -104,9 +104,9 @@ def _count_ranks(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     os.environ.pop("LOCAL_WORLD_SIZE", None)  # mp.spawn, like srun, sets none
-    assert memory.node_ranks() == 1  # nothing counted yet
-    assert memory.node_ranks(dist.group.WORLD) == 2
-    assert memory.node_ranks() == 2  # what a tier or a calibration asks on one rank alone
+    assert node.node_ranks() == 1  # nothing counted yet
+    assert node.node_ranks(dist.group.WORLD) == 2
+    assert node.node_ranks() == 2  # what a tier or a calibration asks on one rank alone
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

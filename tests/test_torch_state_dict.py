@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
-from fsdp_offload.memory import node_ranks
+from fsdp_offload.node import node_ranks
 from fsdp_offload.models import Transformer
 
 KEYS = ("step", "master_param", "exp_avg", "exp_avg_sq")

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..node import node_ranks
 from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, gather, transfer
 from .spec import TierSpec, io_settings
 
@@ -219,8 +220,6 @@ class ChunkedFileTier(Tier):
     def _open(self, tag: str, total_bytes: int) -> None:
         remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
-        from ..memory import node_ranks  # here: memory needs config, which needs this package
-
         self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * node_ranks()  # the node's ranks write here too
         if self._short_of_space:
             log.info("%s: %s has less free space than every subgroup of the node's ranks takes: the stale copy of a "

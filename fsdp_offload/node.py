@@ -1,0 +1,55 @@
+"""What this node is to a rank: how many of the job's ranks share it, and this process's cgroups
+(the limits a launcher or a container set on memory and CPUs)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+
+# This process's cgroups and where their hierarchies are mounted (tests point them at fake ones).
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_dirs(v1_controller: str) -> list[str]:
+    """This process's cgroup dirs, its own first, then its ancestors up to the hierarchy's root: of
+    `v1_controller`'s hierarchy under cgroup v1, of the unified one under v2 (from PROC_CGROUP)."""
+    try:
+        with open(PROC_CGROUP) as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return []
+    for _, controllers, path in entries:
+        if v1_controller in controllers.split(","):
+            root = os.path.join(CGROUP_ROOT, v1_controller)
+            break
+    else:
+        path = next((path for hid, controllers, path in entries if hid == "0" and not controllers), None)
+        if path is None:
+            return []
+        root = CGROUP_ROOT
+    parts = [p for p in path.split("/") if p]
+    dirs = [os.path.join(root, *parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if os.path.isdir(d)]  # a container shows only its own part of the path
+
+
+_job_node_ranks: int | None = None  # the job's ranks on this node, once node_ranks has counted them
+
+
+def node_ranks(group: dist.ProcessGroup | None = None) -> int:
+    """The ranks on this node. With `group` (a collective: every rank of it calls), those of `group`, by
+    host name: launchers other than torchrun (srun, mp.spawn) set no LOCAL_WORLD_SIZE. Without one (before
+    init_process_group, or where one rank alone asks: a tier's file, a calibration): the job's count if a
+    call with a group spanning the job has counted it, else $LOCAL_WORLD_SIZE, else 1."""
+    global _job_node_ranks
+    if group is None:
+        return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    count = hosts.count(socket.gethostname())
+    if dist.get_world_size(group) == dist.get_world_size():
+        _job_node_ranks = count
+    return count
