@@ -41,7 +41,7 @@ from .models import num_params
 from .optimizer import OffloadAdamW
 from .memory import node_ranks, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
-from .plan import MachineConfig, make_plan, placement_measures, plan_summary, preset_name
+from .plan import MachineConfig, make_plan, plan_summary, preset_name
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
@@ -169,12 +169,8 @@ def _run(cfg: DictConfig) -> list[dict]:
     if resume_from:
         check_checkpoint(resume_from, run_key)
 
-    out_dir = run_dir(tcfg.out_dir)
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
-        if recipe.config.bandwidth_profile is None and placement_measures(recipe.config):
-            # the plan's measurement of the tiers is the optimizer's too (measured once, the node's ranks in turns)
-            recipe.config = dataclasses.replace(recipe.config, bandwidth_profile=os.path.join(out_dir, "bandwidth.json"))
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         if recipe.config.host_budget_gb == "auto":
             # Sized once, now, for the plan and the optimizer alike: what this process takes from here on
@@ -213,6 +209,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
 
+    out_dir = run_dir(tcfg.out_dir)
     if rank == 0:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
         if recipe.optimizer == "offload":  # what the planner said, and what was built

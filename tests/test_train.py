@@ -150,20 +150,6 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
-def test_two_tiers_are_measured_once_for_the_plan_and_the_optimizer(tmp_path):
-    """With a learned placement over two tiers and no bandwidth profile, the run keeps one in its dir:
-    the plan measures each tier once, and the optimizer starts from those speeds."""
-    tiers = [tmp_path / "a", tmp_path / "b"]
-    for t in tiers:
-        t.mkdir()
-    out = train(tmp_path / "run", "train.steps=2", f"offload.tiers=[posix:{tiers[0]},posix:{tiers[1]}]",
-                "offload.placement=learned", "offload.calibration_gb=0.01")  # fmt: skip
-    measured = [line for line in (out.stdout + out.stderr).splitlines() if "measuring posix:" in line]
-    assert len(measured) == 2 and all(str(tmp_path / "run" / "bandwidth.json") in line for line in measured)
-    profile = json.loads((tmp_path / "run" / "bandwidth.json").read_text())
-    assert [sorted(speeds) for speeds in profile["hosts"].values()] == [[f"posix:{tiers[0]}", f"posix:{tiers[1]}"]]
-
-
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "overrides, message",
