@@ -46,6 +46,8 @@ def node_ranks(group: dist.ProcessGroup | None = None) -> int:
     call with a group spanning the job has counted it, else $LOCAL_WORLD_SIZE, else 1."""
     global _job_node_ranks
     if group is None:
+        if dist.is_initialized() and dist.get_world_size() == 1:
+            return 1  # (whatever an earlier job in this process counted)
         return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     hosts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)

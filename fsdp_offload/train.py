@@ -226,7 +226,8 @@ def _run(cfg: DictConfig) -> list[dict]:
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
     board = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if tcfg.tensorboard and rank == 0 else None
-    drop_rows_from(metrics_path, start_step)  # a resumed run redoes the steps after its checkpoint
+    if resume_from:
+        drop_rows_from(metrics_path, start_step)  # a resumed run redoes the steps after its checkpoint
     with open(metrics_path, "a") as jsonl, contextlib.closing(board) if board is not None else contextlib.nullcontext():
 
         def write_finished() -> None:
@@ -327,12 +328,20 @@ def drop_rows_from(path: str, step: int) -> None:
         return
     with open(path) as f:
         lines = f.readlines()
-    kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] < step]  # (a torn last line goes)
+    kept = [line for line in lines if _row_step(line) < step]
     if len(kept) < len(lines):
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
         os.replace(tmp, path)
+
+
+def _row_step(line: str) -> float:
+    """The step of a metrics row; infinity for a line that is not one (torn by a kill: it goes)."""
+    try:
+        return json.loads(line)["step"] if line.endswith("\n") else math.inf
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def add_update_metrics(row: dict, m) -> None:

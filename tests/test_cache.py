@@ -96,23 +96,9 @@ def test_no_cgroup_limit_leaves_the_node_s_available_memory(tmp_path, monkeypatc
     assert memory.available_host_bytes() > 0
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_node_cpus_are_the_cpuset_cgroup_s(tmp_path, monkeypatch, version):
-    name = "cpuset.cpus.effective" if version == 2 else "cpuset.effective_cpus"
-    fake_cgroups(tmp_path, monkeypatch, version, {f"job/step/{name}": "0-3,8,10-11\n"})
-    assert threads.node_cpus() == {0, 1, 2, 3, 8, 10, 11}
-
-
-def test_cores_are_divided_among_the_node_s_ranks_only_where_a_rank_may_use_them_all(monkeypatch):
-    """Unbound ranks share the node's cores; a rank bound to its own CPUs (taskset, numactl, srun
-    --cpu-bind) already has its share. The node's rank count is node.node_ranks(): srun and mp.spawn
-    set no LOCAL_WORLD_SIZE."""
+def test_cores_are_divided_among_the_node_s_ranks_counted_by_node_ranks(monkeypatch):
+    """The node's rank count is node.node_ranks(): srun and mp.spawn set no LOCAL_WORLD_SIZE."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(node, "_job_node_ranks", 2)  # as node_ranks(group) counted them
-    affinity = os.sched_getaffinity(0)
-    cores = threads.physical_cores()
-    monkeypatch.setattr(threads, "node_cpus", lambda: set(affinity))
-    assert threads.cpu_threads_per_rank(None) == max(1, cores // 2)
-    monkeypatch.setattr(threads, "node_cpus", lambda: set(affinity) | {max(affinity) + 1})  # bound to part of the node
-    assert threads.cpu_threads_per_rank(None) == cores
+    assert threads.cpu_threads_per_rank(None) == max(1, threads.physical_cores() // 2)
     assert threads.cpu_threads_per_rank(3) == 3

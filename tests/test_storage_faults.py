@@ -157,3 +157,54 @@ def test_a_write_back_error_fails_every_write_it_could_be_from(tmp_path, monkeyp
             assert bool((out == 5).all())
     finally:
         tier.close()
+
+
+def test_a_write_that_starts_while_a_sync_runs_is_charged_with_its_error(tmp_path, monkeypatch):
+    """Buffered I/O: a write whose pages reach the page cache while an fdatasync is running may be the
+    one that sync fails on: when it fails, that write fails too (its subgroup is written again)."""
+    from fsdp_offload.cache import aligned_host_buffer
+    from fsdp_offload.storage import posix
+
+    monkeypatch.setattr(posix, "_try_direct", lambda fd: False)  # the file system refuses O_DIRECT
+    tier = make_tier(f"posix:{tmp_path}?threads=2")
+    tier.attach(tier_file_tag("rank0"), [16384, 16384])
+    sync_running, second_written = threading.Event(), threading.Event()
+    real_pwrite, real_sync = posix._pwrite_all, os.fdatasync
+    syncs = []
+
+    def pwrite(fd, view, offset):
+        real_pwrite(fd, view, offset)
+        if sync_running.is_set():
+            second_written.set()
+
+    def fdatasync(fd):
+        syncs.append(fd)
+        if len(syncs) == 1:  # the first write's sync: the second write lands while it runs, then it fails
+            sync_running.set()
+            assert second_written.wait(timeout=5)
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(fd)
+
+    monkeypatch.setattr(posix, "_pwrite_all", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    try:
+        buf = aligned_host_buffer(16384).fill_(5)
+        first = tier.write(0, buf)
+        assert sync_running.wait(timeout=5)
+        second = tier.write(1, buf)
+        for key, fut in ((0, first), (1, second)):
+            with pytest.raises(OSError, match=f"writing subgroup {key} back to {tier.path} failed: Input/output error"):
+                fut.result()
+    finally:
+        tier.close()
+
+
+def _count_alone(rank: int, world: int) -> None:
+    node._job_node_ranks = 4  # what an earlier job in this process counted
+    assert node.node_ranks() == 1
+
+
+def test_a_world_of_one_is_one_rank_on_its_node():
+    from dist_utils import run_ranks
+
+    run_ranks(1, _count_alone)

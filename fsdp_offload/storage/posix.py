@@ -92,10 +92,11 @@ class PosixTier(ChunkedFileTier):
     def __init__(self, spec: TierSpec) -> None:
         self.direct = False
         self._fd = -1
-        # Buffered I/O only: the fdatasyncs begun so far (one at a time), the ones that failed, and how
-        # many had begun when each write in flight started.
+        # Buffered I/O only: the fdatasyncs begun and ended so far (one at a time), the ones that failed,
+        # and how many had ended when each write in flight started (one running then may meet its pages).
         self._sync_lock = threading.Lock()
         self._syncs = 0
+        self._syncs_ended = 0
         self._sync_errors: dict[int, OSError] = {}
         self._write_began: dict[int, int] = {}
         super().__init__(spec)
@@ -129,14 +130,14 @@ class PosixTier(ChunkedFileTier):
 
     def write(self, key: int, buf: torch.Tensor) -> Future:
         if not self.direct:
-            self._write_began[key] = self._syncs
+            self._write_began[key] = self._syncs_ended
         return super().write(key, buf)
 
     def _written(self, key: int) -> None:
         """Buffered I/O: an fdatasync makes a write-back error this write's. The kernel reports such an
         error once, to whichever fdatasync meets it, though it may be any write's: so the syncs run one
-        at a time, and a write fails if any sync that began after it started failed, up to the first one
-        that began once all of it was written (which, succeeding, wrote it back)."""
+        at a time, and a write fails if any sync that had not ended when it started failed, up to the first
+        one that began once all of it was written (which, succeeding, wrote it back)."""
         if self.direct:  # O_DIRECT: pwrite returned once the device had the data
             return
         began, finished = self._write_began.pop(key), self._syncs
@@ -147,6 +148,8 @@ class PosixTier(ChunkedFileTier):
                     os.fdatasync(self._fd)
                 except OSError as exc:
                     self._sync_errors[self._syncs] = exc
+                finally:
+                    self._syncs_ended = self._syncs
             error = next((self._sync_errors[n] for n in range(began + 1, finished + 2) if n in self._sync_errors), None)
         if error is not None:
             raise self._write_error(key, f"back to {self._path}", error) from error
