@@ -418,13 +418,15 @@ class OffloadAdamW(torch.optim.Optimizer):
         count, used = last_that_fit(self.layout, self.store.host_subgroups, available, moving)
         if count:
             self._copies.wait_host()  # the grads staged for this step are read as they move
+            chosen = self.store.host_subgroups[len(self.store.host_subgroups) - count :]
             try:
+                staging = self.grads.staging.device_buffer_for(chosen, device)
                 moved = self.store.move_to_gpu(count, device)  # all or nothing
             except torch.OutOfMemoryError as exc:  # an economy only: the state stays where it is
                 log.warning("offload.gpu_fraction=auto: moving %d subgroups to the GPU ran out of memory (%s); "
                             "they stay off the GPU: raise offload.gpu_headroom_gb", count, str(exc).splitlines()[0])  # fmt: skip
                 return
-            self.grads.staging.move_to_device(moved, device)
+            self.grads.staging.move_to_device(moved, staging)
             self._gpu_kernel = self._gpu_kernel or _triton_kernel()
         log.info(
             "offload.gpu_fraction=auto: %d of %d subgroups (%.2f GiB of state and staging) now live on the GPU; "

@@ -60,13 +60,19 @@ class LowpStaging:
             [(self.view(sg)[seg.in_subgroup], seg) for sg, seg in segs] for segs in self.layout.param_segments
         ]
 
-    def move_to_device(self, subgroups: list[int], device: torch.device) -> None:
-        """Moves the parts of `subgroups` (with what they hold now) into device memory, for subgroups
-        whose state moved to the GPU. Their host part stays allocated, unused."""
+    def device_buffer_for(self, subgroups: list[int], device: torch.device) -> torch.Tensor:
+        """The device buffer that the parts on the device and those of `subgroups` will share (allocated
+        before anything moves: where it does not fit, nothing has)."""
+        numel = 0 if self.device_buffer is None else self.device_buffer.numel()
+        numel += sum(self.layout.subgroups[sg].padded for sg in subgroups if not self._where[sg][0])
+        return torch.empty(numel, dtype=self.dtype, device=device)
+
+    def move_to_device(self, subgroups: list[int], new: torch.Tensor) -> None:
+        """Moves the parts of `subgroups` (with what they hold now) into device memory, into `new`
+        (from device_buffer_for), for subgroups whose state moved to the GPU. Their host part stays
+        allocated, unused."""
         old, old_numel = self.device_buffer, 0 if self.device_buffer is None else self.device_buffer.numel()
         moved = [sg for sg in sorted(subgroups) if not self._where[sg][0]]
-        numel = old_numel + sum(self.layout.subgroups[sg].padded for sg in moved)
-        new = torch.empty(numel, dtype=self.dtype, device=device)
         if old is not None:
             new[:old_numel].copy_(old)
         offset = old_numel

@@ -160,6 +160,41 @@ def test_a_move_to_the_gpu_that_fails_part_way_moves_nothing(tmp_path):
 
 
 @needs_cuda
+def test_a_move_to_the_gpu_that_runs_out_of_memory_warns_and_trains_on(tmp_path, caplog):
+    """gpu_fraction=auto: out of GPU memory while moving (here at the state's copies, after the grad
+    staging's device buffer was allocated), nothing moves, a warning says so, and training goes on off
+    the GPU, bit for bit as torch AdamW."""
+    import logging
+
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    mine = [torch.nn.Parameter(t.cuda()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    cfg = config(tmp_path, gpu_headroom_gb=4.0)
+    cfg.gpu_fraction = "auto"
+    opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
+    ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
+
+    def out_of_memory(count, device):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    opt.store.move_to_gpu = out_of_memory
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.optimizer"):
+        for s in range(STEPS):
+            for p, r, g in zip(mine, ref, grads(s)):
+                p.grad, r.grad = g.cuda(), g.float()
+            opt.step()
+            ref_opt.step()
+            assert opt.last_metrics.subgroups_on_gpu == 0
+    assert any("ran out of memory" in r.getMessage() for r in caplog.records)
+    assert opt.grads.staging.device_buffer is None  # the staging's device buffer was let go
+    state = opt.state_dict()["state"]
+    for i, r in enumerate(ref):
+        assert torch.equal(state[i]["master_param"], r.data)
+    opt.close()
+
+
+@needs_cuda
 def test_gpu_resident_state_survives_a_dcp_checkpoint(tmp_path):
     def run(split: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
