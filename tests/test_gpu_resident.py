@@ -119,11 +119,8 @@ def test_gpu_fraction_auto_moves_what_fits_after_the_first_step(tmp_path, headro
     opt.close()
 
 
-@needs_cuda
-def test_a_move_to_the_gpu_that_fails_part_way_moves_nothing(tmp_path):
-    """gpu_fraction=auto: a tier read failing after some subgroups were copied to the GPU (through a
-    cached one's slot) leaves every subgroup where it was, that slot restored; the step raises the
-    read's error, and its retry trains on off the GPU, bit for bit as torch AdamW."""
+def auto_pair(tmp_path):
+    """An OffloadAdamW with gpu_fraction=auto that would move every subgroup, beside torch's AdamW."""
     torch.manual_seed(0)
     init = [torch.randn(s) for s in SHAPES]
     mine = [torch.nn.Parameter(t.cuda()) for t in init]
@@ -132,6 +129,15 @@ def test_a_move_to_the_gpu_that_fails_part_way_moves_nothing(tmp_path):
     cfg.gpu_fraction = "auto"
     opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
+    return opt, ref_opt, mine, ref
+
+
+@needs_cuda
+def test_a_move_to_the_gpu_that_fails_part_way_moves_nothing(tmp_path):
+    """gpu_fraction=auto: a tier read failing after some subgroups were copied to the GPU (through a
+    cached one's slot) leaves every subgroup where it was, that slot restored; the step raises the
+    read's error, and its retry trains on off the GPU, bit for bit as torch AdamW."""
+    opt, ref_opt, mine, ref = auto_pair(tmp_path)
     read, reads = opt.store.pipeline.read_stored, []
 
     def failing_second(sg: int, out: torch.Tensor) -> None:
@@ -166,14 +172,7 @@ def test_a_move_to_the_gpu_that_runs_out_of_memory_warns_and_trains_on(tmp_path,
     the GPU, bit for bit as torch AdamW."""
     import logging
 
-    torch.manual_seed(0)
-    init = [torch.randn(s) for s in SHAPES]
-    mine = [torch.nn.Parameter(t.cuda()) for t in init]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    cfg = config(tmp_path, gpu_headroom_gb=4.0)
-    cfg.gpu_fraction = "auto"
-    opt = OffloadAdamW(mine, lr=LR, weight_decay=0.1, offload=cfg)
-    ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=0.1, foreach=False)
+    opt, ref_opt, mine, ref = auto_pair(tmp_path)
 
     def out_of_memory(count, device):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")

@@ -116,34 +116,44 @@ def test_node_ranks_without_a_group_is_the_count_the_job_took(tmp_path):
     run_ranks(2, _count_ranks)
 
 
+def buffered_tier(tmp_path, monkeypatch, after_pwrite, before_failing_sync):
+    """A POSIX tier on buffered I/O (its file system refuses O_DIRECT, as some do: forced here), two
+    threads, two 16 KiB subgroups; `after_pwrite()` runs after each pwrite, and the first fdatasync
+    fails with EIO once `before_failing_sync()` has returned True (the later ones succeed)."""
+    from fsdp_offload.storage import posix
+
+    monkeypatch.setattr(posix, "_try_direct", lambda fd: False)
+    tier = make_tier(f"posix:{tmp_path}?threads=2")
+    tier.attach(tier_file_tag("rank0"), [16384, 16384])
+    real_pwrite, real_sync, syncs = posix._pwrite_all, os.fdatasync, []
+
+    def pwrite(fd, view, offset):
+        real_pwrite(fd, view, offset)
+        after_pwrite()
+
+    def fdatasync(fd):
+        syncs.append(fd)
+        if len(syncs) == 1:
+            assert before_failing_sync()
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(fd)
+
+    monkeypatch.setattr(posix, "_pwrite_all", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    return tier
+
+
 def test_a_write_back_error_fails_every_write_it_could_be_from(tmp_path, monkeypatch):
     """Buffered I/O (no O_DIRECT): the kernel reports a write-back error once, to whichever fdatasync
     meets it first, whatever write its page was from. Two writes both written before the failing sync
     began both fail (their subgroups stay in host memory and are written again), rather than one of
     them counting as stored with a lost page; later writes are not charged with it."""
     from fsdp_offload.cache import aligned_host_buffer
-    from fsdp_offload.storage import posix
 
-    monkeypatch.setattr(posix, "_try_direct", lambda fd: False)  # the file system refuses O_DIRECT
-    tier = make_tier(f"posix:{tmp_path}?threads=2")
-    tier.attach(tier_file_tag("rank0"), [16384, 16384])
     both_written = threading.Semaphore(0)
-    real_pwrite, real_sync = posix._pwrite_all, os.fdatasync
-    syncs = []
-
-    def pwrite(fd, view, offset):
-        real_pwrite(fd, view, offset)
-        both_written.release()
-
-    def fdatasync(fd):
-        syncs.append(fd)
-        if len(syncs) == 1:  # the first sync meets the error, once both writes are in the page cache
-            assert both_written.acquire(timeout=5) and both_written.acquire(timeout=5)
-            raise OSError(errno.EIO, "Input/output error")
-        real_sync(fd)
-
-    monkeypatch.setattr(posix, "_pwrite_all", pwrite)
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    # the first sync meets the error once both writes are in the page cache
+    tier = buffered_tier(tmp_path, monkeypatch, both_written.release,
+                         lambda: both_written.acquire(timeout=5) and both_written.acquire(timeout=5))  # fmt: skip
     try:
         buf = aligned_host_buffer(16384).fill_(5)
         futures = [tier.write(0, buf), tier.write(1, buf)]
@@ -163,30 +173,11 @@ def test_a_write_that_starts_while_a_sync_runs_is_charged_with_its_error(tmp_pat
     """Buffered I/O: a write whose pages reach the page cache while an fdatasync is running may be the
     one that sync fails on: when it fails, that write fails too (its subgroup is written again)."""
     from fsdp_offload.cache import aligned_host_buffer
-    from fsdp_offload.storage import posix
 
-    monkeypatch.setattr(posix, "_try_direct", lambda fd: False)  # the file system refuses O_DIRECT
-    tier = make_tier(f"posix:{tmp_path}?threads=2")
-    tier.attach(tier_file_tag("rank0"), [16384, 16384])
     sync_running, second_written = threading.Event(), threading.Event()
-    real_pwrite, real_sync = posix._pwrite_all, os.fdatasync
-    syncs = []
-
-    def pwrite(fd, view, offset):
-        real_pwrite(fd, view, offset)
-        if sync_running.is_set():
-            second_written.set()
-
-    def fdatasync(fd):
-        syncs.append(fd)
-        if len(syncs) == 1:  # the first write's sync: the second write lands while it runs, then it fails
-            sync_running.set()
-            assert second_written.wait(timeout=5)
-            raise OSError(errno.EIO, "Input/output error")
-        real_sync(fd)
-
-    monkeypatch.setattr(posix, "_pwrite_all", pwrite)
-    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    # the first write's sync: the second write lands while it runs, then it fails
+    tier = buffered_tier(tmp_path, monkeypatch, lambda: sync_running.is_set() and second_written.set(),
+                         lambda: sync_running.set() or second_written.wait(timeout=5))  # fmt: skip
     try:
         buf = aligned_host_buffer(16384).fill_(5)
         first = tier.write(0, buf)
