@@ -165,6 +165,8 @@ def measure_tier(
     speed = TierSpeed(read * scale, write * scale, latency)
     if not speed.valid:
         raise TierError(f"calibrating {spec} gave {speed}: not a usable bandwidth; measure again with more bytes")
+    log.info("measured %s: read %.2f GB/s, write %.2f GB/s, latency %.2f ms", spec, speed.read_bps / 1e9, speed.write_bps / 1e9,
+             speed.latency_s * 1e3)  # fmt: skip
     return speed
 
 

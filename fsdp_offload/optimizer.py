@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from .calibrate import TierSpeed
 from .config import OffloadConfig, dataclass_from
 from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
@@ -60,6 +61,11 @@ class OffloadAdamW(torch.optim.Optimizer):
     its FP32 master weights: `masters(p)` gives param p's local FP32 values (flat); it is asked in
     param order, a param once per subgroup it spans, and the model's params are set from what it gives
     (parallelize.StreamedMasters draws the init one module at a time).
+
+    `tier_speeds`: one per `offload.tiers`, the speeds a bandwidth placement starts from (the plan's,
+    `fsdp_offload.plan.make_plan(...).tier_speeds`), so the tiers are not measured a second time. With
+    them the bandwidth profile is neither read nor written; without them the profile gives the speeds,
+    and the tiers it lacks are measured.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         masters: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        tier_speeds: list[TierSpeed] | None = None,
     ) -> None:
         _refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                               differentiable=differentiable, fused=fused)  # fmt: skip
@@ -148,7 +155,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store = SubgroupStore(
                 cfg, self.layout, on_gpu, device, budget, budget_name,
                 staging.nbytes + max(grad_slots, default=0),  # the FP32 grad path's one buffer
-                grad_slots, self._forward,
+                grad_slots, self._forward, tier_speeds,
             )  # fmt: skip
         except BaseException:
             staging.close()  # its pinned pages, before the memory can be reused

@@ -385,6 +385,16 @@ class AdaptivePlacement:
         self._profile = None
 
 
+def check_speeds(speeds: list[TierSpeed], tiers: list[str]) -> None:
+    """Refuses given tier speeds that do not match the tiers one to one, or that no model can use."""
+    if len(speeds) != len(tiers):
+        raise ValueError(f"tier_speeds has {len(speeds)} entries for the {len(tiers)} offload.tiers {tiers}: give one per tier, in order")
+    for spec, speed in zip(tiers, speeds):
+        if not isinstance(speed, TierSpeed) or not speed.valid:
+            raise ValueError(f"tier_speeds for {spec!r} is {speed!r}: give a TierSpeed with positive read_bps and write_bps "
+                             "and a latency_s >= 0 (as fsdp_offload.plan measures them)")  # fmt: skip
+
+
 def placement_request_bytes(layout: SubgroupLayout) -> int:
     """The transfer size a placement's tiers are measured with: one state slot, at most 64 MiB."""
     return min(layout.slot_bytes, 64 << 20)
@@ -400,6 +410,8 @@ def make_placement(
     rank it plans; nothing is saved), else from the bandwidth profile, measuring (and saving) the tiers
     the profile lacks."""
     num_tiers, m = len(cfg.tiers), streamed
+    if speeds is not None:
+        check_speeds(speeds, cfg.tiers)
     if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, num_tiers), m)
     profile = None if cfg.bandwidth_profile is None or speeds is not None else BandwidthProfile(cfg.bandwidth_profile)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .cache import HostCache, aligned_host_buffer
+from .calibrate import TierSpeed
 from .config import OffloadConfig, format_bytes, in_unit
 from .pipeline import SubgroupPipeline
 from .placement import make_placement
@@ -145,6 +146,7 @@ class SubgroupStore:
         reserved_host_bytes: int,
         extra_slot_bytes: list[int],
         forward: list[int],
+        tier_speeds: list[TierSpeed] | None = None,
     ) -> None:
         self.layout = layout
         self.gpu_state = {
@@ -163,7 +165,8 @@ class SubgroupStore:
         resources.append(self.cache)
         streamed = len(self.host_subgroups)
         host_forward = [sg for sg in forward if sg < streamed]
-        self.placement = make_placement(cfg, layout, self.cache.num_slots, streamed, host_forward)  # may measure the tiers
+        # measures the tiers that neither `tier_speeds` nor the profile gives
+        self.placement = make_placement(cfg, layout, self.cache.num_slots, streamed, host_forward, tier_speeds)
         resources.append(self.placement)  # closing it saves the learned bandwidths
         self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         resources.extend(self.tiers)

@@ -184,9 +184,12 @@ def _run(cfg: DictConfig) -> list[dict]:
         if rank == 0:
             log.info("plan: %s", plan_summary(plan.ranks[0], recipe.config))
         # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
+        # The plan's tier speeds spare the tiers a second measurement; a profile gives them again, and
+        # keeps what the run learns.
+        speeds = plan.tier_speeds if recipe.config.bandwidth_profile is None else None
         model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
-                                                 offload=recipe.config)  # fmt: skip
+                                                 offload=recipe.config, tier_speeds=speeds)  # fmt: skip
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)

@@ -329,3 +329,26 @@ def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
         assert len(with_gpu.tiers) == 6 and with_gpu.tiers == host_only.tiers, rule  # as if the 4 were not there
         with_gpu.close()
         host_only.close()
+
+
+def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatch):
+    """`tier_speeds=` (the plan's, in train.py) seeds the bandwidth placement: the tiers are not measured
+    a second time. Speeds that do not match the tiers are refused, naming the fix."""
+    from fsdp_offload import calibrate
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    tiers = [f"posix:{d}" for d in dirs]
+    monkeypatch.setattr(calibrate, "measure_tier", lambda *a, **kw: pytest.fail("measured a tier whose speed was given"))
+    params = lambda: [torch.nn.Parameter(torch.randn(SG)) for _ in range(6)]  # noqa: E731 (an optimizer casts its own)
+    budget = (2 * 6 * SG + 3 * STATE) / 2**30  # 3 of the 6 subgroups in host memory
+    cfg = OffloadConfig(kernel="torch", tiers=tiers, subgroup_numel=SG, host_budget_gb=budget, placement="learned")
+    given = [TierSpeed(3e9, 2e9, 1e-4), TierSpeed(1e9, 1e9, 1e-4)]
+    assert make_placement(cfg, SubgroupLayout([6 * SG], SG), 3, streamed=6, speeds=given).model.speeds() == given
+    for bad, message in (([given[0]], "tier_speeds has 1 entries for the 2 offload.tiers"),
+                         ([given[0], TierSpeed(0.0, 1e9, 0.0)], "tier_speeds for 'posix:.*b'")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            OffloadAdamW(params(), offload=cfg, tier_speeds=bad)
+        assert all(os.listdir(d) == [] for d in dirs)  # refused before any tier file was made
+    OffloadAdamW(params(), offload=cfg, tier_speeds=given).close()  # built on them, without a measurement

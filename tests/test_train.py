@@ -65,6 +65,18 @@ def test_auto_host_budget_is_sized_once_for_the_plan_and_the_optimizer(tmp_path)
     assert "offload.host_budget_gb=auto (" in out.stdout + out.stderr
 
 
+def test_two_tiers_are_measured_once_for_the_plan_and_the_optimizer(tmp_path):
+    """Without a bandwidth profile, the plan measures the tiers and hands their speeds to the optimizer."""
+    tiers = [tmp_path / "a", tmp_path / "b"]
+    for d in tiers:
+        d.mkdir()
+    spec = ",".join(f"'posix:{d}'" for d in tiers)
+    out = train(tmp_path / "run", f"++offload.tiers=[{spec}]", "++offload.placement=learned", "++offload.calibration_gb=0.01",
+                "train.steps=2")  # fmt: skip
+    logged = out.stdout + out.stderr
+    assert [logged.count(f"measured posix:{d}:") for d in tiers] == [1, 1], logged[-3000:]
+
+
 def final_state(ckpt: str, out: Path) -> dict:
     """The model (through DCP's own converter: a plain DCP checkpoint) and every rank's subgroups
     (their raw bytes, where the checkpoint's metadata says they lie)."""
