@@ -49,9 +49,14 @@ def node_ranks(group: dist.ProcessGroup | None = None) -> int:
         if dist.is_initialized() and dist.get_world_size() == 1:
             return 1  # (whatever an earlier job in this process counted)
         return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    hosts: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    count = hosts.count(socket.gethostname())
+    count = len(node_peers(group))
     if dist.get_world_size(group) == dist.get_world_size():
         _job_node_ranks = count
     return count
+
+
+def node_peers(group: dist.ProcessGroup) -> list[int]:
+    """The ranks of `group` (group ranks, ascending) on this node, by host name. A collective."""
+    hosts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return [r for r, host in enumerate(hosts) if host == socket.gethostname()]

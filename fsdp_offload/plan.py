@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from hydra.errors import HydraException
 
 from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
@@ -42,6 +43,7 @@ from .config import GIB, OffloadConfig, format_bytes, in_unit
 from .grads import TierFP32Grads
 from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
+from .node import node_peers
 from .placement import expected_step_seconds, make_placement, steady_traffic
 from .recipe import read_config
 from .storage import TierError
@@ -198,6 +200,28 @@ def tier_speeds(cfg: OffloadConfig) -> list[TierSpeed]:
     finally:
         if profile is not None:
             profile.close()
+
+
+def node_tier_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
+    """tier_speeds, taken by the first rank of each node of `group` and handed to the node's other ranks
+    (a collective), so that a node measures its tiers once, not once per rank."""
+    if group is None:
+        return tier_speeds(cfg)
+    first = node_peers(group)[0]
+    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
+    if dist.get_rank(group) == first:
+        try:
+            speeds = tier_speeds(cfg)
+        except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
+            dist.all_gather_object(everyone, ("error", f"{type(exc).__name__}: {exc}"), group=group)
+            raise
+        dist.all_gather_object(everyone, ("speeds", speeds), group=group)
+        return speeds
+    dist.all_gather_object(everyone, None, group=group)
+    kind, value = everyone[first]
+    if kind == "error":
+        raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
+    return value
 
 
 def placement_measures(cfg: OffloadConfig) -> bool:

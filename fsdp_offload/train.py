@@ -41,7 +41,7 @@ from .models import num_params
 from .optimizer import OffloadAdamW
 from .memory import node_ranks, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
-from .plan import MachineConfig, make_plan, plan_summary, preset_name
+from .plan import MachineConfig, make_plan, node_tier_speeds, placement_measures, plan_summary, preset_name
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
@@ -179,14 +179,15 @@ def _run(cfg: DictConfig) -> list[dict]:
             if rank == 0:
                 log.info("%s", what)
             recipe.config = dataclasses.replace(recipe.config, host_budget_gb=f"{budget // 1024}KiB")
+        speeds = node_tier_speeds(recipe.config, group) if placement_measures(recipe.config) else None  # once a node
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
-                         dcfg.seq_len, dcfg.micro_batch, device.type)  # fmt: skip
+                         dcfg.seq_len, dcfg.micro_batch, device.type, speeds=speeds)  # fmt: skip
         if rank == 0:
             log.info("plan: %s", plan_summary(plan.ranks[0], recipe.config))
         # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
         # The plan's tier speeds spare the tiers a second measurement; a profile gives them again, and
         # keeps what the run learns.
-        speeds = plan.tier_speeds if recipe.config.bandwidth_profile is None else None
+        speeds = speeds if recipe.config.bandwidth_profile is None else None
         model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                                                  offload=recipe.config, tier_speeds=speeds)  # fmt: skip

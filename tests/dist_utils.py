@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from typing import Callable
@@ -26,6 +27,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> 
     try:
         fn(rank, world_size, *args)
     finally:
+        # A caught exception's traceback can keep the group alive in a reference cycle; freed only at exit,
+        # after destroy_process_group, its gloo threads abort the process ("terminate called ...").
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -65,14 +65,15 @@ def test_auto_host_budget_is_sized_once_for_the_plan_and_the_optimizer(tmp_path)
     assert "offload.host_budget_gb=auto (" in out.stdout + out.stderr
 
 
-def test_two_tiers_are_measured_once_for_the_plan_and_the_optimizer(tmp_path):
-    """Without a bandwidth profile, the plan measures the tiers and hands their speeds to the optimizer."""
+def test_two_tiers_are_measured_once_a_node_for_the_plan_and_the_optimizer(tmp_path):
+    """Without a bandwidth profile, the node's first rank measures the tiers for the plan and hands the
+    speeds to the node's other ranks; the plan hands them to the optimizer."""
     tiers = [tmp_path / "a", tmp_path / "b"]
     for d in tiers:
         d.mkdir()
     spec = ",".join(f"'posix:{d}'" for d in tiers)
     out = train(tmp_path / "run", f"++offload.tiers=[{spec}]", "++offload.placement=learned", "++offload.calibration_gb=0.01",
-                "train.steps=2")  # fmt: skip
+                "train.steps=2", ranks=2)  # fmt: skip
     logged = out.stdout + out.stderr
     assert [logged.count(f"measured posix:{d}:") for d in tiers] == [1, 1], logged[-3000:]
 
