@@ -38,6 +38,7 @@ from .memory import resolve_host_budget
 from .metrics import StepMetrics, step_metrics
 from .order import forward_order, order_ending_with, update_order
 from .overlap import UpdateAborted, UpdateInFlight
+from .placement import node_tier_speeds, placement_measures
 from .staging import LowpStaging
 from .store import STATE_KEYS, SubgroupStore, gpu_resident_subgroups, last_that_fit, moved_staging_itemsize
 from .subgroups import SubgroupLayout
@@ -64,8 +65,9 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     `tier_speeds`: one per `offload.tiers`, the speeds a bandwidth placement starts from (the plan's,
     `fsdp_offload.plan.make_plan(...).tier_speeds`), so the tiers are not measured a second time. With
-    them the bandwidth profile is neither read nor written; without them the profile gives the speeds,
-    and the tiers it lacks are measured.
+    them the bandwidth profile is neither read nor written. Without them the profile gives the speeds,
+    measuring the tiers it lacks; without a profile, each node's first rank measures the tiers for the
+    node's ranks (a collective over the params' mesh).
     """
 
     def __init__(
@@ -139,7 +141,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             log.info("offload.gpu_fraction=auto: the params are on %s, so all state stays off the GPU", device)
             self._size_gpu_share = False
         # sized before the staging buffer takes its share of the host memory that "auto" measures
-        budget, budget_name = resolve_host_budget(cfg, mesh_group(self._params), device)
+        group = mesh_group(self._params)
+        budget, budget_name = resolve_host_budget(cfg, group, device)
         grads_on_gpu = cfg.grad_path == "gpu_bf16"
         if grads_on_gpu and device.type != "cuda":
             raise ValueError(
@@ -149,6 +152,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         staged_on_gpu = frozenset(range(len(self.layout))) if grads_on_gpu else on_gpu
         staging = LowpStaging(self.layout, self.param_dtype, device.type == "cuda", staged_on_gpu, device,
                               host_window=grads_on_gpu and len(on_gpu) < len(self.layout))  # fmt: skip
+        # Once a node, not once a rank: a collective, so its condition is the same on every rank
+        streams = cfg.gpu_fraction != 1.0  # (a rank's own layout may leave it nothing to stream)
+        if tier_speeds is None and cfg.bandwidth_profile is None and streams and placement_measures(cfg) and group is not None:
+            tier_speeds = node_tier_speeds(cfg, group)
         fp32_grads = cfg.grad_path == "tier_fp32"
         grad_slots = TierFP32Grads.slot_bytes(self.layout) if fp32_grads else []
         try:
@@ -176,7 +183,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
         self._closer = weakref.finalize(self, _close_all, [staging, self.store, self._inflight])
         path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else LowpGrads()
-        self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], mesh_group(self._params), device)
+        self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], group, device)
         self._copies = CopyStream(device)
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param

@@ -24,9 +24,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import torch.distributed as dist
+
 from .calibrate import MIN_BPS, BandwidthProfile, TierSpeed, seed_speeds, tier_profile_key
 from .config import OffloadConfig
+from .node import node_peers
 from .order import step_kinds
+from .storage import TierError
 from .storage.base import Transfer
 from .subgroups import SubgroupLayout
 
@@ -395,9 +399,47 @@ def check_speeds(speeds: list[TierSpeed], tiers: list[str]) -> None:
                              "and a latency_s >= 0 (as fsdp_offload.plan measures them)")  # fmt: skip
 
 
-def placement_request_bytes(layout: SubgroupLayout) -> int:
-    """The transfer size a placement's tiers are measured with: one state slot, at most 64 MiB."""
-    return min(layout.slot_bytes, 64 << 20)
+def placement_request_bytes(cfg: OffloadConfig) -> int:
+    """The transfer size a placement's tiers are measured with: one state slot (12 bytes a param), at
+    most 64 MiB."""
+    return min(12 * cfg.subgroup_numel, 64 << 20)
+
+
+def placement_measures(cfg: OffloadConfig) -> bool:
+    """Whether the placement starts from the tiers' speeds (make_placement's bandwidth rules: 2+ tiers)."""
+    return len(cfg.tiers) >= 2 and cfg.placement != "fixed"
+
+
+def tier_speeds(cfg: OffloadConfig) -> list[TierSpeed]:
+    """The tiers' speeds from the bandwidth profile, measured (as make_placement would) when it lacks them."""
+    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
+    try:
+        return seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(cfg))
+    finally:
+        if profile is not None:
+            profile.close()
+
+
+def node_tier_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
+    """tier_speeds, taken by the first rank of each node of `group` and handed to the node's other ranks
+    (a collective), so that a node measures its tiers once, not once per rank."""
+    if group is None:
+        return tier_speeds(cfg)
+    first = node_peers(group)[0]
+    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
+    if dist.get_rank(group) == first:
+        try:
+            speeds = tier_speeds(cfg)
+        except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
+            dist.all_gather_object(everyone, ("error", f"{type(exc).__name__}: {exc}"), group=group)
+            raise
+        dist.all_gather_object(everyone, ("speeds", speeds), group=group)
+        return speeds
+    dist.all_gather_object(everyone, None, group=group)
+    kind, value = everyone[first]
+    if kind == "error":
+        raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
+    return value
 
 
 def make_placement(
@@ -409,14 +451,14 @@ def make_placement(
     tiers and a bandwidth rule, its model starts from `speeds` (the planner's, measured once for every
     rank it plans; nothing is saved), else from the bandwidth profile, measuring (and saving) the tiers
     the profile lacks."""
-    num_tiers, m = len(cfg.tiers), streamed
+    m = streamed
     if speeds is not None:
         check_speeds(speeds, cfg.tiers)
-    if cfg.placement == "fixed" or num_tiers < 2 or m == 0:
-        return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, num_tiers), m)
+    if not placement_measures(cfg) or m == 0:
+        return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
     profile = None if cfg.bandwidth_profile is None or speeds is not None else BandwidthProfile(cfg.bandwidth_profile)
     try:
-        seeds = speeds or seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(layout))
+        seeds = speeds or seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(cfg))
     except BaseException:
         if profile is not None:
             profile.close()

@@ -35,16 +35,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from hydra.errors import HydraException
 
-from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
+from .calibrate import TierSpeed
 from .config import GIB, OffloadConfig, format_bytes, in_unit
 from .grads import TierFP32Grads
 from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
-from .node import node_peers
-from .placement import expected_step_seconds, make_placement, steady_traffic
+from .placement import expected_step_seconds, make_placement, placement_measures, steady_traffic, tier_speeds
 from .recipe import read_config
 from .storage import TierError
 from .store import check_gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit, moved_staging_itemsize
@@ -189,44 +187,6 @@ def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> floa
     finally:
         opt.close()
     return n / best
-
-
-def tier_speeds(cfg: OffloadConfig) -> list[TierSpeed]:
-    """The tiers' speeds from the bandwidth profile, measured (as the run would) when it lacks them."""
-    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
-    request = min(12 * cfg.subgroup_numel, 64 << 20)  # make_placement's: a state slot (12 bytes a param), at most 64 MiB
-    try:
-        return seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * GIB), request)
-    finally:
-        if profile is not None:
-            profile.close()
-
-
-def node_tier_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
-    """tier_speeds, taken by the first rank of each node of `group` and handed to the node's other ranks
-    (a collective), so that a node measures its tiers once, not once per rank."""
-    if group is None:
-        return tier_speeds(cfg)
-    first = node_peers(group)[0]
-    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
-    if dist.get_rank(group) == first:
-        try:
-            speeds = tier_speeds(cfg)
-        except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
-            dist.all_gather_object(everyone, ("error", f"{type(exc).__name__}: {exc}"), group=group)
-            raise
-        dist.all_gather_object(everyone, ("speeds", speeds), group=group)
-        return speeds
-    dist.all_gather_object(everyone, None, group=group)
-    kind, value = everyone[first]
-    if kind == "error":
-        raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
-    return value
-
-
-def placement_measures(cfg: OffloadConfig) -> bool:
-    """Whether the placement starts from the tiers' speeds (make_placement's bandwidth rules: 2+ tiers)."""
-    return len(cfg.tiers) >= 2 and cfg.placement != "fixed"
 
 
 def nearest_existing(spec_path: str) -> str:

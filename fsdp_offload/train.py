@@ -41,7 +41,8 @@ from .models import num_params
 from .optimizer import OffloadAdamW
 from .memory import node_ranks, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
-from .plan import MachineConfig, make_plan, node_tier_speeds, placement_measures, plan_summary, preset_name
+from .placement import node_tier_speeds, placement_measures
+from .plan import MachineConfig, make_plan, plan_summary, preset_name
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads

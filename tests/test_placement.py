@@ -7,6 +7,7 @@ update phase is I/O-bound on this CPU; they compare medians of steady-state step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import statistics
@@ -14,21 +15,25 @@ import statistics
 import pytest
 import torch
 
-from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key
+from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.placement import (
     BandwidthModel,
     eq1_counts,
     expected_step_seconds,
     make_placement,
+    node_tier_speeds,
     plan_eq1,
     plan_makespan,
     steady_traffic,
 )
-from fsdp_offload.storage import Limits, ThrottledTier, Transfer
+from fsdp_offload.storage import Limits, ThrottledTier, TierError, Transfer
 from fsdp_offload.subgroups import SubgroupLayout
 
-from dist_utils import spy_step_transfers
+from dist_utils import run_ranks, spy_step_transfers
+from test_fsdp import ARGS as FSDP_ARGS
+from test_fsdp import SG as FSDP_SG
 from test_optimizer import SG as SMALL_SG
 from test_optimizer import assert_same_as_reference, budget_for, run_pair
 
@@ -334,8 +339,6 @@ def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
 def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatch):
     """`tier_speeds=` (the plan's, in train.py) seeds the bandwidth placement: the tiers are not measured
     a second time. Speeds that do not match the tiers are refused, naming the fix."""
-    from fsdp_offload import calibrate
-
     dirs = [tmp_path / "a", tmp_path / "b"]
     for d in dirs:
         d.mkdir()
@@ -352,3 +355,38 @@ def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatc
             OffloadAdamW(params(), offload=cfg, tier_speeds=bad)
         assert all(os.listdir(d) == [] for d in dirs)  # refused before any tier file was made
     OffloadAdamW(params(), offload=cfg, tier_speeds=given).close()  # built on them, without a measurement
+
+
+def _node_speeds(rank: int, world: int, tmp: str, fail: bool) -> None:
+    measured = []
+
+    def measure(spec, nbytes, transfer_bytes):
+        measured.append(str(spec))
+        if fail:
+            raise TierError(f"{spec}: no space left on device")
+        return TierSpeed(3e9 + rank, 1e9, 1e-4)  # + rank: whose figures each rank took
+
+    calibrate.measure_tier = measure  # this spawned process's own module
+    cfg = OffloadConfig(tiers=[f"posix:{tmp}/a", f"posix:{tmp}/b"], placement="learned")
+    if fail:
+        with pytest.raises(TierError, match="no space left on device") as raised:
+            node_tier_speeds(cfg, torch.distributed.group.WORLD)
+        assert rank == 0 or "(rank 0) failed: TierError" in str(raised.value)  # the other ranks say whose it was
+        return
+    speeds = node_tier_speeds(cfg, torch.distributed.group.WORLD)
+    assert speeds == [TierSpeed(3e9, 1e9, 1e-4)] * 2  # rank 0's
+    assert len(measured) == (2 if rank == 0 else 0)
+    # OffloadAdamW on an FSDP2 model, with no profile and no speeds given, measures the same way
+    budget = (2 * 40 * FSDP_SG + 4 * 3 * FSDP_SG * 4) / 2**30  # staging plus 4 slots
+    cfg = dataclasses.replace(cfg, kernel="torch", subgroup_numel=FSDP_SG, host_budget_gb=budget)
+    _, opt = build_offloaded_model(FSDP_ARGS, torch.device("cpu"), offload=cfg)
+    assert len(measured) == (4 if rank == 0 else 0)
+    assert opt.store.placement.model.speeds()[0].read_bps == pytest.approx(3e9, rel=0.2)  # rank 0's figures
+    opt.close()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_node_s_first_rank_measures_the_tiers_for_all_and_its_failure_reaches_them(tmp_path, fail):
+    for d in "ab":
+        (tmp_path / d).mkdir()
+    run_ranks(2, _node_speeds, str(tmp_path), fail)

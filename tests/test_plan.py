@@ -61,36 +61,6 @@ def test_plan_is_the_placement_the_optimizer_builds(tmp_path, world):
     run_ranks(world, _same_placement, str(tmp_path))
 
 
-def _node_speeds(rank: int, world: int, tmp: str, fail: bool) -> None:
-    from fsdp_offload.storage import TierError
-
-    measured = []
-
-    def measure(spec, nbytes, transfer_bytes):
-        measured.append(str(spec))
-        if fail:
-            raise TierError(f"{spec}: no space left on device")
-        return TierSpeed(3e9 + rank, 1e9, 1e-4)  # + rank: whose figures each rank took
-
-    calibrate.measure_tier = measure  # this spawned process's own module
-    cfg = offload(tmp, tiers=[f"posix:{tmp}/a", f"posix:{tmp}/b"], placement="learned")
-    if fail:
-        with pytest.raises(TierError, match="no space left on device") as raised:
-            plan_module.node_tier_speeds(cfg, torch.distributed.group.WORLD)
-        assert rank == 0 or "(rank 0) failed: TierError" in str(raised.value)  # the other ranks say whose it was
-        return
-    speeds = plan_module.node_tier_speeds(cfg, torch.distributed.group.WORLD)
-    assert speeds == [TierSpeed(3e9, 1e9, 1e-4)] * 2  # rank 0's
-    assert len(measured) == (2 if rank == 0 else 0)
-
-
-@pytest.mark.parametrize("fail", [False, True])
-def test_a_node_s_first_rank_measures_the_tiers_for_all_and_its_failure_reaches_them(tmp_path, fail):
-    for d in "ab":
-        (tmp_path / d).mkdir()
-    run_ranks(2, _node_speeds, str(tmp_path), fail)
-
-
 def test_the_tiers_are_measured_once_a_plan(tmp_path, monkeypatch, capsys):
     """Every rank's placement, and the presets tried for the largest that fits, start from one
     measurement of each tier (none is measured per rank)."""
