@@ -70,10 +70,18 @@ class CopyStream:
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies queued so far. A thread that waits for it on the CPU sleeps rather
         than spins (blocking=True): a spinning wait takes a core from the CPU update it waits for."""
-        if self.stream is None:
+        return self._sleeping_event(self.stream)
+
+    def record_current(self) -> torch.cuda.Event | None:
+        """As record(), after the work queued so far on the caller's current stream (a grad hook's copies,
+        on FSDP2's post-reduce stream)."""
+        return None if self.stream is None else self._sleeping_event(torch.cuda.current_stream(self.stream.device))
+
+    def _sleeping_event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
             return None
         event = torch.cuda.Event(blocking=True)
-        event.record(self.stream)
+        event.record(stream)
         return event
 
 
@@ -144,26 +152,24 @@ def _guard_torch_clipping() -> None:
             setattr(utils, name, _refusing_taken_grads(getattr(utils, name)))
 
 
-def install_grad_hooks(
-    params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None], copies: CopyStream
-) -> list:
+def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None]) -> list:
     """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it; torch's
-    clip_grad_norm_ / clip_grad_value_ then refuse these params, which they would silently skip."""
+    clip_grad_norm_ / clip_grad_value_ then refuse these params, which they would silently skip.
 
-    side = copies.stream
+    FSDP2 runs these hooks on its post-reduce stream, right after the reduction that made the grad, so
+    `stage` queues its copies there: they wait for nothing else, backward's compute never waits for
+    them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
+    Measured on nvidia-h100-x1, this costs backward less than copying on a side stream of our own,
+    whose per-grad stream switches and cross-stream frees slowed it."""
 
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
         # Runs once per param in the middle of backward, so it is kept to a few calls.
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            if side is None:
-                stage(index, local)
-            else:
-                side.wait_stream(torch.cuda.current_stream())  # FSDP's post-reduce stream
-                with torch.cuda.stream(side):
-                    stage(index, local)
-                local.record_stream(side)  # keep the memory until the D2H copy has run
+            stage(index, local)
+            if local.is_cuda:  # where the grad was allocated on another stream (HSDP's all-reduce)
+                local.record_stream(torch.cuda.current_stream(local.device))
             param.grad = None
 
         return hook

@@ -212,7 +212,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype)
             setattr(model, _CAST_MARK, True)
-            self._hooks = install_grad_hooks(self._params, self.stage_grad, self._copies)
+            self._hooks = install_grad_hooks(self._params, self.stage_grad)
             if self._inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], self._inflight.wait_unit)
         else:
@@ -323,7 +323,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         for sg in self._subgroups_of[index]:
             self._grads_missing[sg] -= 1
             if self._grads_missing[sg] == 0:
-                self._inflight.grads_in(sg, self._copies.record())
+                self._inflight.grads_in(sg, self._copies.record_current())  # the hook's copies, on FSDP2's stream
 
     def _start_update_in_backward(self) -> None:
         self._ready_for_grads()
