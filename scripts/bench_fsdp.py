@@ -5,7 +5,8 @@ Three runs of the same LLaMA-style model, one after another in one process:
   2. the bf16-sharded model with no optimizer hooks (backward time without the D2H grad copies);
   3. FSDP2 + OffloadAdamW: bf16 params, grads to host in backward, FP32 state out of core;
   4. the same clipping at 1.0 (the hooks also take each grad's sum of squares).
-Reports peak GPU memory, forward / backward / update seconds, and backward with vs without the hook.
+Reports peak GPU memory, forward / backward / update seconds (medians over the steps after the first),
+and backward with vs without the hook.
 
     torchrun --nproc-per-node 1 scripts/bench_fsdp.py --model 1b --device-kind nvidia-h100-x1
 """
@@ -17,6 +18,7 @@ import dataclasses
 import gzip
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -60,7 +62,7 @@ def iterate(model, optimizer, tokens, steps: int) -> dict:
             model.zero_grad()
         rows.append(out)
     rows = rows[1:]  # the first iteration warms up allocators and kernels
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}  # a shared machine's outliers left out
 
 
 def run_case(name: str, args, make) -> dict:
