@@ -159,8 +159,8 @@ def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.T
     FSDP2 runs these hooks on its post-reduce stream, right after the reduction that made the grad, so
     `stage` queues its copies there: they wait for nothing else, backward's compute never waits for
     them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
-    Measured on nvidia-h100-x1, this costs backward less than copying on a side stream of our own,
-    whose per-grad stream switches and cross-stream frees slowed it."""
+    A side stream of our own costs a stream switch, a cross-stream wait and a cross-stream free per
+    grad: scripts/bench_hook_stream.py measures the two."""
 
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
         # Runs once per param in the middle of backward, so it is kept to a few calls.
