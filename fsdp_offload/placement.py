@@ -448,9 +448,9 @@ def make_placement(
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
     stay in GPU memory and never move); `forward` is their forward order (default: ascending). With 2+
-    tiers and a bandwidth rule, its model starts from `speeds` (the planner's, measured once for every
-    rank it plans; nothing is saved), else from the bandwidth profile, measuring (and saving) the tiers
-    the profile lacks."""
+    tiers and a bandwidth rule, its model starts from `speeds` (measured once for every rank a plan
+    plans, or for a node's ranks; nothing is saved), else from the bandwidth profile, measuring (and
+    saving) the tiers the profile lacks."""
     m = streamed
     if speeds is not None:
         check_speeds(speeds, cfg.tiers)
