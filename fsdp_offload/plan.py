@@ -121,7 +121,7 @@ class Plan:
     cpu_mparams_per_s: float | None
     gpu_bytes: int | None
     host_bytes: int
-    tier_speeds: list[TierSpeed] | None = None  # one rank's, as measured or profiled (None: not needed)
+    tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
 
     @property
     def predicted_update_s(self) -> float | None:

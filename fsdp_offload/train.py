@@ -38,8 +38,9 @@ from .checkpoint import check_checkpoint, load_checkpoint, resume_point, save_ch
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
 from .models import num_params
+from .node import node_ranks
 from .optimizer import OffloadAdamW
-from .memory import node_ranks, resolve_host_budget
+from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .placement import node_tier_speeds, placement_measures
 from .plan import MachineConfig, make_plan, plan_summary, preset_name
@@ -188,10 +189,9 @@ def _run(cfg: DictConfig) -> list[dict]:
         # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
         # The plan's tier speeds spare the tiers a second measurement; a profile gives them again, and
         # keeps what the run learns.
-        speeds = speeds if recipe.config.bandwidth_profile is None else None
         model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
-                                                 betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
-                                                 offload=recipe.config, tier_speeds=speeds)  # fmt: skip
+                                                 betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
+                                                 tier_speeds=None if recipe.config.bandwidth_profile else speeds)  # fmt: skip
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
