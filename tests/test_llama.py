@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_ranks
 
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from fsdp_offload.models.llama import Attention, apply_rope, precompute_rope
@@ -295,42 +296,35 @@ def test_presets_match_their_sources():
         assert (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.ffn_dim) == shape, name
 
 
-def _fsdp2_worker(rank: int, world: int, store: str) -> None:
-    import torch.distributed as dist
+def _fsdp2_worker(rank: int, world: int) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        args = tiny(tie_embeddings=True, activation_checkpointing=True)
-        ref = build(args)
-        with torch.device("meta"):
-            model = Transformer(args)
-        mesh = init_device_mesh("cpu", (world,))  # FSDP2's default is the GPU where there is one
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # root: tok_embeddings (also the tied output) and norm
-        model.to_empty(device="cpu")
-        model.init_weights()
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, ref.state_dict(), options=opts)
-        x = tokens()
-        loss, ref_loss = lm_loss(model, x), lm_loss(ref, x)
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss)
-        ref_grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            full = p.grad.full_tensor()
-            torch.testing.assert_close(full, ref_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
-    finally:
-        dist.destroy_process_group()
+    args = tiny(tie_embeddings=True, activation_checkpointing=True)
+    ref = build(args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    mesh = init_device_mesh("cpu", (world,))  # FSDP2's default is the GPU where there is one
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # root: tok_embeddings (also the tied output) and norm
+    model.to_empty(device="cpu")
+    model.init_weights()
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, ref.state_dict(), options=opts)
+    x = tokens()
+    loss, ref_loss = lm_loss(model, x), lm_loss(ref, x)
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    ref_grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        full = p.grad.full_tensor()
+        torch.testing.assert_close(full, ref_grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_fsdp2_per_block_meta_init_checkpointed_tied(tmp_path):
+def test_fsdp2_per_block_meta_init_checkpointed_tied():
     """fully_shard per block + root on 2 gloo ranks matches the unsharded model's loss and grads."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fsdp2_worker, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    run_ranks(2, _fsdp2_worker)
