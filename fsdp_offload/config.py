@@ -2,7 +2,8 @@
 
 Choices are plain strings checked against the tuples below (not `Literal` annotations: OmegaConf 2.3
 refuses those in structured configs), and `__post_init__` checks every field, naming the option and
-the fix, so a bad recipe fails before anything is built.
+the fix, so a bad recipe fails before anything is built (`tier_lock_dir` and `bandwidth_profile`, paths
+on this host, are checked when the optimizer opens them).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Token batches for the training recipes: a learnable synthetic stream, or a memmapped token file.
 
 Both kinds are one global, deterministic stream of samples (windows of `seq_len + 1` tokens:
-inputs plus the shifted targets) numbered n = 0, 1, 2, ... Each optimizer step consumes
-`world_size * micro_batch` consecutive samples; rank r takes the r-th run of `micro_batch` of them.
+inputs plus the shifted targets) numbered n = 0, 1, 2, ... Each micro-batch (each `next()`)
+consumes `world_size * micro_batch` consecutive samples, rank r taking the r-th run of `micro_batch` of
+them; an optimizer step takes `train.micro_batches` of those.
 So the whole state is one integer, `position` (global samples consumed so far), equal on every
 rank: a resumed run sees exactly the batches an uninterrupted one would, and a global batch does
 not depend on how it is split over ranks (1 rank x 4 samples == 2 ranks x 2 samples).

@@ -1,7 +1,7 @@
 """The flat layout of a rank's params, cut into fixed-size subgroups.
 
 Params are concatenated in a deterministic order (the order given to the optimizer) and cut every
-`subgroup_numel` elements, so a param may span two subgroups. A subgroup's FP32 state is one
+`subgroup_numel` elements, so a param may span several subgroups. A subgroup's FP32 state is one
 contiguous buffer [params | exp_avg | exp_avg_sq], each part padded to 4 KiB, so one subgroup is one
 I/O.
 """

@@ -1,7 +1,7 @@
 """Train a LLaMA-style model with FSDP2 and the out-of-core OffloadAdamW (Hydra recipes in
 fsdp_offload/recipes/). The same job three ways: the console command, the script, and `run(cfg)`.
 
-    fsdp-offload-train                                        # tiny model, CPU, state in a temp dir
+    fsdp-offload-train                                        # tiny model (CPU, or a visible GPU), state in a temp dir
     torchrun --nproc-per-node 8 scripts/train.py model=13b offload=multipath train.steps=1000
     python scripts/train.py offload=none                      # plain FSDP2 + torch AdamW, to compare
     run(compose("train", overrides=[...]))                    # from Python (a notebook, a test)
@@ -117,7 +117,7 @@ def tensorboard_writer(path: str):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as exc:
         raise ValueError(
-            "train.tensorboard=true needs the tensorboard package: pip install 'fsdp-offload[tensorboard]'"
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard (or pip install -e '.[tensorboard]' in the checkout)"
         ) from exc
     return SummaryWriter(path)
 
