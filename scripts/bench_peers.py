@@ -22,6 +22,11 @@ or cannot start (no CUDA, `import deepspeed` fails, no disk space, time budget s
 with {"error": "<reason>"} and a line in the table, never dropped. Steps 2.. are averaged (the first
 warms up allocators, kernels and the page cache).
 
+The machines are shared and a system's step moves by 10-15% from one process to the next, so one
+call can run the systems --rounds times, taking turns (each round in the opposite order of the one
+before): each system's row is then its median round (`iteration_s_rounds` lists every round), and
+each ratio the median of the rounds' ratios, a ratio taken within one round (`ratio_rounds`).
+
 Just before each disk system, the disk under --tier-dir is measured as the pipeline uses it
 (`fsdp_offload.calibrate.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
 threads; write, read, and both at once with half the threads each; median of 3):
@@ -57,6 +62,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -629,11 +635,40 @@ def ratios(runs: dict) -> tuple[dict, dict]:
     return values, basis
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """Each system's run from its median round by iteration time (the lower middle of an even count),
+    with every round's iteration time beside it; a system that failed in every round keeps its first
+    error."""
+    out = {}
+    for name in (n for n in SYSTEMS if any(n in r for r in rounds)):
+        tried = [(k, r[name]) for k, r in enumerate(rounds) if name in r]
+        good = sorted(((k, run) for k, run in tried if "error" not in run), key=lambda kr: kr[1]["iteration_s"])
+        k, run = good[(len(good) - 1) // 2] if good else tried[0]
+        out[name] = {**run, "round": k}
+        if len(rounds) > 1:
+            out[name]["iteration_s_rounds"] = [run.get("iteration_s") for _, run in tried]
+    return out
+
+
+def round_ratios(rounds: list[dict]) -> tuple[dict, dict, dict]:
+    """Each ratio as the median of the ratios taken within one round (None where no round has both
+    sides), its basis, and every round's value."""
+    per_round = [ratios(r) for r in rounds]
+    values, basis, each = {}, dict(per_round[0][1]), {}
+    for name in RATIOS:
+        each[name] = [v[name] for v, _ in per_round]
+        taken = sorted(x for x in each[name] if x is not None)
+        values[name] = statistics.median(taken) if taken else None
+        if len(rounds) > 1 and taken:  # else the first round's reason stands
+            basis[name] = f"median over {len(rounds)} rounds of {RATIOS[name][0]}.iteration_s / {RATIOS[name][1]}.iteration_s, each within one round"
+    return values, basis, each
+
+
 def fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def print_table(runs: dict, ratio_values: dict, basis: dict) -> None:
+def print_table(runs: dict, ratio_values: dict, basis: dict, ratio_each: dict) -> None:
     head = f"{'system':<22} {'iteration':>9} {'forward':>8} {'backward':>8} {'update':>8} {'exposed':>8} {'GPU GiB':>8} {'host GiB':>8} {'eff I/O GB/s':>12} {'raw before/after':>16}"
     print("\n" + head)
     for name, r in runs.items():
@@ -644,8 +679,11 @@ def print_table(runs: dict, ratio_values: dict, basis: dict) -> None:
               f"{fmt(r['exposed_update_s']):>8} {fmt(r['gpu_peak_gib'], '.1f'):>8} {fmt(r['host_peak_gib'], '.1f'):>8} "
               f"{fmt(r['effective_io_gbps'], '.2f'):>12} "
               f"{fmt(r.get('raw_mixed_io_gbps'), '.2f') + '/' + fmt(r.get('raw_mixed_io_after_gbps'), '.2f'):>16}")  # fmt: skip
+        if "iteration_s_rounds" in r:
+            print(f"{'':<22} rounds: {', '.join(fmt(x) for x in r['iteration_s_rounds'])} (the row is round {r['round']})")
     for name, v in ratio_values.items():
-        print(f"{name} = {fmt(v, '.2f')}  ({basis[name]})")
+        rounds = f"; rounds: {', '.join(fmt(x, '.2f') for x in ratio_each[name])}" if len(ratio_each[name]) > 1 else ""
+        print(f"{name} = {fmt(v, '.2f')}  ({basis[name]}{rounds})")
 
 
 def gpu_name() -> str | None:
@@ -681,6 +719,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=1,
                     help="steps left out of the averages, every system alike (2 leaves out gpu_fraction=auto's move after step 1)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list, run in this order (default all: {','.join(SYSTEMS)})")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the systems this many times, taking turns; rows are each system's median round, ratios the median of each round's")
     ap.add_argument("--tier-dir", default=None, help="disk dir for the disk runs (default: a new temp dir under /var/tmp, on the root disk)")
     ap.add_argument("--shm-dir", default="/dev/shm", help="the second path of the multipath run")
     ap.add_argument("--host-budget-gb", type=float, default=8.0, help="this product's host budget on disk runs (default 8: ZeRO-Infinity's host peak)")
@@ -710,6 +750,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--max-grad-norm={args.max_grad_norm} must be positive (the *noclip/fsdp_cpu_offload systems run without)")
         if args.steps < 1:
             ap.error("--steps must be >= 1")
+        if args.rounds < 1:
+            ap.error(f"--rounds={args.rounds} must be >= 1")
     return args
 
 
@@ -746,21 +788,26 @@ def main(argv: list[str] | None = None) -> None:
     if tier_fs in ("tmpfs", "ramfs"):
         print(f"warning: --tier-dir {args.tier_dir} is on {tier_fs} (RAM), not a disk", flush=True)
 
-    runs: dict[str, dict] = {}
+    rounds: list[dict[str, dict]] = []
     try:
-        for system in selected:
-            try:
-                raw_io = measure_disk(args) if system.disk else {}
-                runs[system.name] = run_system(system, args, run_root, raw_io, params, deadline)
-                if system.disk and "wall_s" in runs[system.name]:  # it ran: the disk as it left it
-                    runs[system.name] = with_raw_after(runs[system.name], measure_disk(args))
-            except Exception as exc:  # noqa: BLE001 - the bench itself failed on this system: say so, go on
-                runs[system.name] = {"what": system.what, "error": f"bench_peers failed to run it: {type(exc).__name__}: {exc}"}
+        for k in range(args.rounds):
+            runs: dict[str, dict] = {}
+            root = run_root if args.rounds == 1 else os.path.join(run_root, f"round{k}")
+            os.makedirs(root, exist_ok=True)
+            for system in selected if k % 2 == 0 else selected[::-1]:  # turns: no system always first
+                try:
+                    raw_io = measure_disk(args) if system.disk else {}
+                    runs[system.name] = run_system(system, args, root, raw_io, params, deadline)
+                    if system.disk and "wall_s" in runs[system.name]:  # it ran: the disk as it left it
+                        runs[system.name] = with_raw_after(runs[system.name], measure_disk(args))
+                except Exception as exc:  # noqa: BLE001 - the bench itself failed on this system: say so, go on
+                    runs[system.name] = {"what": system.what, "error": f"bench_peers failed to run it: {type(exc).__name__}: {exc}"}
+            rounds.append({name: runs[name] for name in SYSTEMS if name in runs})
     finally:
         if made_tier_dir:
             shutil.rmtree(args.tier_dir, ignore_errors=True)
-    ordered = {name: runs[name] for name in SYSTEMS if name in runs}
-    ratio_values, basis = ratios(ordered)
+    ordered = median_round(rounds)
+    ratio_values, basis, ratio_each = round_ratios(rounds)
     import torch
 
     result = {  # command, device and commit: added by the results helper (see save)
@@ -776,7 +823,9 @@ def main(argv: list[str] | None = None) -> None:
         "shm_dir": args.shm_dir,
         **ratio_values,
         "ratios_basis": basis,
+        "rounds": args.rounds,
         "runs": ordered,
+        **({"ratio_rounds": ratio_each, "round_runs": rounds} if args.rounds > 1 else {}),
         "notes": [
             "iteration_s: data fetch + forward + backward + update, synchronized; host_peak_gib: the system process's own ru_maxrss",
             "peers keep lr constant at train.yaml's lr; the product follows train.py's warmup/cosine schedule (speed does not depend on lr)",
@@ -791,7 +840,7 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - started,
     }
     path = save(args, result)
-    print_table(ordered, ratio_values, basis)
+    print_table(ordered, ratio_values, basis, ratio_each)
     print(f"wrote {path}")
 
 

@@ -72,3 +72,35 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     assert result["ratio_vs_fsdp_cpu_offload"] is None  # neither side was selected
     assert (tmp_path / "logs").is_dir() and all(Path(r["log"]).is_file() for r in runs.values())
     assert not list((tmp_path / "tier").iterdir())  # every system's tier files are gone
+
+
+def test_rounds_take_turns_and_report_medians(tmp_path):
+    cmd = [
+        sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "64", "--device", "cpu", "--steps", "3", "--rounds", "3",
+        "--systems", "host_noclip,fsdp_cpu_offload", "--tier-dir", str(tmp_path / "tier"), "--device-kind", "cpu-test",
+        "--raw-io-gib", "0", "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+        "--train-override", "++offload.kernel=torch",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    [path] = (tmp_path / "out").glob("bench_peers_cpu-test_*.json")
+    result = json.loads(path.read_text())
+    assert result["rounds"] == 3 and len(result["round_runs"]) == 3
+    # each round in the opposite order of the one before, its logs in a dir of its own
+    started = [line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("== ")]
+    assert started == ["host_noclip", "fsdp_cpu_offload", "fsdp_cpu_offload", "host_noclip", "host_noclip", "fsdp_cpu_offload"]
+    assert all((tmp_path / "logs").glob(f"bench_peers_*/round{k}/host_noclip.log") for k in range(3))
+    for name, run in result["runs"].items():  # the row is the median round, every round's time beside it
+        times = [r[name]["iteration_s"] for r in result["round_runs"]]
+        assert run["iteration_s_rounds"] == times
+        assert run["iteration_s"] == sorted(times)[1] == times[run["round"]]
+        assert run == {**result["round_runs"][run["round"]][name], "round": run["round"], "iteration_s_rounds": times}
+    each = result["ratio_rounds"]["ratio_vs_fsdp_cpu_offload"]
+    if "error" in result["runs"]["fsdp_cpu_offload"]:  # CPUOffloadPolicy refused on CPU/gloo: no ratio, said why
+        assert result["ratio_vs_fsdp_cpu_offload"] is None and "failed" in result["ratios_basis"]["ratio_vs_fsdp_cpu_offload"]
+    else:  # the median of the ratios taken within one round, not a ratio of medians
+        rounds = result["round_runs"]
+        assert each == [r["fsdp_cpu_offload"]["iteration_s"] / r["host_noclip"]["iteration_s"] for r in rounds]
+        assert result["ratio_vs_fsdp_cpu_offload"] == sorted(each)[1]
+        assert "median over 3 rounds" in result["ratios_basis"]["ratio_vs_fsdp_cpu_offload"]
+    assert "not selected" in result["ratios_basis"]["ratio_vs_zero_infinity"]
