@@ -651,14 +651,14 @@ def median_round(rounds: list[dict]) -> dict:
 
 
 def round_ratios(rounds: list[dict]) -> tuple[dict, dict, dict]:
-    """Each ratio as the median of the ratios taken within one round (None where no round has both
-    sides), its basis, and every round's value."""
+    """Each ratio as the median of the ratios taken within one round (the lower middle of an even
+    count; None where no round has both sides), its basis, and every round's value."""
     per_round = [ratios(r) for r in rounds]
     values, basis, each = {}, dict(per_round[0][1]), {}
     for name in RATIOS:
         each[name] = [v[name] for v, _ in per_round]
         taken = sorted(x for x in each[name] if x is not None)
-        values[name] = statistics.median(taken) if taken else None
+        values[name] = statistics.median_low(taken) if taken else None  # one round's ratio, as the rows are
         if len(rounds) > 1 and taken:  # else the first round's reason stands
             basis[name] = f"median over {len(rounds)} rounds of {RATIOS[name][0]}.iteration_s / {RATIOS[name][1]}.iteration_s, each within one round"
     return values, basis, each
