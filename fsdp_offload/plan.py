@@ -387,14 +387,17 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
     # a tier in memory (tmpfs, ramfs: /dev/shm) keeps its files in host memory, beside the optimizer's
     in_memory = [i for i, (_, mem) in enumerate(systems) if mem and need[i]]
     tier_host = sum(need[i] for i in in_memory)
-    node_host = sum(r.host_bytes for r in plan.ranks) + tier_host
+    # training on the CPU, the model's step (params, grads, activations) is in host memory too
+    model_host = sum(r.gpu_train_bytes for r in plan.ranks) if plan.gpu_bytes is None else 0
+    node_host = sum(r.host_bytes for r in plan.ranks) + tier_host + model_host
     unit = cfg.host_budget_unit
     if node_host > plan.host_bytes:
         files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
                  "memory)" if tier_host else "")  # fmt: skip
+        model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
-            f"({format_bytes(node_host)}{files}) but {in_unit(plan.host_bytes, unit)} is available: short by "
+            f"({format_bytes(node_host)}{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
             f"{in_unit(node_host - plan.host_bytes, unit)}; set offload.host_budget_gb (or 'auto') and a tier"
             + (", or move the in-memory tier to a disk" if tier_host else "")
         )
@@ -449,12 +452,14 @@ def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, mi
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    # training on the CPU, the model's columns are host memory
+    device = "GPU" if plan.gpu_bytes is not None else "model on the CPU"
+    memory = f"GPU {g(plan.gpu_bytes)} GiB per rank" if plan.gpu_bytes is not None else "trains on the CPU"
     lines = [
         (f"{plan.model}: {plan.params / 1e9:.3f}B params over {plan.world_size} rank(s); CPU update "
-         f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; GPU {g(plan.gpu_bytes or 0)} GiB per rank, host "
-         f"{g(plan.host_bytes)} GiB for the node"),
+         f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; {memory}, host {g(plan.host_bytes)} GiB for the node"),
         "",
-        "rank  params  subgroups  state GiB | GPU: subgroups GiB  params GiB  start-up~ train~ | host: staging "
+        f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
         "cache(slots) GiB | " + "".join(f"{t}: subgroups GiB (read/written GiB a step) | " for t in cfg.tiers)
         + "update s (io / cpu)",
     ]

@@ -193,6 +193,16 @@ def test_host_too_small_names_the_level_and_the_shortfall():
         make_plan("7b", MODEL_PRESETS["7b"], everything_in_host, MachineConfig(ranks_per_node=2, host_gib=64), 2048, 1, "cpu")
 
 
+def test_training_on_the_cpu_counts_the_model_s_step_against_host_memory():
+    cfg = OffloadConfig(host_budget_gb=None)  # the whole state in host memory, beside the model's step
+    plan = lambda host_gib: make_plan("1b", MODEL_PRESETS["1b"], cfg, MachineConfig(host_gib=host_gib), 2048, 1, "cpu")  # noqa: E731
+    r = plan(64).ranks[0]
+    assert r.gpu_train_bytes > r.gpu_params_bytes > 0
+    room = (r.host_bytes + r.gpu_train_bytes // 2) / 2**30  # the optimizer's state, and half the model's step
+    with pytest.raises(PlanError, match=r"host memory: .* of it the model's training step on the CPU\) but .* short by"):
+        plan(room)
+
+
 def test_gpu_too_small_names_the_shortfall():
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
     with pytest.raises(PlanError, match=r"GPU memory, rank 0: .* of 10\.0 GiB: short by \d+\.\d GiB"):
