@@ -199,6 +199,11 @@ class BandwidthProfile:
         self.path = os.path.abspath(os.path.expanduser(path))
         self.host = host or platform.node() or "unknown-host"
         folder = os.path.dirname(self.path)
+        if os.path.isdir(self.path):
+            raise TierError(
+                f"offload.bandwidth_profile={path!r} is a directory: give the path of a JSON file, e.g. "
+                f"{os.path.join(path, 'bandwidth.json')}"
+            )
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
             self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .optimizer_state import (
     CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
 )  # fmt: skip
+from .config import is_whole
 from .optimizer import OffloadAdamW
 
 RUN_FILE = "run.json"
@@ -56,6 +57,17 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):
             self.resume = "auto" if self.resume else "never"
+        if not isinstance(self.resume, str):
+            raise ValueError(f"checkpoint.resume={self.resume!r}: give auto, required, never or the path of a step_* dir")
+        if self.dir is not None and not isinstance(self.dir, str):
+            raise ValueError(f"checkpoint.dir={self.dir!r} must be a directory path, or null for no checkpoints")
+        for name in ("every", "keep", "io_threads"):
+            if not is_whole(getattr(self, name)):
+                raise ValueError(f"checkpoint.{name}={getattr(self, name)!r} must be a whole number")
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0: a checkpoint at the end only)")
+        if self.every and not self.dir:
+            raise ValueError(f"checkpoint.every={self.every} saves into checkpoint.dir, which is not set: give checkpoint.dir")
         if self.io_threads < 1:
             raise ValueError(f"checkpoint.io_threads={self.io_threads}: at least 1 writer is needed")
         if self.keep < 1:
@@ -232,8 +244,12 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
                 "checkpoints went through DCP as model/ and optimizer/) or copied in part; point checkpoint.dir "
                 "elsewhere to start afresh"
             )
-    with open(os.path.join(path, RUN_FILE)) as f:
-        saved = json.load(f)
+    try:
+        with open(os.path.join(path, RUN_FILE)) as f:
+            saved = json.load(f)
+        int(saved["step"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(_unreadable(path, f"{RUN_FILE}: {exc!r}")) from exc
     for key, value in run.items():
         if saved.get(key) != value:
             raise ValueError(
@@ -265,7 +281,18 @@ def _load(state: dict[str, Any], path: str, planner: Any) -> None:
         bad = [e for e, _ in exc.failures.values() if isinstance(e, ValueError)]
         if bad:
             raise ValueError(f"{path}: {bad[0]}") from exc
-        raise
+        first = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {first!r}")) from exc
+    except (OSError, EOFError, RuntimeError, AssertionError) as exc:  # a file DCP reads itself: .metadata
+        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {exc!r}")) from exc
+
+
+def _unreadable(path: str, what: str) -> str:
+    """The error for a checkpoint that cannot be read, with the checkpoint to fall back to."""
+    older = [d for d in _step_dirs(os.path.dirname(path)) if d < path] if os.path.isdir(os.path.dirname(path)) else []
+    instead = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=never to start afresh"
+    return (f"checkpoint {path} cannot be read ({what}): it may be damaged (an interrupted copy, a full disk); "
+            f"restore it, or resume with {instead}")
 
 
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:

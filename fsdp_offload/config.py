@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import tempfile
 from dataclasses import dataclass, field
 
@@ -22,6 +22,7 @@ from .storage.lock import access_slots
 from .subgroups import ALIGN_NUMEL
 
 GIB = 1 << 30
+NULL = "null (None in Python)"  # how an error names an unset option: recipes and the command line write null
 SIZE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": GIB, "TiB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 
 
@@ -135,18 +136,21 @@ class OffloadConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
+        self.check_types()
         self.tiers = list(self.tiers)
         self.tier_specs  # parses every spec: a bad one fails here, naming itself
         if self.host_budget_gb not in (None, "auto"):
             try:
+                if isinstance(self.host_budget_gb, bool):
+                    raise ValueError
                 size = parse_size(self.host_budget_gb)[0] if isinstance(self.host_budget_gb, str) else float(self.host_budget_gb)
-            except ValueError:
+            except (TypeError, ValueError):
                 raise ValueError(
                     f"offload.host_budget_gb={self.host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
-                    f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto' or None (all state in host memory)"
+                    f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto', or {NULL} to keep all state in host memory"
                 ) from None
-            if not size >= 0:
-                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be >= 0 (None: all state in host memory)")
+            if not (size >= 0 and math.isfinite(size)):
+                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be a finite size >= 0, or {NULL} to keep all state in host memory")
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
         if not is_whole(self.subgroup_numel) or self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
@@ -156,14 +160,14 @@ class OffloadConfig:
             )
         if not is_whole(self.prefetch) or self.prefetch < 0:
             raise ValueError(f"offload.prefetch={self.prefetch!r} must be >= 0, a whole number of subgroups read ahead (e.g. 2)")
-        if self.gpu_fraction != "auto" and not (isinstance(self.gpu_fraction, (int, float)) and 0.0 <= self.gpu_fraction <= 1.0):
+        if self.gpu_fraction != "auto" and not (is_number(self.gpu_fraction) and 0.0 <= self.gpu_fraction <= 1.0):
             raise ValueError(f"offload.gpu_fraction={self.gpu_fraction!r} must be a number between 0 and 1, or 'auto'")
         if not self.gpu_headroom_gb >= 0:
             raise ValueError(f"offload.gpu_headroom_gb={self.gpu_headroom_gb} must be >= 0")
         if self.grad_path == "tier_fp32" and not self.tiers:
             raise ValueError("offload.grad_path='tier_fp32' writes grads to a tier: give offload.tiers too")
-        if self.max_grad_norm is not None and not (self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)):
-            raise ValueError(f"offload.max_grad_norm={self.max_grad_norm} must be a positive number (None: no clipping)")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"offload.max_grad_norm={self.max_grad_norm} must be a positive number, or {NULL} for no clipping")
         if not (self.loss_scale_init > 0 and self.loss_scale_growth_interval >= 1):
             raise ValueError(
                 f"offload.loss_scale_init={self.loss_scale_init} must be > 0 and "
@@ -188,6 +192,28 @@ class OffloadConfig:
         if not self.calibration_gb > 0:
             raise ValueError(f"offload.calibration_gb={self.calibration_gb} must be positive (1 measures each tier with 1 GiB)")
 
+    def check_types(self) -> None:
+        """Each option is of its kind before any range is checked, so that a string or a null where a
+        number belongs is an error naming the option, not a failed comparison."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("host_headroom_gb", "gpu_headroom_gb", "loss_scale_init", "tier_lock_timeout_s", "calibration_gb"):
+            if not is_number(getattr(self, name)):
+                raise ValueError(f"offload.{name}={getattr(self, name)!r} must be a number (default {defaults[name]})")
+        if not is_whole(self.loss_scale_growth_interval):
+            raise ValueError(f"offload.loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a whole number of steps")
+        if self.max_grad_norm is not None and not is_number(self.max_grad_norm):
+            raise ValueError(f"offload.max_grad_norm={self.max_grad_norm!r} must be a positive number, or {NULL} for no clipping")
+        if isinstance(self.tiers, str) or not isinstance(self.tiers, Sequence) or not all(isinstance(t, str) for t in self.tiers):
+            example = f"[{self.tiers}]" if isinstance(self.tiers, str) else "['posix:/local/nvme']"
+            raise ValueError(f"offload.tiers={self.tiers!r} must be a list of tier specs, e.g. offload.tiers={example} ([] for none)")
+        if self.tier_ratios is not None and (isinstance(self.tier_ratios, str) or not isinstance(self.tier_ratios, Sequence)
+                                             or not all(is_number(r) for r in self.tier_ratios)):  # fmt: skip
+            raise ValueError(f"offload.tier_ratios={self.tier_ratios!r} must be a list of numbers, one share per tier, or {NULL}")
+        for name in ("tier_lock_dir", "bandwidth_profile"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name == "bandwidth_profile")):
+                raise ValueError(f"offload.{name}={value!r} must be a path")
+
     def backward_overlap_conflict(self) -> str | None:
         """Why overlap="backward" cannot run with these options, as an error message; None if it can."""
         why = (
@@ -196,7 +222,7 @@ class OffloadConfig:
         )
         if self.max_grad_norm is not None:
             return why.format(what=f"clipping (max_grad_norm={self.max_grad_norm}) scales every grad by a factor of "
-                              "the global norm, which", fix="set offload.max_grad_norm=None")  # fmt: skip
+                              "the global norm, which", fix=f"set offload.max_grad_norm={NULL}")  # fmt: skip
         if self.param_dtype == "float16":
             return why.format(what="float16's loss scaling skips the whole step if any grad overflowed, which",
                               fix="use offload.param_dtype='bfloat16'")  # fmt: skip

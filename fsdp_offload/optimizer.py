@@ -92,6 +92,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         _refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                               differentiable=differentiable, fused=fused)  # fmt: skip
         _check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), "OffloadAdamW")
+        if isinstance(params, torch.nn.Module):
+            raise TypeError(
+                f"OffloadAdamW takes the params (model.parameters() or param groups), not the {type(params).__name__} "
+                "itself: OffloadAdamW(model.parameters(), model=model, ...)"
+            )
         self._frozen = False
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
@@ -898,15 +903,22 @@ def _interrupts_between_subgroups():
 
 
 def _check_hyperparameters(values: dict[str, Any], where: str) -> None:
-    """AdamW's hyperparameters that `values` sets, checked as torch AdamW checks them (NaN refused too)."""
-    if "lr" in values and not float(values["lr"]) >= 0.0:
-        raise ValueError(f"{where}: invalid lr {values['lr']}: must be a number >= 0")
-    if "betas" in values and not all(0.0 <= float(b) < 1.0 for b in values["betas"]):
-        raise ValueError(f"{where}: invalid betas {values['betas']}: each must be in [0, 1)")
-    if "eps" in values and not float(values["eps"]) >= 0.0:
-        raise ValueError(f"{where}: invalid eps {values['eps']}: must be a number >= 0")
-    if "weight_decay" in values and not float(values["weight_decay"]) >= 0.0:
-        raise ValueError(f"{where}: invalid weight_decay {values['weight_decay']}: must be a number >= 0 (0: none)")
+    """AdamW's hyperparameters that `values` sets, checked as torch AdamW checks them (NaN refused
+    too), and of their kind: numbers (or what float() takes, as a 0-d tensor), betas a pair."""
+
+    def number(value: Any) -> float:
+        try:
+            return math.nan if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            return math.nan
+
+    for name, must in (("lr", "a number >= 0"), ("eps", "a number >= 0"), ("weight_decay", "a number >= 0 (0: none)")):
+        if name in values and not number(values[name]) >= 0.0:
+            raise ValueError(f"{where}: invalid {name} {values[name]!r}: must be {must}")
+    if "betas" in values:
+        betas = values["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= number(b) < 1.0 for b in betas)):
+            raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
 
 
 def _refuse_torch_options(**given: Any) -> None:

@@ -38,7 +38,7 @@ import torch
 from hydra.errors import HydraException
 
 from .calibrate import TierSpeed
-from .config import GIB, OffloadConfig, format_bytes, in_unit
+from .config import GIB, OffloadConfig, format_bytes, in_unit, is_number, is_whole
 from .grads import TierFP32Grads
 from .memory import auto_host_budget, available_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
@@ -66,12 +66,17 @@ class MachineConfig:
     gpu_update_gbps: float = 2000.0  # bytes/s the GPU update moves (28 bytes a param), in GB/s
 
     def __post_init__(self) -> None:
-        if self.ranks_per_node < 1 or self.nodes < 1:
-            raise ValueError(f"machine.ranks_per_node={self.ranks_per_node} and machine.nodes={self.nodes} must be >= 1")
-        for name in ("gpu_gib", "host_gib", "cpu_mparams_per_s"):
+        for name in ("ranks_per_node", "nodes"):
+            if not (is_whole(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"machine.{name}={getattr(self, name)!r} must be a whole number >= 1")
+        for name in ("gpu_gib", "host_gib"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"machine.{name}={value} must be >= 0 (null: measured on this machine)")
+            if value is not None and not (is_number(value) and value >= 0):
+                raise ValueError(f"machine.{name}={value!r} must be a finite number >= 0 (null: this machine's)")
+        if self.cpu_mparams_per_s is not None and not (is_number(self.cpu_mparams_per_s) and self.cpu_mparams_per_s > 0):
+            raise ValueError(f"machine.cpu_mparams_per_s={self.cpu_mparams_per_s!r} must be a positive number (null: timed here)")
+        if not (is_number(self.gpu_update_gbps) and self.gpu_update_gbps > 0):
+            raise ValueError(f"machine.gpu_update_gbps={self.gpu_update_gbps!r} must be a positive number of GB/s (default 2000)")
 
     @property
     def world_size(self) -> int:
@@ -374,7 +379,7 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
 def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
     """The CPU update speed (machine.cpu_mparams_per_s, else timed here) and the tiers' speeds (profile,
     else measured), for a predicted update time."""
-    if machine.cpu_mparams_per_s:
+    if machine.cpu_mparams_per_s is not None:
         rate = machine.cpu_mparams_per_s * 1e6
     else:
         rate = cpu_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node))

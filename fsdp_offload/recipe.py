@@ -54,6 +54,10 @@ class TrainConfig:
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
+        for name in ("out_dir", "metrics_file"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name == "out_dir")):
+                raise ValueError(f"train.{name}={value!r} must be a path")
 
 
 @dataclass
@@ -86,5 +90,8 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
             "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
             "train.micro_batches=1 or offload.overlap=next_forward"
         )
-    margs.max_seq_len = max(margs.max_seq_len, dcfg.seq_len)
+    if dcfg.seq_len > margs.max_seq_len:  # the rotary table grows to the sequence; the cost is the sequence's
+        log.info("data.seq_len=%d is above model.max_seq_len=%d: the model takes sequences of %d", dcfg.seq_len,
+                 margs.max_seq_len, dcfg.seq_len)  # fmt: skip
+        margs.max_seq_len = dcfg.seq_len
     return tcfg, margs, dcfg, recipe, ckcfg

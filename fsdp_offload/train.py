@@ -43,7 +43,7 @@ from .optimizer import OffloadAdamW
 from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .placement import node_tier_speeds, placement_measures
-from .plan import MachineConfig, make_plan, plan_summary, preset_name
+from .plan import MachineConfig, make_plan, nearest_existing, plan_summary, preset_name
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
@@ -94,6 +94,16 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_writable_dir(path: str, option: str) -> None:
+    """`path` is a dir this process can write in, or can be made one: an output dir that cannot fails
+    here, before the model is built, not at the first save after hours of training."""
+    existing = nearest_existing(path)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{option}={path}: {existing} is a file, not a directory; give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{option}={path}: {existing} is not writable by uid {os.getuid()}; fix its mode or give another path")
 
 
 def run_dir(out_dir: str | None) -> str:
@@ -157,6 +167,9 @@ def run(cfg: DictConfig) -> list[dict]:
 
 def _run(cfg: DictConfig) -> list[dict]:
     tcfg, margs, dcfg, recipe, ckcfg = read_config(cfg)
+    for option, path in (("train.out_dir", tcfg.out_dir), ("checkpoint.dir", ckcfg.dir)):
+        if path is not None:
+            check_writable_dir(path, option)
 
     device = init_distributed(tcfg.device)
     rank, world = dist.get_rank(), dist.get_world_size()

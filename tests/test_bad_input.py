@@ -14,6 +14,7 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload import plan as plan_module
+from fsdp_offload.checkpoint import CheckpointConfig
 from fsdp_offload.grads import NonFiniteGradError
 from fsdp_offload.models import LlamaArgs
 from fsdp_offload.recipe import TrainConfig
@@ -32,7 +33,7 @@ def on_disk(root) -> list[str]:
 
 TIER = "posix:{tmp}"
 CASES = [  # (what, how to build it with the tier dir `tmp`, what the message must say)
-    ("budget below 0", lambda tmp: OffloadConfig(host_budget_gb=-1), "host_budget_gb=-1 must be >= 0"),
+    ("budget below 0", lambda tmp: OffloadConfig(host_budget_gb=-1), "host_budget_gb=-1 must be a finite size >= 0"),
     ("budget in unknown units", lambda tmp: OffloadConfig(host_budget_gb="6 parsecs"), "'6GiB', '512MiB'"),
     ("budget under the minimum", lambda tmp: OffloadAdamW(params(100_000), offload=OffloadConfig(
         tiers=[TIER.format(tmp=tmp)], subgroup_numel=16384, host_budget_gb="100KiB")), "below the pipeline's minimum of 772 KiB"),
@@ -55,19 +56,19 @@ CASES = [  # (what, how to build it with the tier dir `tmp`, what the message mu
     ("calibration size", lambda tmp: OffloadConfig(calibration_gb=0), "calibration_gb=0 must be positive"),
     ("update order", lambda tmp: OffloadConfig(update_order="random"), "choose one of ('forward', 'alternating', 'fixed')"),
     ("overlap", lambda tmp: OffloadConfig(overlap="sideways"), "choose one of ('next_forward', 'backward', 'auto', 'none')"),
-    ("backward overlap with clipping", lambda tmp: OffloadConfig(overlap="backward", max_grad_norm=1.0), "set offload.max_grad_norm=None"),
+    ("backward overlap with clipping", lambda tmp: OffloadConfig(overlap="backward", max_grad_norm=1.0), "set offload.max_grad_norm=null (None in Python)"),
     ("param dtype", lambda tmp: OffloadConfig(param_dtype="float8"), "choose one of ('bfloat16', 'float16')"),
     ("kernel", lambda tmp: OffloadConfig(kernel="cuda"), "choose one of ('auto', 'fused', 'torch')"),
     ("grad path", lambda tmp: OffloadConfig(grad_path="gpu"), "choose one of ('host_bf16', 'gpu_bf16', 'tier_fp32')"),
     ("grads on the GPU with CPU params", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(grad_path="gpu_bf16")),
      "keeps the grads in GPU memory, but the params are on cpu: use offload.grad_path='host_bf16'"),
-    ("clip norm", lambda tmp: OffloadConfig(max_grad_norm=-1), "must be a positive number (None: no clipping)"),
+    ("clip norm", lambda tmp: OffloadConfig(max_grad_norm=-1), "must be a positive number, or null (None in Python) for no clipping"),
     ("clip norm NaN", lambda tmp: OffloadConfig(max_grad_norm=math.nan), "must be a positive number"),
     ("host headroom", lambda tmp: OffloadConfig(host_headroom_gb=-1), "host_headroom_gb=-1 must be >= 0"),
     ("loss scale", lambda tmp: OffloadConfig(param_dtype="float16", loss_scale_init=0), "loss_scale_init=0 must be > 0"),
     ("lr", lambda tmp: OffloadAdamW(params(), lr=-1), "invalid lr -1"),
     ("lr NaN", lambda tmp: OffloadAdamW(params(), lr=math.nan), "invalid lr nan"),
-    ("betas", lambda tmp: OffloadAdamW(params(), betas=(1.0, 0.9)), "each must be in [0, 1)"),
+    ("betas", lambda tmp: OffloadAdamW(params(), betas=(1.0, 0.9)), "give two numbers in [0, 1)"),
     ("eps", lambda tmp: OffloadAdamW(params(), eps=-1e-8), "invalid eps"),
     ("weight decay", lambda tmp: OffloadAdamW(params(), weight_decay=-0.1), "invalid weight_decay -0.1"),
     ("a group's lr", lambda tmp: OffloadAdamW([{"params": params(), "lr": -1.0}]), "param group 0: invalid lr -1.0"),
@@ -84,6 +85,30 @@ CASES = [  # (what, how to build it with the tier dir `tmp`, what the message mu
     ("a beta of 1", lambda tmp: TrainConfig(betas=(0.9, 1.0)), "train.betas=(0.9, 1.0) must be two numbers in [0, 1)"),
     ("no heads", lambda tmp: LlamaArgs(n_heads=0), "model.n_heads=0 must be a whole number >= 1"),
     ("heads not dividing dim", lambda tmp: LlamaArgs(dim=64, n_heads=5), "model.dim=64 is not divisible by model.n_heads=5"),
+    ("one beta, to the optimizer", lambda tmp: OffloadAdamW(params(), betas=(0.9,)), "invalid betas (0.9,): give two numbers"),
+    ("three betas", lambda tmp: OffloadAdamW(params(), betas=[0.9, 0.95, 0.99]), "give two numbers in [0, 1)"),
+    ("lr not a number", lambda tmp: OffloadAdamW(params(), lr="fast"), "invalid lr 'fast': must be a number >= 0"),
+    ("the module for its params", lambda tmp: OffloadAdamW(torch.nn.Linear(4, 4)), "OffloadAdamW(model.parameters(), model=model"),
+    ("one tier as a string", lambda tmp: OffloadConfig(tiers="posix:/mnt/nvme"), "e.g. offload.tiers=[posix:/mnt/nvme]"),
+    ("tiers null", lambda tmp: OffloadConfig(tiers=None), "offload.tiers=None must be a list of tier specs"),
+    ("clip norm a word", lambda tmp: OffloadConfig(max_grad_norm="None"), "max_grad_norm='None' must be a positive number, or null"),
+    ("a number option null", lambda tmp: OffloadConfig(tier_lock_timeout_s=None), "tier_lock_timeout_s=None must be a number"),
+    ("tier ratios not numbers", lambda tmp: OffloadConfig(tiers=[TIER.format(tmp=tmp)], placement="fixed", tier_ratios=["a"]),
+     "tier_ratios=['a'] must be a list of numbers"),
+    ("budget infinite", lambda tmp: OffloadConfig(host_budget_gb=math.inf), "host_budget_gb=inf must be a finite size"),
+    ("budget a bool", lambda tmp: OffloadConfig(host_budget_gb=True), "offload.host_budget_gb=True: give GiB"),
+    ("gpu fraction a bool", lambda tmp: OffloadConfig(gpu_fraction=True), "between 0 and 1, or 'auto'"),
+    ("growth interval a fraction", lambda tmp: OffloadConfig(loss_scale_growth_interval=2.5), "must be a whole number of steps"),
+    ("bandwidth profile a dir", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(
+        tiers=[TIER.format(tmp=tmp), "posix:/dev/shm"], subgroup_numel=16384, host_budget_gb=0.002, bandwidth_profile=str(tmp),
+        calibration_gb=0.001)), "is a directory: give the path of a JSON file"),
+    ("checkpoint every, negative", lambda tmp: CheckpointConfig(dir=str(tmp / "ck"), every=-1), "checkpoint.every=-1 must be >= 0"),
+    ("checkpoint every, a word", lambda tmp: CheckpointConfig(every="abc"), "checkpoint.every='abc' must be a whole number"),
+    ("checkpoint every, no dir", lambda tmp: CheckpointConfig(every=2), "saves into checkpoint.dir, which is not set"),
+    ("machine ranks null", lambda tmp: plan_module.MachineConfig(ranks_per_node=None), "machine.ranks_per_node=None must be a whole number >= 1"),
+    ("machine host infinite", lambda tmp: plan_module.MachineConfig(host_gib=math.inf), "machine.host_gib=inf must be a finite number"),
+    ("machine GPU update 0", lambda tmp: plan_module.MachineConfig(gpu_update_gbps=0), "gpu_update_gbps=0 must be a positive number"),
+    ("machine CPU rate 0", lambda tmp: plan_module.MachineConfig(cpu_mparams_per_s=0), "cpu_mparams_per_s=0 must be a positive number"),
 ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import torch
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_raw_io, measure_tier, mixed_io_timeline, tier_profile_key
 from fsdp_offload.placement import BandwidthModel
-from fsdp_offload.storage import Limits, TierError, make_tier
+from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
 from fsdp_offload.storage import posix as posix_mod
 from fsdp_offload.storage.throttle import ThrottledTier
 
@@ -65,6 +65,16 @@ def test_throttle_specs():
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['speed'\]"):
         make_tier("throttle:posix:/tmp?read=1GB/s&speed=3")
     assert tier_profile_key("throttle:posix:/tmp/../tmp?write=1GB/s&read=2GB/s") == "throttle:posix:/tmp?read=2GB/s&write=1GB/s"
+
+
+def test_a_tier_path_with_a_tilde_is_in_the_home_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "nvme").mkdir()
+    spec = TierSpec.parse("throttle:posix:~/nvme?read=1GB/s")
+    assert spec.dir == str(tmp_path / "nvme") and str(spec) == "throttle:posix:~/nvme?read=1GB/s"  # said as written
+    tier = make_tier("posix:~/nvme")
+    assert (tmp_path / "nvme" / f"fsdp-offload-{os.getuid()}").is_dir()
+    tier.close()
 
 
 def test_measure_tier_sees_the_throttle(ram_dir):

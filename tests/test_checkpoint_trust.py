@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from datetime import timedelta
 
 import pytest
@@ -18,7 +19,9 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from fsdp_offload.checkpoint import CheckpointConfig, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from fsdp_offload.checkpoint import (
+    CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
+)  # fmt: skip
 
 
 class SideEffect:
@@ -122,3 +125,18 @@ def _entry(rank: int, world: int, port: int, directory: str) -> None:
 def test_a_failure_on_rank0_reaches_the_other_ranks(tmp_path):
     mp.start_processes(_entry, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     assert latest_checkpoint(str(tmp_path)) is None
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("content", ["{garbage", "[]", None])
+def test_an_unreadable_run_file_is_refused_naming_the_checkpoint_before(tmp_path, content):
+    for step in (2, 4):
+        ck = tmp_path / f"step_{step:08d}"
+        for part in ("model", "optimizer"):
+            (ck / part).mkdir(parents=True)
+            (ck / part / ".metadata").write_bytes(b"")
+        if content is not None:  # None: run.json missing (copied in part)
+            (ck / "run.json").write_text(content)
+    older, newer = (re.escape(str(tmp_path / f"step_{step:08d}")) for step in (2, 4))
+    with pytest.raises(ValueError, match=rf"checkpoint {newer} cannot be read \(run.json: .*resume with checkpoint.resume={older}$"):
+        check_checkpoint(str(tmp_path / "step_00000004"), {})

@@ -162,7 +162,7 @@ def test_update_overlapped_with_backward_is_bit_exact(tmp_path):
 
 # options under which an update cannot start before backward has handed in every grad
 NEEDS_EVERY_GRAD = [
-    (dict(max_grad_norm=1.0), "max_grad_norm=None"),
+    (dict(max_grad_norm=1.0), "max_grad_norm=null"),
     (dict(param_dtype="float16"), "bfloat16"),
     (dict(tiers=["posix:/tmp"], grad_path="tier_fp32"), "grad_path='host_bf16'"),
     (dict(update_order="alternating"), "update_order='forward'"),

@@ -137,6 +137,14 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and errors and "ck_bad/step_00000008/optimizer" in errors[0], out.stderr[-3000:]
     assert "optimizer.rank0.subgroup_000000): subgroup 0 is corrupted" in errors[0] and "restore the checkpoint" in errors[0]
+    # a model file cut short (an interrupted copy, a full disk): refused, naming the older checkpoint to resume from
+    shutil.copytree(f"{tmp_path}/ck_b", f"{tmp_path}/ck_cut")
+    for shard in Path(f"{tmp_path}/ck_cut/step_00000008/model").glob("*.distcp"):
+        os.truncate(shard, shard.stat().st_size // 2)
+    out = train(tmp_path / "g", *common, f"checkpoint.dir={tmp_path}/ck_cut", "train.steps=12", ranks=2, check=False)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and errors and f"checkpoint {tmp_path}/ck_cut/step_00000008 cannot be read (model/" in errors[0], out.stderr[-3000:]
+    assert f"resume with checkpoint.resume={tmp_path}/ck_cut/step_00000004" in errors[0], errors[0]
 
 
 def test_skipped_fp16_steps_keep_one_row_each_with_their_own_metrics(tmp_path):
@@ -172,9 +180,14 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
         (["offload.tiers=[posix:/nonexistent/dir]"], "tier dir /nonexistent/dir does not exist"),
         (["data.kind=memmap", "data.path=/nonexistent.bin"], "/nonexistent.bin"),
         (["offload.host_budget_gb=0.0001"], "below the pipeline's minimum"),
+        (["checkpoint.dir={tmp}/afile"], "checkpoint.dir={tmp}/afile: {tmp}/afile is a file, not a directory"),
+        (["checkpoint.dir={tmp}/afile/ck"], "checkpoint.dir={tmp}/afile/ck: {tmp}/afile is a file, not a directory"),
+        (["offload.max_grad_norm=None"], "offload.max_grad_norm='None' must be a positive number, or null"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
+    (tmp_path / "afile").write_text("")  # where a directory belongs
+    overrides, message = [o.format(tmp=tmp_path) for o in overrides], message.format(tmp=tmp_path)
     out = train(tmp_path / "run", *overrides, check=False)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-2000:]

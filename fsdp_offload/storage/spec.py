@@ -14,6 +14,7 @@ spec and the fix, not when the tier is.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class TierSpec:
         own = {k: v for k, v in opts.items() if k in kind.options}
         kind.settings(text, own)  # checks the values
         inner = None
+        if not kind.wraps:
+            path = os.path.expanduser(path)  # "posix:~/nvme" as a shell would read it
         if kind.wraps:
             passed = {k: v for k, v in opts.items() if k not in kind.options}
             try:
