@@ -38,6 +38,7 @@ from typing import Callable, Iterator
 import torch
 
 from .cache import aligned_host_buffer
+from .config import NULL
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
 from .storage.chunked import tier_file_tag
@@ -210,7 +211,7 @@ class BandwidthProfile:
         except OSError as exc:
             raise TierError(
                 f"offload.bandwidth_profile={path!r}: cannot use {folder}: {exc.strerror}; point it to a writable "
-                "file or set it to None (measure every run, keep nothing)"
+                f"file or set it to {NULL} (measure every run, keep nothing)"
             ) from exc
 
     @contextlib.contextmanager

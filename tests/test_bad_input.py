@@ -52,7 +52,7 @@ CASES = [  # (what, how to build it with the tier dir `tmp`, what the message mu
      host_budget_gb=0.002, tier_lock_dir="/nonexistent/locks")), "offload.tier_lock_dir='/nonexistent/locks'"),
     ("bandwidth profile unwritable", lambda tmp: OffloadAdamW(params(), offload=OffloadConfig(
         tiers=[TIER.format(tmp=tmp), "posix:/dev/shm"], subgroup_numel=16384, host_budget_gb=0.002,
-        bandwidth_profile="/proc/x/y.json", calibration_gb=0.001)), "point it to a writable file or set it to None"),
+        bandwidth_profile="/proc/x/y.json", calibration_gb=0.001)), "point it to a writable file or set it to null (None in Python)"),
     ("calibration size", lambda tmp: OffloadConfig(calibration_gb=0), "calibration_gb=0 must be positive"),
     ("update order", lambda tmp: OffloadConfig(update_order="random"), "choose one of ('forward', 'alternating', 'fixed')"),
     ("overlap", lambda tmp: OffloadConfig(overlap="sideways"), "choose one of ('next_forward', 'backward', 'auto', 'none')"),
