@@ -60,8 +60,6 @@ class TierSpec:
         own = {k: v for k, v in opts.items() if k in kind.options}
         kind.settings(text, own)  # checks the values
         inner = None
-        if not kind.wraps:
-            path = os.path.expanduser(path)  # "posix:~/nvme" as a shell would read it
         if kind.wraps:
             passed = {k: v for k, v in opts.items() if k not in kind.options}
             try:
@@ -69,6 +67,8 @@ class TierSpec:
             except ValueError as exc:
                 raise ValueError(f"{exc} (in {text!r})") from None
             path = inner.text
+        else:
+            path = os.path.expanduser(path)  # "posix:~/nvme" as a shell would read it
         return cls(text, scheme, path, MappingProxyType(own), inner)
 
     @property
