@@ -113,6 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.steps % args.every:
         ap.error(f"--steps {args.steps} must be a multiple of --every {args.every}, so that the last step is checkpointed")
+    if not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir} is not a directory: create it, or give one where the trials' run dirs may go")
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="crash-harness-", dir=args.dir))
     port = 29600 + os.getpid() % 300
