@@ -326,9 +326,10 @@ class AdaptivePlacement:
     def _plan(self, speeds: list[TierSpeed]) -> None:
         usable = [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
         fastest = max((i for i in range(len(speeds)) if i not in self.dropped), key=lambda i: min(usable[i].read_bps, usable[i].write_bps))
-        self.tiers = [fastest if t in self.dropped else t for t in self._plan_fn(usable)]
+        previous, self.tiers = self.tiers, [fastest if t in self.dropped else t for t in self._plan_fn(usable)]
         self.basis = speeds
-        log.info(
+        log.log(
+            logging.INFO if self.tiers != previous else logging.DEBUG,  # a replan that moves nothing is noise
             "placement %s (expected update I/O %.3g s a step): %s",
             self.name,
             self._predict(self.tiers, speeds),

@@ -19,6 +19,7 @@ from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.placement import (
+    AdaptivePlacement,
     BandwidthModel,
     eq1_counts,
     expected_step_seconds,
@@ -390,3 +391,18 @@ def test_a_node_s_first_rank_measures_the_tiers_for_all_and_its_failure_reaches_
     for d in "ab":
         (tmp_path / d).mkdir()
     run_ranks(2, _node_speeds, str(tmp_path), fail)
+
+
+def test_a_replan_is_logged_when_it_moves_a_subgroup(caplog):
+    """The placement is logged at INFO when it is made and when a replan moves a subgroup; a replan
+    that keeps the split (the speeds drifted, the shares did not) only at DEBUG."""
+    splits = iter([[0, 1], [0, 1], [1, 1]])  # the first plan, a replan that keeps it, one that moves subgroup 0
+    with caplog.at_level(logging.DEBUG, logger="fsdp_offload.placement"):
+        placement = AdaptivePlacement(BandwidthModel([TierSpeed(1e9, 1e9, 0.0)] * 2), lambda speeds: next(splits),
+                                      lambda tiers, speeds: 0.0, "learned", ["posix:/a", "posix:/b"])  # fmt: skip
+        for start in (0.0, 1.0):  # each read faster than the median before it: the speeds drift, it replans
+            placement.observe(0, Transfer("posix:/a", "read", 0, 1 << 30, start, start + 0.25))
+            placement.tier_for(0)
+    assert placement.replans == 2 and placement.tiers == [1, 1]
+    levels = [r.levelno for r in caplog.records if r.message.startswith("placement learned")]
+    assert levels == [logging.INFO, logging.DEBUG, logging.INFO]
