@@ -16,14 +16,17 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -35,8 +38,9 @@ from torch.distributed.checkpoint.state_dict import (
 from .optimizer_state import (
     CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
 )  # fmt: skip
-from .config import is_whole
+from .config import as_path, is_whole
 from .optimizer import OffloadAdamW
+from .storage import TierError
 
 RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
@@ -57,6 +61,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):
             self.resume = "auto" if self.resume else "never"
+        self.dir, self.resume = as_path(self.dir), as_path(self.resume)
         if not isinstance(self.resume, str):
             raise ValueError(f"checkpoint.resume={self.resume!r}: give auto, required, never or the path of a step_* dir")
         if self.dir is not None and not isinstance(self.dir, str):
@@ -256,6 +261,11 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
                 f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {key}={value!r}: "
                 f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
             )
+    for part in ("model", "optimizer"):  # read here, so that a garbled one is named
+        try:
+            FileSystemReader(os.path.join(path, part)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - whatever unpickling a garbled file raises, it is unreadable
+            raise ValueError(_unreadable(path, f"{part}/.metadata: {exc!r}")) from exc
     return int(saved["step"])
 
 
@@ -273,23 +283,37 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def _load(state: dict[str, Any], path: str, planner: Any) -> None:
-    """dcp.load, with a damaged or mismatched checkpoint (a ValueError on some rank) raised as that
-    one-line error, named by its path, rather than DCP's gathered tracebacks."""
+    """dcp.load, with a damaged or mismatched checkpoint (a ValueError on some rank, or a file of it cut
+    short or garbled) raised as a one-line error named by its path, rather than DCP's gathered
+    tracebacks; any other error (a tier that fails as subgroups go to it, a bug) as it is."""
     try:
         dcp.load(state, checkpoint_id=path, planner=planner)
     except CheckpointException as exc:
         bad = [e for e, _ in exc.failures.values() if isinstance(e, ValueError)]
         if bad:
             raise ValueError(f"{path}: {bad[0]}") from exc
-        first = next(iter(exc.failures.values()))[0] if exc.failures else exc
-        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {first!r}")) from exc
-    except (OSError, EOFError, RuntimeError, AssertionError) as exc:  # a file DCP reads itself: .metadata
-        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {exc!r}")) from exc
+        unread = [e for e, _ in exc.failures.values() if _reading_failed(e, path)]
+        if unread:
+            raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {unread[0]!r}")) from exc
+        raise
+
+
+def _reading_failed(exc: BaseException, path: str) -> bool:
+    """Whether `exc` says that a file of the checkpoint under `path` could not be read or parsed."""
+    if isinstance(exc, TierError):  # where the state goes, not the checkpoint
+        return False
+    if isinstance(exc, OSError):
+        return exc.filename is not None and os.path.abspath(os.fsdecode(exc.filename)).startswith(os.path.abspath(path))
+    # a file cut short: torch.load's zip reader (RuntimeError), pickle's end of data, a short header
+    return isinstance(exc, (EOFError, pickle.UnpicklingError, struct.error)) or (
+        isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc))  # fmt: skip
 
 
 def _unreadable(path: str, what: str) -> str:
     """The error for a checkpoint that cannot be read, with the checkpoint to fall back to."""
-    older = [d for d in _step_dirs(os.path.dirname(path)) if d < path] if os.path.isdir(os.path.dirname(path)) else []
+    path = os.path.normpath(path)
+    parent = os.path.dirname(path) or "."
+    older = [os.path.normpath(d) for d in _step_dirs(parent) if os.path.basename(d) < os.path.basename(path)] if os.path.isdir(parent) else []
     instead = f"checkpoint.resume={older[-1]}" if older else "checkpoint.resume=never to start afresh"
     return (f"checkpoint {path} cannot be read ({what}): it may be damaged (an interrupted copy, a full disk); "
             f"restore it, or resume with {instead}")

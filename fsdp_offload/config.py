@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 import tempfile
 from dataclasses import dataclass, field
 
@@ -36,13 +37,21 @@ def parse_size(text: str) -> tuple[float, str]:
 
 
 def is_whole(value: object) -> bool:
-    """An int, and not a bool (True is an int to Python, never a count to a recipe)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's too), and not a bool (True is an int to Python, never a count to a recipe)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:
-    """A finite int or float, and not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (numpy's too), and not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def as_path(value: object) -> object:
+    """A path option as a str: a pathlib.Path (or other os.PathLike) from Python, or the int that YAML
+    makes of a dir named with digits; anything else as it was, for the option's check to refuse."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value) if is_whole(value) else value
 
 
 def in_unit(nbytes: float, unit: str) -> str:
@@ -197,8 +206,9 @@ class OffloadConfig:
         number belongs is an error naming the option, not a failed comparison."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("host_headroom_gb", "gpu_headroom_gb", "loss_scale_init", "tier_lock_timeout_s", "calibration_gb"):
-            if not is_number(getattr(self, name)):
-                raise ValueError(f"offload.{name}={getattr(self, name)!r} must be a number (default {defaults[name]})")
+            value = getattr(self, name)
+            if not (is_number(value) or (name == "tier_lock_timeout_s" and value == math.inf)):  # inf: wait for ever
+                raise ValueError(f"offload.{name}={value!r} must be a number (default {defaults[name]})")
         if not is_whole(self.loss_scale_growth_interval):
             raise ValueError(f"offload.loss_scale_growth_interval={self.loss_scale_growth_interval!r} must be a whole number of steps")
         if self.max_grad_norm is not None and not is_number(self.max_grad_norm):
@@ -206,11 +216,15 @@ class OffloadConfig:
         if isinstance(self.tiers, str) or not isinstance(self.tiers, Sequence) or not all(isinstance(t, str) for t in self.tiers):
             example = f"[{self.tiers}]" if isinstance(self.tiers, str) else "['posix:/local/nvme']"
             raise ValueError(f"offload.tiers={self.tiers!r} must be a list of tier specs, e.g. offload.tiers={example} ([] for none)")
-        if self.tier_ratios is not None and (isinstance(self.tier_ratios, str) or not isinstance(self.tier_ratios, Sequence)
-                                             or not all(is_number(r) for r in self.tier_ratios)):  # fmt: skip
-            raise ValueError(f"offload.tier_ratios={self.tier_ratios!r} must be a list of numbers, one share per tier, or {NULL}")
+        if self.tier_ratios is not None:
+            if isinstance(self.tier_ratios, str) or not isinstance(self.tier_ratios, Iterable):
+                raise ValueError(f"offload.tier_ratios={self.tier_ratios!r} must be a list of numbers, one share per tier, or {NULL}")
+            self.tier_ratios = list(self.tier_ratios)
+            if not all(is_number(r) for r in self.tier_ratios):
+                raise ValueError(f"offload.tier_ratios={self.tier_ratios!r} must be a list of numbers, one share per tier, or {NULL}")
         for name in ("tier_lock_dir", "bandwidth_profile"):
-            value = getattr(self, name)
+            value = as_path(getattr(self, name))
+            setattr(self, name, value)
             if not (isinstance(value, str) or (value is None and name == "bandwidth_profile")):
                 raise ValueError(f"offload.{name}={value!r} must be a path")
 

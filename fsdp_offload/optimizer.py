@@ -915,9 +915,13 @@ def _check_hyperparameters(values: dict[str, Any], where: str) -> None:
     for name, must in (("lr", "a number >= 0"), ("eps", "a number >= 0"), ("weight_decay", "a number >= 0 (0: none)")):
         if name in values and not number(values[name]) >= 0.0:
             raise ValueError(f"{where}: invalid {name} {values[name]!r}: must be {must}")
-    if "betas" in values:
+    if "betas" in values:  # a pair of any kind torch AdamW takes: a tuple, a list, Hydra's ListConfig, a tensor
         betas = values["betas"]
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= number(b) < 1.0 for b in betas)):
+        try:
+            pair = [number(b) for b in betas] if not isinstance(betas, str) else []
+        except TypeError:  # not iterable
+            pair = []
+        if not (len(pair) == 2 and all(0.0 <= b < 1.0 for b in pair)):
             raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
 
 

@@ -400,11 +400,14 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
                  "memory)" if tier_host else "")  # fmt: skip
         model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
+        if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
+            fix = "lower data.micro_batch or data.seq_len, or set model.activation_checkpointing=true"
+        else:
+            fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "")
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
             f"({format_bytes(node_host)}{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
-            f"{in_unit(node_host - plan.host_bytes, unit)}; set offload.host_budget_gb (or 'auto') and a tier"
-            + (", or move the in-memory tier to a disk" if tier_host else "")
+            f"{in_unit(node_host - plan.host_bytes, unit)}; {fix}"
         )
     if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
         for r in plan.ranks:

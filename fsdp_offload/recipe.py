@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CheckpointConfig
-from .config import OffloadConfig, dataclass_from, is_number, is_whole
+from .config import OffloadConfig, as_path, dataclass_from, is_number, is_whole
 from .data import DataConfig
 from .models import LlamaArgs
 
@@ -55,7 +55,8 @@ class TrainConfig:
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
         for name in ("out_dir", "metrics_file"):
-            value = getattr(self, name)
+            value = as_path(getattr(self, name))
+            setattr(self, name, value)
             if not (isinstance(value, str) or (value is None and name == "out_dir")):
                 raise ValueError(f"train.{name}={value!r} must be a path")
 

@@ -227,3 +227,19 @@ def test_the_report_skips_files_and_refuses_a_missing_run_in_one_line(tmp_path, 
     assert report.main([str(sweep / "1"), "--out", str(tmp_path / "figures")]) == 2
     err = capsys.readouterr().err
     assert "multirun/1/metrics.jsonl does not exist: give the run dir" in err and err.count("\n") == 1, err
+
+
+def test_what_python_and_hydra_pass_for_a_valid_option_is_taken(tmp_path):
+    """Paths as pathlib.Path, numpy numbers, a dir named with digits (YAML's int), an endless lock wait,
+    betas as Hydra's ListConfig or a tensor: accepted, as torch and the earlier checks took them."""
+    np = pytest.importorskip("numpy")
+    from omegaconf import OmegaConf
+
+    cfg = OffloadConfig(tier_lock_dir=tmp_path, bandwidth_profile=tmp_path / "p.json", host_headroom_gb=np.float32(4),
+                        max_grad_norm=np.float32(1.0), loss_scale_growth_interval=np.int64(10), tier_lock_timeout_s=math.inf,
+                        tiers=(f"posix:{tmp_path}",), placement="fixed", tier_ratios=np.array([1.0]))  # fmt: skip
+    assert (cfg.tier_lock_dir, cfg.bandwidth_profile, cfg.tier_ratios) == (str(tmp_path), str(tmp_path / "p.json"), [1.0])
+    assert CheckpointConfig(dir=tmp_path / "ck", every=np.int64(2)).dir == str(tmp_path / "ck")
+    assert CheckpointConfig(dir=2024).dir == "2024" and TrainConfig(out_dir=2024).out_dir == "2024"
+    for betas in (OmegaConf.create([0.9, 0.95]), torch.tensor([0.9, 0.95]), np.array([0.9, 0.95])):
+        OffloadAdamW(params(), betas=betas, offload=OffloadConfig(kernel="torch")).close()

@@ -20,8 +20,9 @@ from dist_utils import free_port
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp_offload.checkpoint import (
-    CheckpointConfig, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
+    CheckpointConfig, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
 )  # fmt: skip
+from fsdp_offload.storage import TierError
 
 
 class SideEffect:
@@ -129,7 +130,7 @@ def test_a_failure_on_rank0_reaches_the_other_ranks(tmp_path):
 
 @pytest.mark.bad_input
 @pytest.mark.parametrize("content", ["{garbage", "[]", None])
-def test_an_unreadable_run_file_is_refused_naming_the_checkpoint_before(tmp_path, content):
+def test_an_unreadable_run_file_is_refused_naming_the_checkpoint_before(tmp_path, monkeypatch, content):
     for step in (2, 4):
         ck = tmp_path / f"step_{step:08d}"
         for part in ("model", "optimizer"):
@@ -140,3 +141,17 @@ def test_an_unreadable_run_file_is_refused_naming_the_checkpoint_before(tmp_path
     older, newer = (re.escape(str(tmp_path / f"step_{step:08d}")) for step in (2, 4))
     with pytest.raises(ValueError, match=rf"checkpoint {newer} cannot be read \(run.json: .*resume with checkpoint.resume={older}$"):
         check_checkpoint(str(tmp_path / "step_00000004"), {})
+    monkeypatch.chdir(tmp_path)  # the same, given as a relative path from inside the checkpoints' dir
+    with pytest.raises(ValueError, match=r"checkpoint step_00000004 cannot be read .*resume with checkpoint.resume=step_00000002$"):
+        check_checkpoint("step_00000004/", {})
+
+
+def test_only_reading_the_checkpoint_is_called_damaged(tmp_path):
+    """A failure while loading is put down to the checkpoint only when reading its files failed; a tier
+    that fails as subgroups go to it, or a bug, keeps its own error."""
+    ck = str(tmp_path / "step_00000004")
+    assert _reading_failed(EOFError(), ck) and _reading_failed(OSError(5, "Input/output error", f"{ck}/model/__0_0.distcp"), ck)
+    assert _reading_failed(RuntimeError("PytorchStreamReader failed reading zip archive"), ck)
+    assert not _reading_failed(TierError("write failed: No space left on device"), ck)
+    assert not _reading_failed(OSError(28, "No space left on device", "/nvme/tier/file"), ck)
+    assert not _reading_failed(KeyError("optimizer.rank0.subgroup_000000"), ck)

@@ -199,8 +199,10 @@ def test_training_on_the_cpu_counts_the_model_s_step_against_host_memory():
     r = plan(64).ranks[0]
     assert r.gpu_train_bytes > r.gpu_params_bytes > 0
     room = (r.host_bytes + r.gpu_train_bytes // 2) / 2**30  # the optimizer's state, and half the model's step
-    with pytest.raises(PlanError, match=r"host memory: .* of it the model's training step on the CPU\) but .* short by"):
+    with pytest.raises(PlanError, match=r"host memory: .* of it the model's training step on the CPU\) but .* short by .*and a tier"):
         plan(room)
+    with pytest.raises(PlanError, match=r"short by .*; lower data.micro_batch or data.seq_len"):  # the step alone does not fit
+        plan(r.gpu_train_bytes / 2 / 2**30)
 
 
 def test_gpu_too_small_names_the_shortfall():
