@@ -303,7 +303,10 @@ def _reading_failed(exc: BaseException, path: str) -> bool:
     if isinstance(exc, TierError):  # where the state goes, not the checkpoint
         return False
     if isinstance(exc, OSError):
-        return exc.filename is not None and os.path.abspath(os.fsdecode(exc.filename)).startswith(os.path.abspath(path))
+        if exc.filename is None:
+            return False
+        where = os.path.abspath(path)
+        return os.path.commonpath([os.path.abspath(os.fsdecode(exc.filename)), where]) == where
     # a file cut short: torch.load's zip reader (RuntimeError), pickle's end of data, a short header
     return isinstance(exc, (EOFError, pickle.UnpicklingError, struct.error)) or (
         isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc))  # fmt: skip

@@ -154,4 +154,5 @@ def test_only_reading_the_checkpoint_is_called_damaged(tmp_path):
     assert _reading_failed(RuntimeError("PytorchStreamReader failed reading zip archive"), ck)
     assert not _reading_failed(TierError("write failed: No space left on device"), ck)
     assert not _reading_failed(OSError(28, "No space left on device", "/nvme/tier/file"), ck)
+    assert not _reading_failed(OSError(5, "Input/output error", f"{ck}0/model/__0_0.distcp"), ck)  # a sibling, not inside
     assert not _reading_failed(KeyError("optimizer.rank0.subgroup_000000"), ck)
