@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from .optimizer_state import (
     CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
 )  # fmt: skip
-from .config import as_path, is_whole
+from .config import is_whole, path_option
 from .optimizer import OffloadAdamW
 from .storage import TierError
 
@@ -61,11 +61,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if isinstance(self.resume, bool):
             self.resume = "auto" if self.resume else "never"
-        self.dir, self.resume = as_path(self.dir), as_path(self.resume)
-        if not isinstance(self.resume, str):
-            raise ValueError(f"checkpoint.resume={self.resume!r}: give auto, required, never or the path of a step_* dir")
-        if self.dir is not None and not isinstance(self.dir, str):
-            raise ValueError(f"checkpoint.dir={self.dir!r} must be a directory path, or null for no checkpoints")
+        self.resume = path_option(self.resume, "checkpoint.resume", what="auto, required, never or the path of a step_* dir")
+        self.dir = path_option(self.dir, "checkpoint.dir", null="no checkpoints", what="a directory path")
         for name in ("every", "keep", "io_threads"):
             if not is_whole(getattr(self, name)):
                 raise ValueError(f"checkpoint.{name}={getattr(self, name)!r} must be a whole number")

@@ -46,12 +46,17 @@ def is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def as_path(value: object) -> object:
-    """A path option as a str: a pathlib.Path (or other os.PathLike) from Python, or the int that YAML
-    makes of a dir named with digits; anything else as it was, for the option's check to refuse."""
+def path_option(value: object, option: str, *, null: str | None = None, what: str = "a path") -> str | None:
+    """A path option as a str: a str, a pathlib.Path (or other os.PathLike) from Python, or the int
+    that YAML makes of a dir named with digits; None where the option may be null (`null` says what it
+    means); anything else an error naming the option."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    return str(value) if is_whole(value) else value
+    if is_whole(value):
+        return str(value)
+    if isinstance(value, str) or (value is None and null is not None):
+        return value
+    raise ValueError(f"{option}={value!r} must be {what}" + (f", or null for {null}" if null is not None else ""))
 
 
 def in_unit(nbytes: float, unit: str) -> str:
@@ -222,11 +227,8 @@ class OffloadConfig:
             self.tier_ratios = list(self.tier_ratios)
             if not all(is_number(r) for r in self.tier_ratios):
                 raise ValueError(f"offload.tier_ratios={self.tier_ratios!r} must be a list of numbers, one share per tier, or {NULL}")
-        for name in ("tier_lock_dir", "bandwidth_profile"):
-            value = as_path(getattr(self, name))
-            setattr(self, name, value)
-            if not (isinstance(value, str) or (value is None and name == "bandwidth_profile")):
-                raise ValueError(f"offload.{name}={value!r} must be a path")
+        self.tier_lock_dir = path_option(self.tier_lock_dir, "offload.tier_lock_dir")
+        self.bandwidth_profile = path_option(self.bandwidth_profile, "offload.bandwidth_profile", null="no profile")
 
     def backward_overlap_conflict(self) -> str | None:
         """Why overlap="backward" cannot run with these options, as an error message; None if it can."""

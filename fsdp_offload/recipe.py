@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CheckpointConfig
-from .config import OffloadConfig, as_path, dataclass_from, is_number, is_whole
+from .config import OffloadConfig, dataclass_from, is_number, is_whole, path_option
 from .data import DataConfig
 from .models import LlamaArgs
 
@@ -54,11 +54,8 @@ class TrainConfig:
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
-        for name in ("out_dir", "metrics_file"):
-            value = as_path(getattr(self, name))
-            setattr(self, name, value)
-            if not (isinstance(value, str) or (value is None and name == "out_dir")):
-                raise ValueError(f"train.{name}={value!r} must be a path")
+        self.out_dir = path_option(self.out_dir, "train.out_dir", null="Hydra's run dir")
+        self.metrics_file = path_option(self.metrics_file, "train.metrics_file")
 
 
 @dataclass
