@@ -21,19 +21,9 @@ from .order import UPDATE_ORDERS
 from .storage import TierSpec
 from .storage.lock import access_slots
 from .subgroups import ALIGN_NUMEL
+from .units import GIB, SIZE_UNITS, parse_size
 
-GIB = 1 << 30
 NULL = "null (None in Python)"  # how an error names an unset option: recipes and the command line write null
-SIZE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": GIB, "TiB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-
-
-def parse_size(text: str) -> tuple[float, str]:
-    """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB."""
-    text = text.strip()
-    for unit in sorted(SIZE_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            return float(text[: -len(unit)].strip()), unit
-    return float(text), "GiB"
 
 
 def is_whole(value: object) -> bool:

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 from urllib.parse import parse_qsl, urlencode
 
+from .. import units
 from .base import ALIGN
 from .throttle import Limits
 
@@ -159,28 +159,22 @@ def _file_io(size_key: str, size_name: str) -> Callable[[str, Mapping[str, str]]
     return settings
 
 
-_RATE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
-
-
-def parse_rate(spec: str, name: str, text: str) -> float:
-    """'1.5GB/s' -> 1.5e9 bytes/s (also KB, MB, TB, KiB, MiB, GiB, or plain bytes/s)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]?i?B)?(?:/s)?\s*", text, re.IGNORECASE)
-    unit = (m.group(2) or "").upper() if m else None
-    if m is None or unit not in _RATE_UNITS:
+def _rate(spec: str, name: str, text: str) -> float:
+    """A throttle's rate option in bytes/s, or an error naming the spec and the fix."""
+    rate = units.parse_rate(text)
+    if rate is None:
         raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a rate; write it like {name}=1.5GB/s or {name}=800MiB/s")
-    rate = float(m.group(1)) * _RATE_UNITS[unit]
     if rate <= 0:
         raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not positive; a tier must move bytes (e.g. {name}=0.5GB/s)")
     return rate
 
 
-def parse_seconds(spec: str, name: str, text: str) -> float:
-    """'2ms' -> 0.002 (also s, us, or plain seconds)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(s|ms|us)?\s*", text)
-    if m is None:
+def _seconds(spec: str, name: str, text: str) -> float:
+    """A throttle's duration option in seconds, or an error naming the spec and the fix."""
+    seconds = units.parse_seconds(text)
+    if seconds is None:
         raise ValueError(f"tier spec {spec!r}: {name}={text!r} is not a duration; write it like {name}=2ms")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or ""]
+    return seconds
 
 
 THROTTLE_OPTIONS = ("read", "write", "latency")
@@ -193,9 +187,9 @@ def _limits(text: str, opts: Mapping[str, str]) -> Limits:
             "(e.g. ?read=1.5GB/s&write=0.8GB/s&latency=2ms)"
         )
     return Limits(
-        read_bps=parse_rate(text, "read", opts["read"]) if "read" in opts else None,
-        write_bps=parse_rate(text, "write", opts["write"]) if "write" in opts else None,
-        latency_s=parse_seconds(text, "latency", opts["latency"]) if "latency" in opts else 0.0,
+        read_bps=_rate(text, "read", opts["read"]) if "read" in opts else None,
+        write_bps=_rate(text, "write", opts["write"]) if "write" in opts else None,
+        latency_s=_seconds(text, "latency", opts["latency"]) if "latency" in opts else 0.0,
     )
 
 

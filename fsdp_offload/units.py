@@ -1,0 +1,37 @@
+"""Units of size, rate and time, and the one parser of each: the config's sizes ('6GiB') and a
+throttle's rates and latencies ('1.5GB/s', '2ms') read the same tables."""
+
+from __future__ import annotations
+
+import re
+
+GIB = 1 << 30
+SIZE_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": GIB, "TiB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+# A rate's unit is read in any case ('gb/s', 'MiB/s'); bytes when it names none ('B', '')
+_RATE_UNITS = {"": 1, "B": 1, **{unit.upper(): size for unit, size in SIZE_UNITS.items()}}
+TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
+
+
+def parse_size(text: str) -> tuple[float, str]:
+    """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB. ValueError if not a size."""
+    text = text.strip()
+    for unit in sorted(SIZE_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return float(text[: -len(unit)].strip()), unit
+    return float(text), "GiB"
+
+
+def parse_rate(text: str) -> float | None:
+    """'1.5GB/s' -> 1.5e9 bytes/s (any unit of SIZE_UNITS, in any case, or plain bytes/s); None if
+    `text` is not a rate."""
+    m = re.fullmatch(_NUMBER + r"([KMGT]?i?B)?(?:/s)?\s*", text, re.IGNORECASE)
+    unit = (m.group(2) or "").upper() if m else None
+    return None if m is None or unit not in _RATE_UNITS else float(m.group(1)) * _RATE_UNITS[unit]
+
+
+def parse_seconds(text: str) -> float | None:
+    """'2ms' -> 0.002 (also s, us, or plain seconds); None if `text` is not a duration."""
+    m = re.fullmatch(_NUMBER + r"(s|ms|us)?\s*", text)
+    return None if m is None else float(m.group(1)) * TIME_UNITS[m.group(2) or ""]
+
