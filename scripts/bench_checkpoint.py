@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.cache import aligned_host_buffer
-from fsdp_offload.calibrate import measure_raw_io
+from fsdp_offload.rawio import measure_raw_io
 from fsdp_offload.optimizer_state import CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from fsdp_offload.results import record
 

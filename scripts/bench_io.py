@@ -1,13 +1,13 @@
 """The disk under a tier dir, raw and through the POSIX tier, at the same queue depths.
 
-For each thread count (and request size): `calibrate.measure_raw_io` (a pre-sized O_DIRECT file,
+For each thread count (and request size): `rawio.measure_raw_io` (a pre-sized O_DIRECT file,
 plain pread/pwrite from that many threads: the ceiling) and `calibrate.tier_passes` through the
 POSIX tier with the same threads and request size (its checksums, its queue, transfers of
 --transfer-mib as the pipeline's subgroup reads and writes): write, read, and half read while half
 written, medians of --samples. What the tier loses against raw at the same depth is the tier's cost;
 which depth is best is the disk's.
 
---sustained-s N then holds the mixed load N seconds without a pause (`calibrate.mixed_io_timeline`,
+--sustained-s N then holds the mixed load N seconds without a pause (`rawio.mixed_io_timeline`,
 at the first --threads and --request-mib), rests --rest-s, and holds it again: the GB/s of each
 --window-s window say whether the disk keeps its rate under a training run's load, or bursts on
 credits that the load drains (and the rest refills).
@@ -23,7 +23,8 @@ import os
 import tempfile
 import time
 
-from fsdp_offload.calibrate import measure_raw_io, mixed_io_timeline, tier_passes
+from fsdp_offload.calibrate import tier_passes
+from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
 from fsdp_offload.results import record
 
 GIB = 1 << 30

@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.calibrate import measure_raw_io
+from fsdp_offload.rawio import measure_raw_io
 from fsdp_offload.results import record
 from fsdp_offload.storage import TierSpec
 from fsdp_offload.storage.spec import io_settings

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_raw_io, measure_tier, mixed_io_timeline, tier_profile_key
+from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
+from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
 from fsdp_offload.placement import BandwidthModel
 from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
 from fsdp_offload.storage import posix as posix_mod
@@ -133,7 +134,7 @@ def test_full_file_system_is_a_clear_error(tmp_path, monkeypatch):
     def full(fd, view, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(posix_mod, "_pwrite_all", full)
+    monkeypatch.setattr(posix_mod, "pwrite_all", full)
     with pytest.raises(TierError, match=r"calibrating posix:.*: 2 x 65536 bytes failed: .*No space left on device.*\(the file system is full"):
         measure_tier(f"posix:{tmp_path}", nbytes=128 * KIB, transfer_bytes=64 * KIB)
     with pytest.raises(TierError, match="the file system is full"):

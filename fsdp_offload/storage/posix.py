@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     """Writes all of `view` at `offset`, looping over short writes."""
     done = 0
     while done < len(view):
@@ -39,7 +39,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _pread_all(fd: int, view: memoryview, offset: int) -> int:
+def pread_all(fd: int, view: memoryview, offset: int) -> int:
     """Reads up to len(view) bytes at `offset`, looping over short reads; returns the count (EOF stops)."""
     done = 0
     while done < len(view):
@@ -124,7 +124,7 @@ class PosixTier(ChunkedFileTier):
 
     def _write_at(self, key: int, part: memoryview, file_offset: int) -> None:
         try:
-            _pwrite_all(self._fd, part, file_offset)
+            pwrite_all(self._fd, part, file_offset)
         except OSError as exc:
             raise self._write_error(key, f"({len(part)} bytes at offset {file_offset})", exc) from exc
 
@@ -164,7 +164,7 @@ class PosixTier(ChunkedFileTier):
         )
 
     def _read_at(self, key: int, part: memoryview, file_offset: int) -> None:
-        got = _pread_all(self._fd, part, file_offset)
+        got = pread_all(self._fd, part, file_offset)
         if got != len(part):
             raise CorruptSubgroupError(
                 f"{self._path}: subgroup {key} is truncated: wanted {len(part)} bytes at offset "
