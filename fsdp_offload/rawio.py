@@ -190,16 +190,19 @@ def mixed_io_timeline(
             raise TierError(f"raw I/O timeline: the file system of {root} refuses O_DIRECT, so the timeline would time "
                             "the page cache, not the disk; give a directory on the disk itself")  # fmt: skip
         start = time.perf_counter()
+        last = [start]  # when the last request finished (run's own finish times count from its later start)
 
         def done(thread: int, nbytes: int, now: float) -> None:
             w = min(windows - 1, int((now - start) / window_s))
             with lock:
                 moved[w][thread >= f.readers] += nbytes
+                last[0] = max(last[0], now)
 
         try:
-            end = start + max(f.run(f.mixed_jobs(), until=start + seconds, done=done))
+            f.run(f.mixed_jobs(), until=start + seconds, done=done)
         except OSError as exc:
             raise f.error(exc) from exc
+        end = last[0]
     rows = []
     for w, (r, wr) in enumerate(moved):
         lo, hi = w * window_s, (w + 1) * window_s if w < windows - 1 else end - start

@@ -1,8 +1,8 @@
-"""Placement over several tiers: what a step moves, the learned rule against Eq. 1, learning and
-following drifting bandwidths, and bit-exactness wherever the state lands.
+"""Placement over several tiers: what a step moves, the learned rule against Eq. 1 (by the model's
+prediction), learning and following drifting bandwidths, and bit-exactness wherever the state lands.
 
-The timing tests run on throttled tiers (a serial device of given speeds each), slow enough that the
-update phase is I/O-bound on this CPU; they compare medians of steady-state steps.
+The learning tests run on throttled tiers (a serial device of given speeds each); no test asserts a
+wall-clock time: scripts/bench_placement.py times the rules.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import statistics
 
 import pytest
 import torch
@@ -18,17 +17,9 @@ import torch
 from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key
 from fsdp_offload.parallelize import build_offloaded_model
-from fsdp_offload.placement import (
-    AdaptivePlacement,
-    BandwidthModel,
-    eq1_counts,
-    expected_step_seconds,
-    make_placement,
-    node_tier_speeds,
-    plan_eq1,
-    plan_makespan,
-    steady_traffic,
-)
+from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
+from fsdp_offload.placement import AdaptivePlacement, eq1_counts, make_placement, plan_eq1, plan_makespan
+from fsdp_offload.tier_speeds import starting_speeds
 from fsdp_offload.storage import Limits, ThrottledTier, TierError, Transfer
 from fsdp_offload.subgroups import SubgroupLayout
 
@@ -157,33 +148,28 @@ def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
     opt.close()
 
 
-def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, ram_dir, capsys):
+def test_learned_rule_beats_eq1_on_asymmetric_tiers(tmp_path, ram_dir):
     """Tier A reads fast and writes slowly, tier B is even. Eq. 1 weighs A by its write bandwidth
-    alone; the learned rule prices A's reads and writes separately."""
+    alone; the learned rule prices A's reads and writes separately. The optimizer builds the split
+    each rule plans, and the model predicts the learned one's update phase at most 0.85 of Eq. 1's
+    (0.79x; scripts/bench_placement.py times both)."""
     speeds = {"a": (96, 24), "b": (36, 36)}  # MB/s read, write
     m, c = 24, 6
-    results = {}
+    predicted = {}
     for rule in ("eq1", "learned"):
         tiers = [throttled(ram_dir, f"{rule}-{n}", r, w) for n, (r, w) in speeds.items()]
         seeds = {t: TierSpeed(r * MB, w * MB, 0.0) for t, (r, w) in zip(tiers, speeds.values())}
         run = Run(tiers, write_profile(str(tmp_path / f"{rule}.json"), seeds), m, c, placement=rule, order="alternating")
-        times = [run.step().update_s for _ in range(6)][1:]
+        tier_of = run.opt.store.placement.tier_of
         model = [seeds[t] for t in tiers]
         traffic = steady_traffic(m, c, "alternating")
-        predicted = expected_step_seconds(run.opt.store.placement.tiers, model, [STATE] * m, traffic)
-        results[rule] = (statistics.median(times), predicted, [run.opt.store.placement.tiers.count(i) for i in range(2)])
+        assert tier_of == (plan_eq1(model, m) if rule == "eq1" else plan_makespan(model, [STATE] * m, traffic))
+        predicted[rule] = expected_step_seconds(tier_of, model, [STATE] * m, traffic)
         run.opt.close()
-    with capsys.disabled():
-        print("\n  asymmetric tiers A (read 96, write 24 MB/s) + B (36, 36 MB/s), 24 subgroups, cache 6:")
-        for rule, (measured, predicted, split) in results.items():
-            print(f"    {rule:>8}: update {measured:.3f} s/step measured, {predicted:.3f} predicted, subgroups A:B = {split[0]}:{split[1]}")
-        print(f"    learned is {results['eq1'][0] / results['learned'][0]:.2f}x faster than Eq. 1")
-    assert results["learned"][1] < 0.85 * results["eq1"][1]  # the model's numbers: 0.79x
-    # measured: about 0.87x here; throttled sleeps on a loaded 2-core machine are too noisy for a tighter bound
-    assert results["learned"][0] < results["eq1"][0]
+    assert predicted["learned"] < 0.85 * predicted["eq1"]
 
 
-def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir, capsys):
+def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir):
     """Both tiers start believed equal; the model learns A is twice B and the split follows."""
     m, c = 24, 6
     tiers = [throttled(ram_dir, "a", 48, 48), throttled(ram_dir, "b", 24, 24)]
@@ -192,15 +178,9 @@ def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir, caps
     steps = [run.step() for _ in range(7)]
     learned = run.opt.store.placement.model.speeds()
     assert learned[0].read_bps == pytest.approx(48 * MB, rel=0.1) and learned[1].write_bps == pytest.approx(24 * MB, rel=0.1)
-    ratios = []
-    for metrics in steps[2:]:
+    for metrics in steps[2:]:  # (scripts/bench_placement.py times this split against the ideal makespan)
         moved = run.moved(metrics)
         assert abs(moved[0] - sum(moved) * 2 / 3) <= STATE, f"split {moved} is not 2:1 within one subgroup"
-        ideal = sum(moved) / (72 * MB)  # every byte moved at the two tiers' summed bandwidth
-        ratios.append(metrics.update_s / ideal)
-    with capsys.disabled():
-        print(f"\n  2:1 tiers: update phase / ideal makespan per step: {', '.join(f'{r:.3f}' for r in ratios)}")
-    assert statistics.median(ratios) <= 1.10
     run.opt.close()
 
 
@@ -332,7 +312,7 @@ def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
         cfg = OffloadConfig(tiers=tiers, placement=rule, bandwidth_profile=profile)
         with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 2, streamed=6)
         host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 2, streamed=6)
-        assert len(with_gpu.tiers) == 6 and with_gpu.tiers == host_only.tiers, rule  # as if the 4 were not there
+        assert len(with_gpu.tier_of) == 6 and with_gpu.tier_of == host_only.tier_of, rule  # as if the 4 were not there
         with_gpu.close()
         host_only.close()
 
@@ -358,6 +338,34 @@ def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatc
     OffloadAdamW(params(), offload=cfg, tier_speeds=given).close()  # built on them, without a measurement
 
 
+def test_one_decision_about_tier_speeds(tmp_path, monkeypatch):
+    """starting_speeds says where the speeds come from and, as a value of its own, whether the
+    placement saves what it learns: whenever a profile is set, given speeds or not."""
+    tiers = [f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"]
+    measured = []
+    monkeypatch.setattr(calibrate, "measure_tier", lambda spec, *a: measured.append(str(spec)) or TierSpeed(2e9, 1e9, 0.0))
+    given = [TierSpeed(3e9, 2e9, 1e-4), TierSpeed(1e9, 1e9, 1e-4)]
+    profile = str(tmp_path / "p.json")
+    fixed = starting_speeds(OffloadConfig(tiers=tiers, placement="fixed"))
+    assert (fixed.speeds, fixed.source, fixed.save_learned) == (None, "unneeded", False)
+    assert starting_speeds(OffloadConfig(tiers=tiers[:1]), needed=True).source == "measured"  # the planner's prediction
+    measured.clear()
+    plain = starting_speeds(OffloadConfig(tiers=tiers))
+    assert (plain.source, plain.save_learned, measured) == ("measured", False, tiers)
+    with_profile = starting_speeds(OffloadConfig(tiers=tiers, bandwidth_profile=profile))
+    assert (with_profile.source, with_profile.save_learned, len(measured)) == ("profile", True, 4)
+    again = starting_speeds(OffloadConfig(tiers=tiers, bandwidth_profile=profile))
+    assert (again.speeds, len(measured)) == (with_profile.speeds, 4)  # read, not measured again
+    kept = starting_speeds(OffloadConfig(tiers=tiers, bandwidth_profile=profile), given=given)
+    assert (kept.speeds, kept.source, kept.save_learned, len(measured)) == (given, "given", True, 4)
+    with pytest.raises(ValueError, match="tier_speeds has 1 entries"):
+        starting_speeds(OffloadConfig(tiers=tiers, placement="fixed"), given=given[:1])
+
+
+def test_spills_when_the_cache_holds_fewer_than_stream():
+    assert spills(cache_slots=3, streamed=6) and not spills(cache_slots=6, streamed=6) and not spills(0, 0)
+
+
 def _node_speeds(rank: int, world: int, tmp: str, fail: bool) -> None:
     measured = []
 
@@ -371,11 +379,11 @@ def _node_speeds(rank: int, world: int, tmp: str, fail: bool) -> None:
     cfg = OffloadConfig(tiers=[f"posix:{tmp}/a", f"posix:{tmp}/b"], placement="learned")
     if fail:
         with pytest.raises(TierError, match="no space left on device") as raised:
-            node_tier_speeds(cfg, torch.distributed.group.WORLD)
+            starting_speeds(cfg, group=torch.distributed.group.WORLD)
         assert rank == 0 or "(rank 0) failed: TierError" in str(raised.value)  # the other ranks say whose it was
         return
-    speeds = node_tier_speeds(cfg, torch.distributed.group.WORLD)
-    assert speeds == [TierSpeed(3e9, 1e9, 1e-4)] * 2  # rank 0's
+    start = starting_speeds(cfg, group=torch.distributed.group.WORLD)
+    assert start.speeds == [TierSpeed(3e9, 1e9, 1e-4)] * 2 and start.source == "measured" and not start.save_learned  # rank 0's
     assert len(measured) == (2 if rank == 0 else 0)
     # OffloadAdamW on an FSDP2 model, with no profile and no speeds given, measures the same way
     budget = (2 * 40 * FSDP_SG + 4 * 3 * FSDP_SG * 4) / 2**30  # staging plus 4 slots
@@ -403,6 +411,6 @@ def test_a_replan_is_logged_when_it_moves_a_subgroup(caplog):
         for start in (0.0, 1.0):  # each read faster than the median before it: the speeds drift, it replans
             placement.observe(0, Transfer("posix:/a", "read", 0, 1 << 30, start, start + 0.25))
             placement.tier_for(0)
-    assert placement.replans == 2 and placement.tiers == [1, 1]
+    assert placement.replans == 2 and placement.tier_of == [1, 1]
     levels = [r.levelno for r in caplog.records if r.message.startswith("placement learned")]
     assert levels == [logging.INFO, logging.DEBUG, logging.INFO]

@@ -1,0 +1,105 @@
+"""The tiers' speeds a bandwidth placement starts from, decided in one place for the planner, train.py
+and the optimizer alike: given by the caller, read from the bandwidth profile (the tiers it lacks
+measured and saved), or measured; and, as a value of its own, whether the placement writes what it
+learns back to the profile (whenever one is set, however the starting speeds were got).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
+from .config import OffloadConfig
+from .node import node_peers
+from .storage import TierError
+
+SOURCES = ("given", "profile", "measured", "unneeded")
+
+
+@dataclass(frozen=True)
+class StartingSpeeds:
+    """Where a bandwidth placement's tier speeds start, and where what it learns goes."""
+
+    speeds: list[TierSpeed] | None  # one per offload.tiers, in order; None: nothing needs them
+    source: str  # one of SOURCES; "profile": the profile's, the tiers it lacked measured
+    save_learned: bool  # the placement writes its learned speeds to offload.bandwidth_profile
+
+
+def placement_measures(cfg: OffloadConfig) -> bool:
+    """Whether the placement starts from the tiers' speeds (make_placement's bandwidth rules: 2+ tiers)."""
+    return len(cfg.tiers) >= 2 and cfg.placement != "fixed"
+
+
+def starting_speeds(
+    cfg: OffloadConfig, *, given: list[TierSpeed] | None = None, group: dist.ProcessGroup | None = None,
+    needed: bool | None = None,
+) -> StartingSpeeds:  # fmt: skip
+    """The one decision about the tiers' speeds. `needed` (default: placement_measures(cfg); the
+    planner's predicted update time needs them for any tier): without it, none. Else `given` (one per
+    tier, e.g. the plan's), checked; else the profile's, measuring the tiers it lacks; else measured.
+    With `group`, the first rank of each node of it reads or measures them for the node's other ranks:
+    a collective, so every rank of `group` calls it with the same `needed` and with speeds given or not."""
+    if given is not None:
+        check_speeds(given, cfg.tiers)  # whether or not they are needed: a wrong list is the caller's mistake
+    if not (placement_measures(cfg) if needed is None else needed):
+        return StartingSpeeds(None, "unneeded", save_learned=False)
+    save = cfg.bandwidth_profile is not None and placement_measures(cfg)  # only a bandwidth rule learns
+    if given is not None:
+        return StartingSpeeds(list(given), "given", save)
+    speeds = _read_or_measure(cfg) if group is None else _node_speeds(cfg, group)
+    return StartingSpeeds(speeds, "measured" if cfg.bandwidth_profile is None else "profile", save)
+
+
+def check_speeds(speeds: list[TierSpeed], tiers: list[str]) -> None:
+    """Refuses given tier speeds that do not match the tiers one to one, or that no model can use."""
+    if len(speeds) != len(tiers):
+        raise ValueError(f"tier_speeds has {len(speeds)} entries for the {len(tiers)} offload.tiers {tiers}: give one per tier, in order")
+    for spec, speed in zip(tiers, speeds):
+        if not isinstance(speed, TierSpeed) or not speed.valid:
+            raise ValueError(f"tier_speeds for {spec!r} is {speed!r}: give a TierSpeed with positive read_bps and write_bps "
+                             "and a latency_s >= 0 (as fsdp_offload.plan measures them)")  # fmt: skip
+
+
+def placement_request_bytes(cfg: OffloadConfig) -> int:
+    """The transfer size a placement's tiers are measured with: one state slot (12 bytes a param), at
+    most 64 MiB."""
+    return min(12 * cfg.subgroup_numel, 64 << 20)
+
+
+def _read_or_measure(cfg: OffloadConfig) -> list[TierSpeed]:
+    """The tiers' speeds from the bandwidth profile, measuring (and saving) those it lacks; without a
+    profile, measured."""
+    profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
+    try:
+        return seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(cfg))
+    finally:
+        if profile is not None:
+            profile.close()
+
+
+def _node_speeds(cfg: OffloadConfig, group: dist.ProcessGroup) -> list[TierSpeed]:
+    """_read_or_measure, by the first rank of each node of `group`, handed to the node's other ranks (a
+    collective), so that a node measures its tiers once, not once per rank."""
+    first = node_peers(group)[0]
+    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
+    if dist.get_rank(group) == first:
+        try:
+            speeds = _read_or_measure(cfg)
+        except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
+            dist.all_gather_object(everyone, ("error", f"{type(exc).__name__}: {exc}"), group=group)
+            raise
+        dist.all_gather_object(everyone, ("speeds", speeds), group=group)
+        return speeds
+    dist.all_gather_object(everyone, None, group=group)
+    kind, value = everyone[first]
+    if kind == "error":
+        raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
+    return value
+
+
+def node_tier_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
+    """The tiers' speeds, once a node of `group`, whether or not a bandwidth rule needs them. Kept for
+    train.py's and optimizer.py's calls until they call starting_speeds (their owner's change)."""
+    return starting_speeds(cfg, group=group, needed=True).speeds
