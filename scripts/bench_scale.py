@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_offload.plan import PlanError, compose_plan_config, plan_from_config
+from fsdp_offload.node_plan import PlanError
+from fsdp_offload.plan import compose_plan_config, plan_from_config
 from fsdp_offload.results import record
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")

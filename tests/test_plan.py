@@ -19,14 +19,15 @@ from hydra import compose, initialize_config_module
 from test_fsdp import ARGS, SG
 
 from fsdp_offload import OffloadConfig, calibrate, train
-from fsdp_offload import plan as plan_module
+from fsdp_offload import machine as machine_module
+from fsdp_offload import node_plan
 from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.grads import TierFP32Grads
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
-from fsdp_offload.plan import (
-    MachineConfig, ModelShapes, PlanError, compose_plan_config, main, make_plan, plan_from_config,
-)  # fmt: skip
+from fsdp_offload.machine import MachineConfig
+from fsdp_offload.node_plan import ModelShapes, PlanError, make_plan
+from fsdp_offload.plan import compose_plan_config, main, plan_from_config
 from fsdp_offload.subgroups import SubgroupLayout
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -106,17 +107,17 @@ def test_gpu_share_is_refused_where_the_optimizer_refuses_it():
 def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
     cfg = offload(str(tmp_path), tiers=[f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"], placement="fixed")
     plan = lambda: make_plan("test", ARGS, cfg, MachineConfig(host_gib=64), 32, 2, "cpu")  # noqa: E731
-    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
     need = [t.bytes for t in plan().ranks[0].tiers]
     assert all(need)
-    monkeypatch.setattr(plan_module, "free_bytes", lambda path: max(need))  # room for either tier, not both
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: max(need))  # room for either tier, not both
     with pytest.raises(PlanError, match=rf"tiers posix:{tmp_path}/a and posix:{tmp_path}/b: the node's ranks write up to "
                                         r".* short by"):  # fmt: skip
         plan()
 
 
 def test_a_tier_in_memory_counts_against_host_memory(ram_dir):
-    if not plan_module.file_system(str(ram_dir))[1]:
+    if not machine_module.file_system(str(ram_dir))[1]:
         pytest.skip(f"{ram_dir} is not tmpfs")
     cfg = offload(str(ram_dir), tiers=[f"posix:{ram_dir}"])
     plan = lambda host_gib: make_plan("test", ARGS, cfg, MachineConfig(host_gib=host_gib), 32, 2, "cpu")  # noqa: E731
@@ -145,7 +146,7 @@ def test_fp32_grads_on_a_tier_are_planned(tmp_path):
 def test_the_readme_s_plan_commands_run(tmp_path, monkeypatch, capsys):
     # Free space is test_tier_short_of_free_space's subject; the CPU speed is stated and the tiers are
     # measured briefly, into a profile of the test's own.
-    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
     commands = [line for line in README.read_text().splitlines() if line.startswith("python3 -m fsdp_offload.plan ")]
     assert len(commands) >= 2
     for command in commands:
@@ -158,7 +159,7 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
     # Same world size and layout per rank; on one node the two ranks stream through one disk, so each
     # rank's I/O takes twice as long as with one rank on each of two nodes. The 7b's state would not fit
     # every test machine's /tmp: free space is test_tier_short_of_free_space's subject, not this one's.
-    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=16, subgroup_numel=100 * (1 << 20), kernel="torch")
     speeds = [TierSpeed(read_bps=2e9, write_bps=2e9, latency_s=0.0)]
     plan = lambda m: make_plan("7b", MODEL_PRESETS["7b"], cfg, m, 2048, 1, "cpu", cpu_rate=1e9, speeds=speeds)  # noqa: E731
@@ -170,7 +171,7 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
 def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
     """grad_path="gpu_bf16": the host keeps one subgroup's window instead of every grad, so the same
     budget holds more of the FP32 state, and the GPU holds the grads instead."""
-    monkeypatch.setattr(plan_module, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
     machine = MachineConfig(gpu_gib=80, host_gib=512)
 
     def plan(grad_path: str):

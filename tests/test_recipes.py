@@ -81,11 +81,12 @@ def test_train_recipe_starts_the_update_in_backward_where_the_step_allows_it(ove
     from fsdp_offload.recipe import read_config
 
     recipe = read_config(composed(*overrides))[3]
-    assert recipe.config.overlap == overlap
+    assert recipe.config.resolved_overlap() == overlap
 
 
 def test_tiny_disk_says_what_it_builds():
-    from fsdp_offload.plan import MachineConfig, make_plan
+    from fsdp_offload.machine import MachineConfig
+    from fsdp_offload.node_plan import make_plan
     from fsdp_offload.recipe import read_config
 
     cached, total = map(int, re.search(r"caches (\d+) of its (\d+)", (RECIPES / "offload" / "tiny_disk.yaml").read_text()).groups())

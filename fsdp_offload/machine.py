@@ -1,0 +1,149 @@
+"""The machine a plan is for: what it is stated to be (MachineConfig), and what is read or timed on the
+machine the planner runs on where it is not stated: GPU memory, host memory (MemAvailable, or less
+where this process's memory cgroup allows less: memory.available_host_bytes), each tier's file system
+(free space, whether it keeps its files in memory), the CPU update's speed and the tiers' speeds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .calibrate import TierSpeed
+from .config import OffloadConfig, is_number, is_whole
+from .memory import available_host_bytes
+from .threads import cpu_threads_per_rank, use_cpu_threads
+from .tier_speeds import starting_speeds
+from .units import GIB
+
+
+@dataclass
+class MachineConfig:
+    """The machine a plan is for; a None field is read from the machine the planner runs on."""
+
+    ranks_per_node: int = 1
+    nodes: int = 1
+    gpu_gib: float | None = None  # GPU memory per rank; None: this GPU's (0: no GPU, the CPU trains)
+    host_gib: float | None = None  # host memory available to the node's ranks; None: MemAvailable here
+    cpu_mparams_per_s: float | None = None  # one rank's CPU update speed; None: the kernel timed here
+    gpu_update_gbps: float = 2000.0  # bytes/s the GPU update moves (28 bytes a param), in GB/s
+
+    def __post_init__(self) -> None:
+        for name in ("ranks_per_node", "nodes"):
+            if not (is_whole(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"machine.{name}={getattr(self, name)!r} must be a whole number >= 1")
+        for name in ("gpu_gib", "host_gib"):
+            value = getattr(self, name)
+            if value is not None and not (is_number(value) and value >= 0):
+                raise ValueError(f"machine.{name}={value!r} must be a finite number >= 0 (null: this machine's)")
+        if self.cpu_mparams_per_s is not None and not (is_number(self.cpu_mparams_per_s) and self.cpu_mparams_per_s > 0):
+            raise ValueError(f"machine.cpu_mparams_per_s={self.cpu_mparams_per_s!r} must be a positive number (null: timed here)")
+        if not (is_number(self.gpu_update_gbps) and self.gpu_update_gbps > 0):
+            raise ValueError(f"machine.gpu_update_gbps={self.gpu_update_gbps!r} must be a positive number of GB/s (default 2000)")
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: str) -> int | None:
+    """GPU memory per rank of a run on `device_type` (None: it trains on the CPU); raises ValueError for
+    options that need a GPU the run does not have, as the optimizer would."""
+    gpu = machine.gpu_gib
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[1] / GIB if device_type == "cuda" and torch.cuda.is_available() else 0.0
+    if device_type == "cuda" and gpu == 0:
+        raise ValueError("train.device=cuda, but the machine planned for has no GPU: state its memory "
+                         "(machine.gpu_gib=80), or plan for train.device=cpu")  # fmt: skip
+    if device_type == "cuda":
+        return int(gpu * GIB)
+    if cfg.gpu_fraction != "auto" and cfg.gpu_fraction > 0:
+        raise ValueError(f"offload.gpu_fraction={cfg.gpu_fraction} keeps state on the GPU, but the planned run trains "
+                         "on the CPU: use 0, or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
+    if cfg.grad_path == "gpu_bf16":
+        raise ValueError("offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the planned run trains on the "
+                         "CPU: use offload.grad_path='host_bf16', or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
+    return None
+
+
+def planned_host_bytes(machine: MachineConfig) -> int:
+    """Host memory of the node's ranks: machine.host_gib if stated, else what this machine has available
+    now (MemAvailable, or the memory cgroup's limit less its usage where that is less). Where memory is
+    added to a machine as it is used (MemTotal grows), this is a floor: state machine.host_gib."""
+    return int(machine.host_gib * GIB) if machine.host_gib is not None else available_host_bytes()
+
+
+# What mem_get_info counts as used beside torch's own allocations once a run has built its model: the
+# CUDA context, cuBLAS's workspace and NCCL's buffers (1.22 GiB on an H100, torch 2.11, after an all-reduce).
+CUDA_CONTEXT_BYTES = int(1.25 * GIB)
+
+
+def nearest_existing(spec_path: str) -> str:
+    """`spec_path`, or its nearest parent that exists (a tier dir may be made later)."""
+    path = os.path.abspath(os.path.expanduser(spec_path))
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def free_bytes(spec_path: str) -> int:
+    """Free space of the file system holding `spec_path` (its nearest existing parent)."""
+    return shutil.disk_usage(nearest_existing(spec_path)).free
+
+
+IN_MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def file_system(spec_path: str) -> tuple[int, bool]:
+    """The file system holding `spec_path` (its nearest existing parent): its device id (tiers on one
+    share its free space) and whether it keeps its files in memory (tmpfs, ramfs: host memory)."""
+    path = os.path.realpath(nearest_existing(spec_path))
+    mount, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, point, fstype = line.split()[:3]
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)  # "\040": a space
+            inside = path == point or path.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(mount):  # the deepest mount, the last one mounted there
+                mount, kind = point, fstype
+    return os.stat(path).st_dev, kind in IN_MEMORY_FILE_SYSTEMS
+
+
+def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> float:
+    """Params per second of one rank's CPU update, timed here: an OffloadAdamW step (grad staging,
+    the kernel, the new params written back) over one subgroup's worth of params (at most 64M) held in
+    host memory, best of three after a warm-up."""
+    from .optimizer import OffloadAdamW
+
+    n = min(subgroup_numel, 64 << 20)
+    use_cpu_threads(threads)
+    param = torch.nn.Parameter(torch.zeros(n))
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    opt = OffloadAdamW([param], lr=1e-4, offload=OffloadConfig(kernel=kernel_name, subgroup_numel=-(-n // 1024) * 1024))
+    try:
+        best = math.inf
+        for step in range(4):
+            param.grad = grad
+            t0 = time.perf_counter()
+            opt.step()
+            if step:
+                best = min(best, time.perf_counter() - t0)
+    finally:
+        opt.close()
+    return n / best
+
+
+def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
+    """The CPU update speed (machine.cpu_mparams_per_s, else timed here) and the tiers' speeds (profile,
+    else measured), for a predicted update time."""
+    if machine.cpu_mparams_per_s is not None:
+        rate = machine.cpu_mparams_per_s * 1e6
+    else:
+        rate = cpu_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node))
+    return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

@@ -1,0 +1,323 @@
+"""What fits where, before anything is built: the plan of a node's ranks (see fsdp_offload.plan's note).
+
+The placement is computed by the functions the optimizer runs (the subgroup layout, the host cache's
+slots, the tier placement, the steady-state traffic), so it is the placement the run reports. The
+update time is a model: the busiest tier's I/O (bandwidth.expected_step_seconds, from the tiers'
+speeds, each shared by the node's ranks) against the CPU update, whichever is longer, plus the first
+subgroup's read that nothing hides (and grad_path="tier_fp32"'s FP32 grads, written and read back one
+at a time). A plan that does not fit raises `PlanError` naming the level that is short and by how
+much; train.py runs the same check before it builds the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .bandwidth import expected_step_seconds, spills, steady_traffic
+from .calibrate import TierSpeed
+from .config import OffloadConfig, format_bytes, in_unit
+from .grads import TierFP32Grads
+from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes, planned_gpu_bytes, planned_host_bytes
+from .memory import auto_host_budget
+from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
+from .placement import make_placement
+from .store import check_gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit, moved_staging_itemsize
+from .subgroups import SubgroupLayout
+from .tier_speeds import placement_measures, starting_speeds
+from .units import GIB
+
+
+class PlanError(ValueError):
+    """The state does not fit: the message names the level, the shortfall and what to change."""
+
+
+@dataclass
+class TierPlan:
+    spec: str
+    subgroups: int  # subgroups the placement puts here
+    bytes: int  # the file space this rank needs on the tier at most (state not in host memory, FP32 grads)
+    read_bytes_per_step: float
+    written_bytes_per_step: float
+    free_bytes: int | None  # free space of the tier's file system (None: not found here)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    params: int  # local (this rank's shard)
+    subgroups: int
+    state_bytes: int  # FP32 masters + moments, all levels
+    gpu_subgroups: int
+    gpu_state_bytes: int  # FP32 state in GPU memory, with its staging (and every subgroup's, grad_path=gpu_bf16)
+    cache_slots: int
+    cache_bytes: int
+    staging_bytes: int  # low-precision grad/param staging in host memory (page-locked on GPU machines)
+    fp32_grad_bytes: int  # grad_path=tier_fp32's buffer
+    host_bytes: int  # all the optimizer keeps in host memory
+    tiers: list[TierPlan] = field(default_factory=list)
+    gpu_params_bytes: int = 0  # the model's low-precision params, this rank's shard
+    gpu_startup_bytes: int = 0  # estimated GPU peak while the model is built (streamed start-up)
+    gpu_train_bytes: int = 0  # estimated GPU peak of a training step
+    io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
+    grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
+    cpu_s: float | None = None  # CPU update (None: no CPU speed given)
+    gpu_s: float = 0.0  # GPU update of the resident subgroups
+    update_s: float | None = None  # predicted update phase (None: not predicted)
+
+
+@dataclass
+class Plan:
+    model: str
+    params: int
+    world_size: int
+    ranks: list[RankPlan]
+    cpu_mparams_per_s: float | None
+    gpu_bytes: int | None
+    host_bytes: int
+    tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
+
+    @property
+    def predicted_update_s(self) -> float | None:
+        times = [r.update_s for r in self.ranks]
+        return None if None in times else max(times)
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the plan needs of the model, read once from a meta-device build."""
+
+    param_shapes: list[torch.Size]  # in model.parameters() order
+    largest_module: int  # params of the largest init module (drawn whole in FP32 at start-up)
+
+    @classmethod
+    def of(cls, args: LlamaArgs) -> ModelShapes:
+        with torch.device("meta"):
+            model = Transformer(args)
+        return cls([p.shape for p in model.parameters()],
+                   max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()))  # fmt: skip
+
+    def local_numels(self, world: int, rank: int) -> list[int]:
+        """This rank's element count of each param under FSDP2's Shard(0) (torch.chunk's cut of dim 0,
+        as parallelize.local_shard takes it; the last ranks possibly empty)."""
+        out = []
+        for shape in self.param_shapes:
+            chunks = torch.chunk(torch.empty(shape, device="meta"), world, dim=0)
+            out.append(chunks[rank].numel() if rank < len(chunks) else 0)
+        return out
+
+
+def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
+    """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
+    unsharded units (the one running and the one prefetched) with the grads of one, the checkpointed
+    block inputs (or every block's activations without checkpointing) and the logits with their FP32
+    loss and grad."""
+    tokens = seq_len * micro_batch
+    per_block = tokens * args.dim * itemsize * (1 if args.activation_checkpointing else 16)
+    block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
+    logits = tokens * args.vocab_size * (itemsize + 4 + 4)
+    return local_params * itemsize + 3 * shapes.largest_module * itemsize + args.n_layers * per_block + block_work + logits
+
+
+def plan_rank(
+    args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, gpu_bytes: int | None,
+    host_budget: int | None,
+    budget_name: str, speeds: list[TierSpeed] | None, placement_speeds: list[TierSpeed] | None, cpu_rate: float | None,
+    seq_len: int, micro_batch: int,
+) -> RankPlan:  # fmt: skip
+    """One rank's plan (see the module's note); raises PlanError when its host level, or the GPU memory
+    its resident state takes, is short."""
+    itemsize = 2  # bf16 and fp16 alike
+    layout = SubgroupLayout(shapes.local_numels(machine.world_size, rank), cfg.subgroup_numel)
+    local = sum(layout.numels)
+    startup = local * itemsize + 4 * shapes.largest_module
+    train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
+    grads_on_gpu = cfg.grad_path == "gpu_bf16"  # make_plan refuses it without a GPU
+    # grad_path="gpu_bf16": every subgroup's staging part is in GPU memory from the start; otherwise
+    # only a GPU-resident subgroup's, which goes along with its state
+    gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
+    moving = moved_staging_itemsize(cfg.grad_path, itemsize)
+    if gpu_bytes is None or cfg.gpu_fraction == 0:  # CPU training, or no state on the GPU
+        on_gpu = frozenset()
+    elif cfg.gpu_fraction == "auto":  # what the run will size after its first step, from the training peak (estimated here)
+        room = gpu_bytes - train - gpu_staging - int(cfg.gpu_headroom_gb * GIB)
+        count, _ = last_that_fit(layout, list(range(len(layout))), room, moving)
+        on_gpu = frozenset(range(len(layout) - count, len(layout)))
+    else:  # checked as the optimizer checks it, against the memory free once the model is built
+        try:
+            on_gpu = check_gpu_share(layout, cfg.gpu_fraction, gpu_bytes - local * itemsize - CUDA_CONTEXT_BYTES)
+        except ValueError as exc:
+            raise PlanError(
+                f"GPU memory, rank {rank}: {exc} (the GPU's {gpu_bytes / GIB:.1f} GiB less the params' "
+                f"{local * itemsize / GIB:.1f} GiB and {CUDA_CONTEXT_BYTES / GIB:.2f} GiB of CUDA context and NCCL)"
+            ) from None
+    gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
+    host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
+    if grads_on_gpu:  # the host window that a CPU-updated subgroup's grads and params pass through
+        staging = itemsize * max(sg.padded for sg in layout.subgroups) if host_sgs else 0
+    else:
+        staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
+    # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer
+    grad_slots = TierFP32Grads.slot_bytes(layout) if cfg.grad_path == "tier_fp32" else [0] * len(layout)
+    fp32_grads = max(grad_slots)
+    try:
+        slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads)
+    except ValueError as exc:
+        raise PlanError(f"host memory, rank {rank}: {exc}") from None
+    state_bytes = sum(sg.state_bytes for sg in layout.subgroups)
+    plan = RankPlan(
+        rank=rank, params=local, subgroups=len(layout), state_bytes=state_bytes, gpu_subgroups=len(on_gpu),
+        gpu_state_bytes=gpu_state, cache_slots=slots, cache_bytes=slots * layout.slot_bytes, staging_bytes=staging,
+        fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + slots * layout.slot_bytes,
+        gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state,
+    )  # fmt: skip
+    streamed = len(host_sgs)
+    sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
+    if cfg.tiers and (spills(slots, streamed) or fp32_grads):
+        placement = make_placement(cfg, layout, slots, streamed, host_sgs, speeds=placement_speeds)
+        tier_of = [placement.tier_for(sg) for sg in host_sgs]
+        placement.close()
+        traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
+        kinds = len(traffic.orders)
+        # A tier holds what is not in host memory, and the prefetch window's reads: the copy of a subgroup
+        # that came back into host memory and changed is discarded (SubgroupPipeline._discard_stored).
+        at_once = (streamed - slots + cfg.prefetch + 1) * layout.slot_bytes if spills(slots, streamed) else 0
+        for i, spec in enumerate(cfg.tiers):
+            mine = [sg for sg in host_sgs if tier_of[sg] == i]
+            grads = sum(grad_slots[sg] for sg in mine)  # written before the update, read back for it, every step
+            plan.tiers.append(TierPlan(
+                spec, len(mine), min(sum(sizes[sg] for sg in mine), at_once) + grads,
+                sum(sizes[sg] for k in range(kinds) for sg in traffic.reads[k] if tier_of[sg] == i) / kinds + grads,
+                sum(sizes[sg] for k in range(kinds) for sg in traffic.writes[k] if tier_of[sg] == i) / kinds + grads,
+                free_bytes(cfg.tier_specs[i].dir),
+            ))  # fmt: skip
+        if speeds is not None:
+            plan.io_s = expected_step_seconds(tier_of, speeds, sizes, traffic)
+            first = min(traffic.reads[0], default=None)
+            first_read = 0.0 if first is None else speeds[tier_of[first]].seconds("read", sizes[first])
+            # one subgroup's at a time, each waited for (TierFP32Grads): nothing hides them
+            plan.grad_io_s = sum(speeds[tier_of[sg]].seconds("write", grad_slots[sg]) + speeds[tier_of[sg]].seconds("read", grad_slots[sg])
+                                 for sg in host_sgs if grad_slots[sg])  # fmt: skip
+    else:  # the host cache holds every subgroup off the GPU: no tier is ever written
+        plan.tiers = [TierPlan(spec, 0, 0, 0.0, 0.0, free_bytes(s.dir)) for spec, s in zip(cfg.tiers, cfg.tier_specs)]
+        plan.io_s, first_read = 0.0, 0.0
+    if cpu_rate is not None:
+        plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
+    plan.gpu_s = sum(layout.subgroups[sg].numel for sg in on_gpu) * 28 / (machine.gpu_update_gbps * 1e9)
+    if plan.io_s is not None and plan.cpu_s is not None:
+        plan.update_s = max(plan.io_s, plan.cpu_s) + first_read + plan.gpu_s + plan.grad_io_s
+    return plan
+
+
+def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierSpeed] | None:
+    """The tiers' speeds a plan uses (tier_speeds.starting_speeds decides): `given` ones, which also
+    predict the update time, else the profile's or measured where the placement needs them."""
+    return starting_speeds(cfg, given=given, needed=given is not None or placement_measures(cfg)).speeds
+
+
+def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
+              device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None) -> Plan:  # fmt: skip
+    """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the
+    host (budget or memory), and each file system's free space (shared by the node's ranks and by the
+    tiers on it). Raises PlanError naming the level that is short, ValueError for options the target
+    cannot run. `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update
+    time (None: not predicted); where the placement needs speeds and none are given, plan_speeds gets
+    them once for every rank's placement."""
+    gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
+    host = planned_host_bytes(machine)
+    if cfg.host_budget_gb == "auto":
+        host_budget = auto_host_budget(host, cfg.host_headroom_gb, machine.ranks_per_node)
+        budget_name = f"offload.host_budget_gb=auto ({host_budget / GIB:.2f} GiB per rank)"
+        if host_budget <= 0:
+            raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
+    else:
+        host_budget, budget_name = cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
+    speeds = plan_speeds(cfg, speeds)  # once, for every rank's placement
+    rank_speeds = speeds
+    if speeds is not None and machine.ranks_per_node > 1:
+        # The node's ranks all stream through the same tier dirs, at once (shared access) or in turns
+        # (exclusive): either way a rank has 1/n of each tier's bandwidth over a step.
+        n = machine.ranks_per_node
+        rank_speeds = [TierSpeed(s.read_bps / n, s.write_bps / n, s.latency_s) for s in speeds]
+    shapes = ModelShapes.of(args)
+    ranks = [plan_rank(args, shapes, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget,
+                       budget_name=budget_name, speeds=rank_speeds, placement_speeds=speeds, cpu_rate=cpu_rate,
+                       seq_len=seq_len, micro_batch=micro_batch)
+             for r in range(machine.ranks_per_node)]  # fmt: skip
+    plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
+                gpu_bytes, host, speeds)  # fmt: skip
+    check_fit(plan, cfg, machine)
+    return plan
+
+
+def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
+    need = [sum(r.tiers[i].bytes for r in plan.ranks) for i in range(len(cfg.tiers))]  # the node's, per tier
+    systems = [file_system(spec.dir) for spec in cfg.tier_specs]
+    # a tier in memory (tmpfs, ramfs: /dev/shm) keeps its files in host memory, beside the optimizer's
+    in_memory = [i for i, (_, mem) in enumerate(systems) if mem and need[i]]
+    tier_host = sum(need[i] for i in in_memory)
+    # training on the CPU, the model's step (params, grads, activations) is in host memory too
+    model_host = sum(r.gpu_train_bytes for r in plan.ranks) if plan.gpu_bytes is None else 0
+    node_host = sum(r.host_bytes for r in plan.ranks) + tier_host + model_host
+    unit = cfg.host_budget_unit
+    if node_host > plan.host_bytes:
+        files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
+                 "memory)" if tier_host else "")  # fmt: skip
+        model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
+        if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
+            fix = "lower data.micro_batch or data.seq_len, or set model.activation_checkpointing=true"
+        else:
+            fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "")
+        raise PlanError(
+            f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
+            f"({format_bytes(node_host)}{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
+            f"{in_unit(node_host - plan.host_bytes, unit)}; {fix}"
+        )
+    if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
+        for r in plan.ranks:
+            if r.gpu_startup_bytes > plan.gpu_bytes:
+                raise PlanError(
+                    f"GPU memory, rank {r.rank}: the model and its resident state need {r.gpu_startup_bytes / GIB:.1f} "
+                    f"GiB (params {r.gpu_params_bytes / GIB:.1f}, resident state {r.gpu_state_bytes / GIB:.1f}, the "
+                    f"largest module drawn in FP32) of {plan.gpu_bytes / GIB:.1f} GiB: short by "
+                    f"{(r.gpu_startup_bytes - plan.gpu_bytes) / GIB:.1f} GiB; lower offload.gpu_fraction, or shard "
+                    "over more GPUs (machine.ranks_per_node)"
+                )
+    by_device: dict[int, list[int]] = {}  # tiers on one file system share its free space
+    for i, (device, _) in enumerate(systems):
+        by_device.setdefault(device, []).append(i)
+    for same_fs in by_device.values():
+        total = sum(need[i] for i in same_fs)
+        free = plan.ranks[0].tiers[same_fs[0]].free_bytes
+        if total and free is not None and total > free:
+            where = f"tier {cfg.tiers[same_fs[0]]}" if len(same_fs) == 1 else f"tiers {' and '.join(cfg.tiers[i] for i in same_fs)}"
+            raise PlanError(
+                f"{where}: the node's ranks write up to {total / GIB:.1f} GiB there but its file system has "
+                f"{free / GIB:.1f} GiB free: short by {(total - free) / GIB:.1f} GiB; free space, add a tier on "
+                "another file system, or raise offload.host_budget_gb or offload.gpu_fraction"
+            )
+
+
+def preset_name(args: LlamaArgs) -> str:
+    """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
+    shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
+    return next((k for k, v in MODEL_PRESETS.items() if shape(v) == shape(args)), "model")
+
+
+def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
+                    checkpointing: bool, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
+    """The largest preset whose plan fits with the same recipe and machine (None: not even the smallest),
+    trying them by size up to the first that does not fit (every level's need grows with the size).
+    `speeds`: the tiers' (None: plan_speeds's, got once)."""
+    speeds = plan_speeds(cfg, speeds)
+    best = None
+    for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
+        args = dataclasses.replace(args, activation_checkpointing=checkpointing)
+        try:
+            make_plan(name, args, cfg, machine, seq_len, micro_batch, device_type, speeds=speeds)
+        except PlanError:
+            break
+        best = name
+    return best
