@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import shutil
 import socket
-from typing import Callable
+import tempfile
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -13,17 +16,30 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now, for a test that hands MASTER_PORT to what it starts. run_ranks and
+    run_on_one_gpu need none: a port found free can be taken by another test process (pytest -n, or
+    another suite on the machine) before the ranks bind it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+@contextlib.contextmanager
+def _rendezvous_file() -> Iterator[str]:
+    """A file:// rendezvous of its own for one group's ranks: no port to pick, none to race for."""
+    folder = tempfile.mkdtemp(prefix="fsdp-offload-rdzv-")
+    try:
+        yield "file://" + os.path.join(folder, "store")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _entry(rank: int, world_size: int, rendezvous: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     # CPU ranks, also on a GPU machine: FSDP2 would otherwise move inputs to the GPU it sees
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -35,13 +51,14 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> 
 
 def run_ranks(world_size: int, fn: Callable, *args) -> None:
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; raises if any rank fails."""
-    mp.start_processes(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn")
+    with _rendezvous_file() as rendezvous:
+        mp.start_processes(_entry, args=(world_size, rendezvous, fn, args), nprocs=world_size, start_method="spawn")
 
 
-def _gpu_entry(rank: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+def _gpu_entry(rank: int, rendezvous: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1")
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=rendezvous, rank=0, world_size=1)
     try:
         fn(*args)
     finally:
@@ -50,7 +67,8 @@ def _gpu_entry(rank: int, port: int, fn: Callable, args: tuple) -> None:
 
 def run_on_one_gpu(fn: Callable, *args) -> None:
     """Runs fn(*args) in a fresh process as the one NCCL rank of cuda:0; raises if it fails."""
-    mp.start_processes(_gpu_entry, args=(free_port(), fn, args), nprocs=1, start_method="spawn")
+    with _rendezvous_file() as rendezvous:
+        mp.start_processes(_gpu_entry, args=(rendezvous, fn, args), nprocs=1, start_method="spawn")
 
 
 def optimizer_tensors(opt) -> list[torch.Tensor]:

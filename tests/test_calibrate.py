@@ -17,7 +17,7 @@ import torch
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
 from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
-from fsdp_offload.placement import BandwidthModel
+from fsdp_offload.bandwidth import BandwidthModel
 from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
 from fsdp_offload.storage import posix as posix_mod
 from fsdp_offload.storage.throttle import ThrottledTier
