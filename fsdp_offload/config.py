@@ -56,6 +56,7 @@ PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "gpu_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
 OVERLAPS = ("next_forward", "backward", "auto", "none")
+GRAD_ACCUMULATIONS = ("auto", "gpu", "host")
 
 
 @dataclass
@@ -105,6 +106,16 @@ class OffloadConfig:
     # goes to the FP32 cache; needs CUDA params). "tier_fp32": upcast to FP32, written to the tiers and
     # read back for the update, as DeepSpeed does (ablation).
     grad_path: str = "host_bf16"
+    # backward() calls per step() (gradient accumulation). With 1, each grad is staged to host memory as
+    # backward makes it; with more, one param's grads are summed in FP32, in micro-batch order, where
+    # grad_accumulation says (train.py sets it from train.micro_batches). A second backward before
+    # step() with 1 is still summed exactly, in memory that was not planned (logged once).
+    micro_batches: int = 1
+    # Where those FP32 sums live (grad_sums.py): "gpu" (4 bytes a param of GPU memory; nothing leaves the
+    # GPU until step()), "host" (6 bytes a param of host memory; each later grad is added by a worker
+    # thread while backward goes on) or "auto": "gpu" where CUDA params accumulate and the GPU has room
+    # for the sums beside gpu_headroom_gb, else "host". The planner says which, and its memory.
+    grad_accumulation: str = "auto"
     # Clip grads to this global L2 norm (across ranks) before any subgroup is updated; None: no clipping.
     max_grad_norm: float | None = None
     # fp16 only: the dynamic loss scale to start from and how many good steps double it.
@@ -136,7 +147,8 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         choices = {"update_order": UPDATE_ORDERS, "param_dtype": PARAM_DTYPES, "kernel": KERNEL_NAMES,
-                   "grad_path": GRAD_PATHS, "placement": PLACEMENTS, "overlap": OVERLAPS}  # fmt: skip
+                   "grad_path": GRAD_PATHS, "placement": PLACEMENTS, "overlap": OVERLAPS,
+                   "grad_accumulation": GRAD_ACCUMULATIONS}  # fmt: skip
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
@@ -162,6 +174,8 @@ class OffloadConfig:
                 f"offload.subgroup_numel={self.subgroup_numel!r} must be a positive multiple of {ALIGN_NUMEL} "
                 "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
             )
+        if not is_whole(self.micro_batches) or self.micro_batches < 1:
+            raise ValueError(f"offload.micro_batches={self.micro_batches!r} must be a whole number >= 1 (backward calls per step)")
         if not is_whole(self.prefetch) or self.prefetch < 0:
             raise ValueError(f"offload.prefetch={self.prefetch!r} must be >= 0, a whole number of subgroups read ahead (e.g. 2)")
         if self.gpu_fraction != "auto" and not (is_number(self.gpu_fraction) and 0.0 <= self.gpu_fraction <= 1.0):
@@ -226,6 +240,8 @@ class OffloadConfig:
             "offload.overlap='backward' updates a subgroup as soon as its grads are in, but {what} needs every "
             "grad of the step before any subgroup may be updated: {fix}, or use offload.overlap='next_forward'"
         )
+        if self.micro_batches > 1:
+            return why.format(what=f"accumulating over micro_batches={self.micro_batches} backwards", fix="use 1")
         if self.max_grad_norm is not None:
             return why.format(what=f"clipping (max_grad_norm={self.max_grad_norm}) scales every grad by a factor of "
                               "the global norm, which", fix=f"set offload.max_grad_norm={NULL}")  # fmt: skip
@@ -240,12 +256,12 @@ class OffloadConfig:
                     f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'")  # fmt: skip
         return None
 
-    def resolved_overlap(self, backwards_per_step: int = 1) -> str:
+    def resolved_overlap(self) -> str:
         """`overlap`, with "auto" made "backward" where the step allows it (one backward per step and no
         option that needs every grad first: see backward_overlap_conflict), else "next_forward"."""
         if self.overlap != "auto":
             return self.overlap
-        return "backward" if backwards_per_step == 1 and self.backward_overlap_conflict() is None else "next_forward"
+        return "backward" if self.backward_overlap_conflict() is None else "next_forward"
 
     @property
     def tier_specs(self) -> list[TierSpec]:

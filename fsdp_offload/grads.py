@@ -19,6 +19,7 @@ once:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from .cache import aligned_host_buffer
 from .config import OffloadConfig
 from .fsdp import CopyStream
+from .grad_sums import GradSums
 from .loss_scale import DynamicLossScaler
 from .staging import LowpStaging
 from .storage.base import Tier, Transfer
@@ -58,14 +60,12 @@ def square_sum(flat: torch.Tensor) -> torch.Tensor:
 
 
 class LowpGrads:
-    """Grads stay low-precision in the staging buffer; the kernel upcasts them in flight."""
+    """Grads stay low-precision in the staging buffer (or FP32 in the sums); the kernel upcasts them
+    in flight."""
 
-    def before_update(self, subgroups: list[int], staging: LowpStaging) -> list[Transfer]:
+    def before_update(self, subgroups: list[int], source: Callable[[int], torch.Tensor]) -> list[Transfer]:
         return []
 
-    def for_update(self, sg: int, lowp: torch.Tensor) -> tuple[torch.Tensor, Transfer | None]:
-        """The grads a CPU update of `sg` reads, given its staged part in host memory (`lowp`)."""
-        return lowp, None
 
 
 class TierFP32Grads:
@@ -86,12 +86,13 @@ class TierFP32Grads:
     def _view(self, sg: int) -> torch.Tensor:
         return self._buffer[: 4 * self.layout.subgroups[sg].padded]
 
-    def before_update(self, subgroups: list[int], staging: LowpStaging) -> list[Transfer]:
-        """Upcasts and writes the staged grads of `subgroups`, one at a time through one buffer."""
+    def before_update(self, subgroups: list[int], source: Callable[[int], torch.Tensor]) -> list[Transfer]:
+        """Upcasts and writes the grads of `subgroups` (`source(sg)`: staged, or FP32 sums), one at a time
+        through one buffer."""
         done = []
         for sg in subgroups:
             buf = self._view(sg)
-            buf.view(torch.float32).copy_(staging.view(sg))
+            buf.view(torch.float32).copy_(source(sg))
             tier = self.tier_for(sg)
             done.append(self.tiers[tier].write(self._first_key + sg, buf).result())
             self._tier_of[sg] = tier
@@ -112,11 +113,13 @@ class StepGrads:
         cfg: OffloadConfig,
         staging: LowpStaging,
         path: LowpGrads | TierFP32Grads,
+        sums: GradSums,
         local_shapes: list[torch.Size],
         group: dist.ProcessGroup | None,
         device: torch.device,
     ) -> None:
         self.staging = staging
+        self.sums = sums
         self.dtype = staging.dtype
         self.max_grad_norm = cfg.max_grad_norm
         self._local_shapes = local_shapes
@@ -161,14 +164,13 @@ class StepGrads:
                 f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
                 f"{tuple(self._local_shapes[index])}"
             )
-        accumulating = self.staged[index]
-        self.staging.stage(index, grad)
         self._total = None  # a norm taken before this grad is stale
+        if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
+            self.sums.add(index, grad)
+            return
+        self.staging.stage(index, grad)
         if self._square_sums is not None:
-            if accumulating:
-                self._accumulated.add(index)
-            else:
-                self._square_sums[index] = square_sum(grad.reshape(-1))
+            self._square_sums[index] = square_sum(grad.reshape(-1))
 
     def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
@@ -186,7 +188,11 @@ class StepGrads:
         of one scalar per step, however often it is asked."""
         self.take_square_sums()
         if self._total is None:
-            for i in self._accumulated:
+            self.sums.drain()
+            for i, summed in enumerate(self.sums.summed):
+                if summed:
+                    self._square_sums[i] = square_sum(self.sums.param_sum(i).to(self._device))
+            for i in self._accumulated - {i for i, summed in enumerate(self.sums.summed) if summed}:
                 self._square_sums[i] = square_sum(self.staging.param_grad(i).to(self._device))
             self._accumulated.clear()
             sq = self._square_sums.sum().reshape(1)
@@ -220,7 +226,27 @@ class StepGrads:
         clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
         return unscale * clip
 
+    def before_update(self, host_subgroups: list[int]) -> list[Transfer]:
+        """What the grad path does before any subgroup is updated (tier_fp32: writes the host subgroups'
+        FP32 grads); the adds still running finish first."""
+        self.sums.drain()
+        return self.path.before_update(host_subgroups, self._fp32_source)
+
+    def _fp32_source(self, sg: int) -> torch.Tensor:
+        return self.sums.for_update(sg, on_gpu=False) if self.sums.subgroup_summed(sg) else self.staging.view(sg)
+
+    def for_update(self, sg: int, lowp: torch.Tensor, on_gpu: bool) -> tuple[torch.Tensor, Transfer | None]:
+        """The grads subgroup `sg`'s update reads (on the GPU or the CPU, as `on_gpu` says), given its
+        staged part `lowp` that the kernel writes the new params into: the FP32 tier copy (tier_fp32),
+        the FP32 sums of its micro-batches, or `lowp` itself, upcast in flight."""
+        if not on_gpu and isinstance(self.path, TierFP32Grads):
+            return self.path.for_update(sg, lowp)
+        if self.sums.subgroup_summed(sg):
+            return self.sums.for_update(sg, on_gpu), None
+        return lowp, None
+
     def clear(self) -> None:
+        self.sums.clear()
         self.staging.clear()
         self._accumulated.clear()
         self._total, self.step_max_norm = None, None

@@ -27,11 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .calibrate import TierSpeed
-from .config import OffloadConfig, dataclass_from
+from .config import GIB, OffloadConfig, dataclass_from
 from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
 )  # fmt: skip
+from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .kernels import get_adamw_kernel
 from .memory import resolve_host_budget
@@ -163,15 +164,29 @@ class OffloadAdamW(torch.optim.Optimizer):
             tier_speeds = node_tier_speeds(cfg, group)
         fp32_grads = cfg.grad_path == "tier_fp32"
         grad_slots = TierFP32Grads.slot_bytes(self.layout) if fp32_grads else []
+        off_gpu = [sg for sg in range(len(self.layout)) if sg not in on_gpu]
+        self.grad_accumulation = resolve_grad_accumulation(
+            cfg.grad_accumulation, cfg.micro_batches, device.type,
+            torch.cuda.mem_get_info(device)[0] - int(cfg.gpu_headroom_gb * GIB) if device.type == "cuda" else None,
+            grad_accumulation_memory(self.layout, "gpu", cfg.micro_batches, off_gpu)[0],
+        )  # fmt: skip
+        sums_host_bytes = grad_accumulation_memory(self.layout, self.grad_accumulation, cfg.micro_batches, off_gpu)[1]
+        sums = None
         try:
+            sums = GradSums(self.layout, staging, self.grad_accumulation, device, on_gpu, planned=cfg.micro_batches > 1)
             self.store = SubgroupStore(
                 cfg, self.layout, on_gpu, device, budget, budget_name,
-                staging.nbytes + max(grad_slots, default=0),  # the FP32 grad path's one buffer
+                staging.nbytes + max(grad_slots, default=0) + sums_host_bytes,  # (the FP32 grad path's one buffer)
                 grad_slots, self._forward, tier_speeds,
             )  # fmt: skip
         except BaseException:
-            staging.close()  # its pinned pages, before the memory can be reused
+            for pinned in (sums, staging):  # their pinned pages, before the memory can be reused
+                if pinned is not None:
+                    pinned.close()
             raise
+        if cfg.micro_batches > 1:
+            log.info("offload.grad_accumulation=%r: the grads of %d micro-batches are summed in FP32 on the %s",
+                     cfg.grad_accumulation, cfg.micro_batches, "GPU" if self.grad_accumulation == "gpu" else "host")  # fmt: skip
         if cfg.host_budget_gb == "auto":
             log.info("%s: %d of %d subgroups off the GPU kept in host memory", budget_name,
                      self.store.cache.num_slots, len(self.store.host_subgroups))  # fmt: skip
@@ -186,9 +201,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 self._grads_expected[sg] += p.requires_grad
         self._grads_missing: list[int] = []
         self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
-        self._closer = weakref.finalize(self, _close_all, [staging, self.store, self._inflight])
+        self._closer = weakref.finalize(self, _close_all, [staging, sums, self.store, self._inflight])
         path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else LowpGrads()
-        self.grads = StepGrads(cfg, staging, path, [t.shape for t in locals_], group, device)
+        self.grads = StepGrads(cfg, staging, path, sums, [t.shape for t in locals_], group, device)
         self._copies = CopyStream(device)
 
         self._steps = [0] * len(self._params)  # AdamW step count of each param
@@ -546,7 +561,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not any(staged):
             raise RuntimeError("step() called before any backward: no param has a grad")
         # first: if it fails, the step has changed nothing yet
-        self.store.record_io(self.grads.path.before_update(self.store.host_subgroups, self.grads.staging))
+        self.store.record_io(self.grads.before_update(self.store.host_subgroups))
         taken = time.perf_counter()
         scale = self.grads.grad_scale()
         self._norm_s = time.perf_counter() - taken
@@ -579,11 +594,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         staging = self.grads.staging
         # the kernel writes the new low-precision params over the grads
         out = staging.view(sg) if state.is_cuda else staging.for_cpu_update(sg)
-        g = out
-        if not state.is_cuda:
-            g, transfer = self.grads.path.for_update(sg, out)
-            if transfer is not None:
-                self.store.record_io([transfer])
+        g, transfer = self.grads.for_update(sg, out, state.is_cuda)
+        if transfer is not None:
+            self.store.record_io([transfer])
         kernel = self._gpu_kernel if state.is_cuda else self._kernel
         staged = self.grads.staged
         # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are

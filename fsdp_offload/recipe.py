@@ -79,14 +79,11 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
     if recipe.optimizer not in ("offload", "torch"):
         raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
     ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
-    if recipe.optimizer == "offload" and recipe.config.overlap == "auto":  # train.py knows the backwards per step
-        recipe.config.overlap = recipe.config.resolved_overlap(tcfg.micro_batches)
-        log.info("offload.overlap='auto': %s", recipe.config.overlap)
-    if recipe.optimizer == "offload" and recipe.config.overlap == "backward" and tcfg.micro_batches > 1:
+    if recipe.optimizer == "offload" and recipe.config.micro_batches != tcfg.micro_batches:
         raise ValueError(
-            f"train.micro_batches={tcfg.micro_batches} with offload.overlap='backward': that overlap updates each "
-            "subgroup as soon as one backward has handed in its grads, so grads cannot accumulate; set "
-            "train.micro_batches=1 or offload.overlap=next_forward"
+            f"offload.micro_batches={recipe.config.micro_batches} but train.micro_batches={tcfg.micro_batches}: the "
+            "optimizer plans its grad sums for the backwards train.py runs per step; drop offload.micro_batches (the "
+            "recipes set it from train.micro_batches)"
         )
     if dcfg.seq_len > margs.max_seq_len:  # the rotary table grows to the sequence; the cost is the sequence's
         log.info("data.seq_len=%d is above model.max_seq_len=%d: the model takes sequences of %d", dcfg.seq_len,

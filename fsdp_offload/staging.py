@@ -116,19 +116,16 @@ class LowpStaging:
             self.view(sg).copy_(lowp, non_blocking=True)
 
     def stage(self, param: int, grad: torch.Tensor) -> None:
-        """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer.
-
-        A second grad before the step accumulates into the first (in the low-precision dtype, as
-        autograd accumulates .grad of bf16 params).
-        """
+        """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer: its first of
+        the step (later ones are summed in FP32 by grad_sums.GradSums)."""
         flat = grad.reshape(-1)
         for dst, seg in self._pieces[param]:
-            src = flat[seg.in_param]
-            if self.staged[param]:
-                dst.add_(src.to(dst.device))
-            else:
-                dst.copy_(src, non_blocking=src.is_cuda)
+            dst.copy_(flat[seg.in_param], non_blocking=grad.is_cuda)
         self.staged[param] = True
+
+    def on_device(self, sg: int) -> bool:
+        """Whether subgroup `sg`'s part lives in device memory."""
+        return self._where[sg][0]
 
     def param_grad(self, param: int) -> torch.Tensor:
         """Param `param`'s staged grad as one flat tensor (a copy when it spans subgroups)."""

@@ -9,6 +9,7 @@ unscale x clip factor to the upcast grads. All three agree bit for bit: losses, 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -58,8 +59,9 @@ def train_offload(rank: int, variant: dict, tiers: list[str], budget: float | No
         param_dtype=variant.get("dtype", "bfloat16"), max_grad_norm=variant.get("max_grad_norm"),
         loss_scale_init=2.0**10,
     )  # fmt: skip
-    opt = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD, model=model, offload=cfg)
     micro = variant.get("micro_batches", 1)
+    cfg = dataclasses.replace(cfg, micro_batches=micro)
+    opt = OffloadAdamW(model.parameters(), lr=LR, weight_decay=WD, model=model, offload=cfg)
     losses = []
     for step in range(STEPS):
         total = 0.0
@@ -90,17 +92,19 @@ def train_reference(rank: int, variant: dict) -> tuple[list[float], list[list[to
     ref = torch.optim.AdamW(masters, lr=LR, weight_decay=WD, foreach=False)
     scale, micro, losses = (2.0**10 if dtype == torch.float16 else 1.0), variant.get("micro_batches", 1), []
     for step in range(STEPS):
-        total = 0.0
+        total, grads = 0.0, None
         for m in range(micro):
             loss = loss_of(model, batch(rank, m)) / micro
             (loss * scale).backward()
             total += loss.item()
-        lowp = [p.grad.to_local() for p in params]
-        sq = torch.stack([square_sum(g.reshape(-1)) for g in lowp]).sum().reshape(1)
+            lowp = [p.grad.to_local() for p in params]
+            # one backward: the low-precision grads as they are; several: summed in FP32, micro-batch by micro-batch
+            grads = lowp if grads is None else [(g if g.dtype == torch.float32 else g.float()) + x for g, x in zip(grads, lowp)]
+            for p in params:
+                p.grad = None
+        sq = torch.stack([square_sum(g.reshape(-1)) for g in grads]).sum().reshape(1)
         dist.all_reduce(sq)
         losses.append(total)
-        for p in params:
-            p.grad = None
         norm = math.sqrt(float(sq)) / scale
         if not math.isfinite(norm):
             scale /= 2
@@ -109,7 +113,7 @@ def train_reference(rank: int, variant: dict) -> tuple[list[float], list[list[to
         if variant.get("max_grad_norm"):
             clip = min(1.0, variant["max_grad_norm"] / (norm + 1e-6))
         factor = (1.0 / scale) * clip
-        for mp, g in zip(masters, lowp):
+        for mp, g in zip(masters, grads):
             mp.grad = g.float() * factor if factor != 1.0 else g.float()
         ref.step()
         with torch.no_grad():
@@ -123,7 +127,9 @@ def worker(rank: int, world: int, tmp: str) -> None:
     out = {}
     for name, variant in VARIANTS.items():
         # bf16 staging for up to 40 subgroups plus 3 cache slots: most state lives on disk
-        disk_budget = (2 * 40 * SG + 3 * 3 * SG * 4) / 2**30
+        # (and, accumulating, 6 bytes a param of FP32 grad sums and their landing buffer)
+        sums = 6 * 40 * SG if variant.get("micro_batches", 1) > 1 else 0
+        disk_budget = (2 * 40 * SG + 3 * 3 * SG * 4 + sums) / 2**30
         disk = train_offload(rank, variant, [f"posix:{tmp}"], disk_budget)
         mem = train_offload(rank, variant, [], None)
         ref = train_reference(rank, variant)

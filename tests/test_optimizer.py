@@ -423,8 +423,8 @@ def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_pa
 
 def test_clip_norm_is_taken_per_param_as_grads_arrive():
     """The grad norm is each param's FP64 sum of squares, taken as its grad is staged (as the hook
-    does in backward) and summed in param order; an accumulated grad's is taken at the step from what
-    accumulated. Same value as the same sums taken on the grads directly; the update is clipped by it."""
+    does in backward) and summed in param order; an accumulated grad's is taken at the step from its
+    FP32 sum. Same value as the same sums taken on the grads directly; the update is clipped by it."""
     from fsdp_offload.grads import square_sum
 
     params = [torch.nn.Parameter(t) for t in make_params()]
@@ -439,9 +439,9 @@ def test_clip_norm_is_taken_per_param_as_grads_arrive():
     opt.zero_grad()
     for i, (a, b) in enumerate(zip(once, twice)):
         opt.stage_grad(i, a)
-        opt.stage_grad(i, b)  # accumulates in bf16, as autograd would
+        opt.stage_grad(i, b)  # summed in FP32, as torch sums FP32 grads
     opt.step()
-    accumulated = [a.clone().add_(b) for a, b in zip(once, twice)]
+    accumulated = [a.float() + b.float() for a, b in zip(once, twice)]
     assert opt.last_grad_norm == float(torch.stack([square_sum(g.reshape(-1)) for g in accumulated]).sum().sqrt())
     opt.close()
 

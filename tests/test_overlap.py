@@ -178,7 +178,7 @@ def test_backward_overlap_refuses_what_needs_every_grad_first(options, match):
 @pytest.mark.parametrize("options, match", NEEDS_EVERY_GRAD)
 def test_auto_overlap_is_backward_only_where_the_step_allows_it(options, match):
     assert OffloadConfig(overlap="auto").resolved_overlap() == "backward"
-    assert OffloadConfig(overlap="auto").resolved_overlap(backwards_per_step=2) == "next_forward"
+    assert OffloadConfig(overlap="auto", micro_batches=2).resolved_overlap() == "next_forward"
     cfg = OffloadConfig(overlap="auto", **options)
     assert cfg.resolved_overlap() == "next_forward"
     assert match in cfg.backward_overlap_conflict()

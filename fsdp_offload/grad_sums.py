@@ -1,0 +1,237 @@
+"""Gradient accumulation: the FP32 sums of a step's micro-batch grads, kept where the step reads them.
+
+With one backward per step, each grad goes straight into the low-precision staging buffer and the
+kernel upcasts it in flight. With several, one param's grads are summed in FP32 in micro-batch order,
+as torch sums FP32 grads: each add is one IEEE rounding of the upcast grad onto the sum, so the GPU and
+the CPU give the same bits. Where the sums live (`offload.grad_accumulation`, resolved once):
+- "gpu": an FP32 buffer on the params' GPU, laid out by subgroup. Backward's hook adds each grad to it
+  on FSDP2's post-reduce stream and frees the grad; nothing crosses PCIe during backward. At the
+  step a CPU-updated subgroup's sums come down through a page-locked FP32 window just before its
+  update (4 bytes a param, once a step); a GPU-resident subgroup's kernel reads them in place.
+- "host": a subgroup's sums live where its staged grads do (host memory, or the GPU for GPU-resident
+  subgroups and grad_path="gpu_bf16"). The first grad is staged as with one backward; each later
+  one is copied into a page-locked landing buffer, and a worker thread adds it to the host sums while
+  backward goes on (the hook waits only if the worker has not yet taken the same param's last grad).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .cache import aligned_host_buffer, host_buffer, unpin
+from .staging import LowpStaging
+from .subgroups import Segment, SubgroupLayout
+
+log = logging.getLogger(__name__)
+
+
+def sums_bytes(layout: SubgroupLayout, subgroups: list[int]) -> int:
+    """Bytes of FP32 sums for `subgroups` (padded, as laid out)."""
+    return 4 * sum(layout.subgroups[sg].padded for sg in subgroups)
+
+
+def grad_accumulation_memory(layout: SubgroupLayout, mode: str, micro_batches: int, host_subgroups: list[int]) -> tuple[int, int]:
+    """(GPU bytes, host bytes) that accumulating over `micro_batches` takes in `mode` ("gpu"/"host"),
+    `host_subgroups` being those whose state (and staged grads) are off the GPU: none with one
+    micro-batch; "gpu": every subgroup's FP32 sums on the GPU and one subgroup's page-locked FP32
+    window; "host": FP32 sums and a bf16 landing buffer (6 bytes a param) for the host subgroups, and
+    FP32 sums for the others on the GPU."""
+    if micro_batches <= 1:
+        return 0, 0
+    everything = list(range(len(layout)))
+    if mode == "gpu":
+        return sums_bytes(layout, everything), 4 * max(sg.padded for sg in layout.subgroups)
+    on_gpu = [sg for sg in everything if sg not in set(host_subgroups)]
+    return sums_bytes(layout, on_gpu), sums_bytes(layout, host_subgroups) * 6 // 4
+
+
+def resolve_grad_accumulation(mode: str, micro_batches: int, device_type: str, gpu_room: int | None, gpu_need: int) -> str:
+    """`offload.grad_accumulation` made "gpu" or "host": "auto" is "gpu" where several micro-batches are
+    accumulated on CUDA params and the GPU has `gpu_need` bytes of `gpu_room` for the sums, else "host"
+    (one micro-batch: nothing is summed, and "host" allocates nothing unless a second grad comes)."""
+    if mode == "gpu" and device_type != "cuda":
+        raise ValueError(
+            f"offload.grad_accumulation='gpu' sums the grads in GPU memory, but the params are on {device_type}: "
+            "use offload.grad_accumulation='host' (or 'auto')"
+        )
+    if mode != "auto":
+        return mode
+    if micro_batches > 1 and device_type == "cuda" and gpu_room is not None and gpu_need <= gpu_room:
+        return "gpu"
+    return "host"
+
+
+class GradSums:
+    """The FP32 sums of one step's grads, for the params that take more than one grad (all params with
+    mode "gpu", whose first grad starts the sum)."""
+
+    def __init__(
+        self, layout: SubgroupLayout, staging: LowpStaging, mode: str, device: torch.device, gpu_resident: frozenset[int],
+        planned: bool,
+    ) -> None:  # fmt: skip
+        """`gpu_resident`: the subgroups updated on the GPU; `planned`: the config said to accumulate
+        (offload.micro_batches > 1): the buffers are made now, else at the first second grad, with a
+        warning (memory the plan did not count)."""
+        self.layout, self.staging, self.mode, self.device = layout, staging, mode, device
+        self.gpu_resident = gpu_resident
+        self._pin = device.type == "cuda"
+        n = len(layout.numels)
+        self.summed = [False] * n  # param i's grads of this step are in the sums
+        self._sums_on_device = [mode == "gpu" or staging.on_device(sg) for sg in range(len(layout))]
+        self._pieces: list[list[tuple[torch.Tensor, int, Segment, torch.Tensor | None]]] | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._taken: list[Future | None] = [None] * n  # the worker's last add of param i
+        self._window: torch.Tensor | None = None  # page-locked FP32, one subgroup: device sums of a CPU update
+        self._raw: list[torch.Tensor] = []  # buffers to unpin at close
+        self._planned = planned
+        if planned:
+            self._allocate()
+
+    @property
+    def first_grad_starts_sum(self) -> bool:
+        return self.mode == "gpu"
+
+    def _allocate(self) -> None:
+        """The sums (device and host), the landing buffer and the window, laid out by subgroup."""
+        device_sgs = [sg for sg in range(len(self.layout)) if self._sums_on_device[sg]]
+        host_sgs = [sg for sg in range(len(self.layout)) if not self._sums_on_device[sg]]
+        device_sums = torch.empty(sums_bytes(self.layout, device_sgs) // 4, dtype=torch.float32, device=self.device)
+        host_sums = aligned_host_buffer(sums_bytes(self.layout, host_sgs)).view(torch.float32)
+        landing_raw = host_buffer(sums_bytes(self.layout, host_sgs) // 2, self._pin)
+        self._raw.append(landing_raw)
+        landing = landing_raw.view(self.staging.dtype)
+        self._views: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per subgroup: (sums, landing)
+        offsets = {True: 0, False: 0}
+        for sg in self.layout.subgroups:
+            on_device, lo = self._sums_on_device[sg.index], offsets[self._sums_on_device[sg.index]]
+            hi = lo + sg.padded
+            self._views.append((device_sums[lo:hi], None) if on_device else (host_sums[lo:hi], landing[lo:hi]))
+            offsets[on_device] = hi
+        self._pieces = [
+            [(self._views[sg][0][seg.in_subgroup], sg, seg, self._land(sg, seg)) for sg, seg in segs]
+            for segs in self.layout.param_segments
+        ]
+        if host_sgs:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-grad-sums")
+        if self.device.type == "cuda" and any(sg not in self.gpu_resident for sg in device_sgs):  # CPU updates read them
+            raw = host_buffer(4 * max(sg.padded for sg in self.layout.subgroups), self._pin)
+            self._raw.append(raw)
+            self._window = raw.view(torch.float32)
+
+    def _land(self, sg: int, seg: Segment) -> torch.Tensor | None:
+        landing = self._views[sg][1]
+        return None if landing is None else landing[seg.in_subgroup]
+
+    def takes(self, index: int) -> bool:
+        """Whether param `index`'s next grad goes into the sums (else into the staging buffer)."""
+        return self.first_grad_starts_sum or self.staging.staged[index]
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        """Adds param `index`'s grad (flat, its local shard, on any device) to its sum; the first add of a
+        step starts the sum from the grad ("gpu") or from the grad already staged ("host")."""
+        if self._pieces is None:
+            log.warning(
+                "a second backward came before step() with offload.micro_batches=1: the grads are summed in FP32 "
+                "from now on, in %s more memory than planned; set offload.micro_batches to the backward calls per step",
+                _gib(sum(4 * sg.padded for sg in self.layout.subgroups)),
+            )
+            self._allocate()
+        flat = grad.reshape(-1)
+        starts = not self.summed[index]
+        for sums, sg, seg, landing in self._pieces[index]:
+            src = flat[seg.in_param]
+            if landing is None:  # the sums are where the grad is: add in stream order
+                if starts:
+                    sums.copy_(src if self.first_grad_starts_sum else self._staged(sg, seg))
+                if not (starts and self.first_grad_starts_sum):
+                    sums.add_(src.to(sums.device))
+                continue
+            self._wait_taken(index)  # the landing buffer still holds the last grad the worker has to add
+            landing.copy_(src, non_blocking=src.is_cuda)
+            landed = _event_after_current(src)
+            staged = self._staged(sg, seg) if starts else None
+            self._taken[index] = self._worker.submit(_fold, sums, landing, staged, landed)
+        self.summed[index] = True
+        self.staging.staged[index] = True
+
+    def _staged(self, sg: int, seg: Segment) -> torch.Tensor:
+        """The grad staged for segment `seg` of subgroup `sg` (its param's first grad of the step)."""
+        return self.staging.view(sg)[seg.in_subgroup]
+
+    def _wait_taken(self, index: int) -> None:
+        taken, self._taken[index] = self._taken[index], None
+        if taken is not None:
+            taken.result()
+
+    def drain(self) -> None:
+        """Waits for every add the worker has yet to finish (before the sums are read); raises its error."""
+        for i in range(len(self._taken)):
+            self._wait_taken(i)
+
+    def subgroup_summed(self, sg: int) -> bool:
+        """Whether any param of subgroup `sg` has its grads in the sums this step."""
+        return any(self.summed[seg.param] for seg in self.layout.subgroups[sg].segments)
+
+    def param_sum(self, index: int) -> torch.Tensor:
+        """Param `index`'s FP32 sum as one flat tensor (a copy when it spans subgroups)."""
+        pieces = [sums for sums, _, _, _ in self._pieces[index]]
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32)
+        return pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
+
+    def for_update(self, sg: int, on_gpu: bool) -> torch.Tensor:
+        """Subgroup `sg`'s FP32 grads for its update, on the GPU (`on_gpu`) or in host memory: its
+        params' sums, and the upcast staged grads of those with one grad this step. A CPU update of
+        sums kept on the GPU reads them through the window (valid until the next call)."""
+        sums, _ = self._views[sg]
+        for seg in self.layout.subgroups[sg].segments:
+            if self.staging.staged[seg.param] and not self.summed[seg.param]:
+                sums[seg.in_subgroup].copy_(self._staged(sg, seg))
+        if on_gpu:  # (host sums of a subgroup that gpu_fraction="auto" moved to the GPU go up)
+            return sums if sums.is_cuda else sums.to(self.device)
+        if not sums.is_cuda:
+            return sums
+        window = self._window[: sums.numel()]
+        window.copy_(sums, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
+        done.record()
+        done.synchronize()
+        return window
+
+    def clear(self) -> None:
+        self.drain()
+        self.summed = [False] * len(self.summed)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        for raw in self._raw:
+            if self._pin and raw.numel():
+                unpin(raw)
+        self._raw = []
+
+
+def _event_after_current(src: torch.Tensor) -> torch.cuda.Event | None:
+    if not src.is_cuda:
+        return None
+    event = torch.cuda.Event(blocking=True)
+    event.record(torch.cuda.current_stream(src.device))
+    return event
+
+
+@torch.no_grad()
+def _fold(sums: torch.Tensor, landing: torch.Tensor, staged: torch.Tensor | None, landed: torch.cuda.Event | None) -> None:
+    """The worker's add: waits for the grad's copy to land, starts the sum from the staged first grad
+    where this is the param's second, and adds the landed grad."""
+    if landed is not None:
+        landed.synchronize()
+    if staged is not None:
+        sums.copy_(staged)
+    sums.add_(landing)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
