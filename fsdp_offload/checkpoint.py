@@ -16,17 +16,14 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -39,8 +36,9 @@ from .optimizer_state import (
     CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
 )  # fmt: skip
 from .config import is_whole, path_option
+from .dcp_reader import CheckpointFileError, SafeFileSystemReader, read_dcp_metadata
+from .dcp_reader import reading_failed as _reading_failed
 from .optimizer import OffloadAdamW
-from .storage import TierError
 
 RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
@@ -258,11 +256,11 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
                 f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {key}={value!r}: "
                 f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
             )
-    for part in ("model", "optimizer"):  # read here, so that a garbled one is named
+    for part in ("model", "optimizer"):  # read here (never unpickling code), so that a garbled one is named
         try:
-            FileSystemReader(os.path.join(path, part)).read_metadata()
-        except Exception as exc:  # noqa: BLE001 - whatever unpickling a garbled file raises, it is unreadable
-            raise ValueError(_unreadable(path, f"{part}/.metadata: {exc!r}")) from exc
+            read_dcp_metadata(os.path.join(path, part, ".metadata"))
+        except CheckpointFileError as exc:
+            raise ValueError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
     return int(saved["step"])
 
 
@@ -284,8 +282,16 @@ def _load(state: dict[str, Any], path: str, planner: Any) -> None:
     short or garbled) raised as a one-line error named by its path, rather than DCP's gathered
     tracebacks; any other error (a tier that fails as subgroups go to it, a bug) as it is."""
     try:
-        dcp.load(state, checkpoint_id=path, planner=planner)
+        metadata = read_dcp_metadata(os.path.join(path, ".metadata"))  # here, so that a refusal is named once
+    except CheckpointFileError as exc:
+        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/.metadata {exc.problem}")) from None
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=planner)
     except CheckpointException as exc:
+        named = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointFileError)]
+        if named:  # a path of the reader's, or a file name of the planner's (inside the part's dir)
+            where = os.path.relpath(os.path.join(path, named[0].path), os.path.dirname(path))
+            raise ValueError(_unreadable(os.path.dirname(path), f"{where} {named[0].problem}")) from None
         bad = [e for e, _ in exc.failures.values() if isinstance(e, ValueError)]
         if bad:
             raise ValueError(f"{path}: {bad[0]}") from exc
@@ -293,20 +299,6 @@ def _load(state: dict[str, Any], path: str, planner: Any) -> None:
         if unread:
             raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {unread[0]!r}")) from exc
         raise
-
-
-def _reading_failed(exc: BaseException, path: str) -> bool:
-    """Whether `exc` says that a file of the checkpoint under `path` could not be read or parsed."""
-    if isinstance(exc, TierError):  # where the state goes, not the checkpoint
-        return False
-    if isinstance(exc, OSError):
-        if exc.filename is None:
-            return False
-        where = os.path.abspath(path)
-        return os.path.commonpath([os.path.abspath(os.fsdecode(exc.filename)), where]) == where
-    # a file cut short: torch.load's zip reader (RuntimeError), pickle's end of data, a short header
-    return isinstance(exc, (EOFError, pickle.UnpicklingError, struct.error)) or (
-        isinstance(exc, RuntimeError) and "PytorchStreamReader" in str(exc))  # fmt: skip
 
 
 def _unreadable(path: str, what: str) -> str:

@@ -12,7 +12,10 @@ CRC32s of its 8 MiB chunks, so a damaged checkpoint is refused rather than train
 
     state = {"model": get_model_state_dict(model), "optim": OffloadOptimizerState(optimizer)}
     dcp.save(state, checkpoint_id=path, planner=StreamingSavePlanner())
-    dcp.load(state, checkpoint_id=path, planner=StreamingLoadPlanner())
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=StreamingLoadPlanner())
+
+(SafeFileSystemReader, from dcp_reader.py, reads the metadata without unpickling code; DCP's own
+FileSystemReader, which `checkpoint_id=path` picks, would run whatever a crafted .metadata holds.)
 
 With more than one writer thread, save through `CheckedFileSystemWriter`.
 """
@@ -35,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem
 
 from .cache import aligned_host_buffer
+from .dcp_reader import CheckpointFileError
 from .optimizer import OffloadAdamW
 from .store import LAYOUT_FIX, size_mismatch
 
@@ -209,15 +213,26 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise ValueError(
-                f"checkpoint entry {read_item.dest_index.fqn!r} holds more than tensors and plain values, so it is "
-                f"not loaded (it could run code): {str(exc).splitlines()[0]}"
-            ) from None
+        except pickle.UnpicklingError:
+            raise self._refused(read_item, "holds more than tensors and plain values, so it is not loaded (it could run code)") from None
         clean = io.BytesIO()
         torch.save(obj, clean)
         clean.seek(0)
         super().load_bytes(read_item, clean)
+
+    def _refused(self, read_item: ReadItem, problem: str, fix: str = "") -> CheckpointFileError:
+        """The error for an entry that is not loaded, naming its file (relative to the part's dir), its
+        offset and key."""
+        info = getattr(self.metadata, "storage_data", {}).get(read_item.storage_index)
+        where = f"at offset {getattr(info, 'offset', '?')} ({read_item.dest_index.fqn})"
+        name = getattr(info, "relative_path", "?")
+        return CheckpointFileError(name, f"{where}: {problem}", f"checkpoint file {name} {where}: {problem}{fix}")
+
+    def _where(self, read_item: ReadItem) -> str:
+        """'checkpoint file <file> at offset <o> (<key>)' of an entry, for messages."""
+        info = getattr(self.metadata, "storage_data", {}).get(read_item.storage_index)
+        path = getattr(info, "relative_path", "?")
+        return f"checkpoint file {path} at offset {getattr(info, 'offset', '?')} ({read_item.dest_index.fqn})"
 
 
 class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
@@ -243,11 +258,10 @@ class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
         entry = self.state_dict.get(read_item.dest_index.fqn)
         if not isinstance(entry, SubgroupEntry):
             return super().load_bytes(read_item, value)
-        where = self._where(read_item)
         size = value.seek(0, io.SEEK_END)
         value.seek(0)
         if size != entry.nbytes:
-            raise size_mismatch(entry.index, size, entry.nbytes, where=f"{where}: ")
+            raise size_mismatch(entry.index, size, entry.nbytes, where=f"{self._where(read_item)}: ")
         payload = self._payloads.take(entry.nbytes)
         value.readinto(memoryview(payload.numpy()))
         n = entry.state_bytes
@@ -260,18 +274,10 @@ class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
             bad = [i for i, (a, b) in enumerate(zip(crcs, saved)) if a != b]
             problem = f"checksum mismatch in its {CHUNK_BYTES}-byte chunk at offset {bad[0] * CHUNK_BYTES}" if bad else ""
         if problem:
-            raise ValueError(
-                f"{where}: subgroup {entry.index} is corrupted ({problem}): restore the checkpoint from a good "
-                "copy or resume from an older one"
-            )
+            raise self._refused(read_item, f"subgroup {entry.index} is corrupted ({problem})",
+                                ": restore the checkpoint from a good copy or resume from an older one")
         opt = entry.optimizer
         opt.store.overwrite(entry.index, payload[:n], then=opt.load_params_from_master)
-
-    def _where(self, read_item: ReadItem) -> str:
-        """'<file> at offset <o> (<key>)' of an entry, for messages."""
-        info = getattr(self.metadata, "storage_data", {}).get(read_item.storage_index)
-        path = getattr(info, "relative_path", "?")
-        return f"checkpoint file {path} at offset {getattr(info, 'offset', '?')} ({read_item.dest_index.fqn})"
 
 
 def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> None:

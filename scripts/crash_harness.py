@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from fsdp_offload.dcp_reader import read_dcp_metadata
 from fsdp_offload.results import record
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
@@ -75,7 +75,7 @@ def final_state(ckpt: Path, scratch: Path) -> dict:
     dcp_to_torch_save(str(ckpt / "model"), scratch)
     model = torch.load(scratch, weights_only=True)["model"]
     subgroups = {}
-    for index, where in FileSystemReader(str(ckpt / "optimizer")).read_metadata().storage_data.items():
+    for index, where in read_dcp_metadata(str(ckpt / "optimizer" / ".metadata")).storage_data.items():
         if ".subgroup_" in index.fqn:
             with open(ckpt / "optimizer" / where.relative_path, "rb") as f:
                 f.seek(where.offset)

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.dcp_reader import SafeFileSystemReader
 from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from fsdp_offload.results import record
 from fsdp_offload.storage import TierError
@@ -208,7 +209,7 @@ def checkpoint_trial(kind: str, place: str, seed: int, args: argparse.Namespace)
             dcp.save({"optim": OffloadOptimizerState(opt)}, checkpoint_id=path, planner=StreamingSavePlanner())
 
         def load() -> None:
-            dcp.load({"optim": OffloadOptimizerState(fresh)}, checkpoint_id=path, planner=StreamingLoadPlanner())
+            dcp.load({"optim": OffloadOptimizerState(fresh)}, storage_reader=SafeFileSystemReader(path), planner=StreamingLoadPlanner())
 
         for op in (save, load):
             ended = retried(op, tier, out)

@@ -1,14 +1,19 @@
-"""Checkpoints can be trusted: one never runs code on load (an object entry whose pickle has a side
-effect, here creating a file, is refused with a clear error, and the side effect does not happen: DCP's
-own load planner would unpickle it with weights_only=False; load_checkpoint's planners load tensors and
-plain values only); saving never deletes the checkpoint just written, saves a step again, and fails on
+"""Checkpoints can be trusted: one never runs code on load (a pickle with a side effect, here creating
+a file, planted in either .metadata, in any entry of any data file, or in run.json, is refused with an
+error naming the file, and the side effect does not happen: DCP's own reader would unpickle .metadata
+with plain pickle and its load planner object entries with weights_only=False; ours load DCP's
+metadata classes, tensors and plain values only); saving never deletes the checkpoint just written, saves a step again, and fails on
 every rank when rank 0 cannot commit; resuming takes the newest complete checkpoint."""
 
 from __future__ import annotations
 
 import errno
+import io
+import operator
 import os
+import pickle
 import re
+import shutil
 from datetime import timedelta
 
 import pytest
@@ -22,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from fsdp_offload.checkpoint import (
     CheckpointConfig, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
 )  # fmt: skip
+from fsdp_offload.dcp_reader import MetadataUnpickler, read_dcp_metadata
 from fsdp_offload.storage import TierError
 
 
@@ -43,10 +49,108 @@ def test_a_pickle_with_a_side_effect_is_refused_without_running(tmp_path):
     step = tmp_path / "step_00000001"
     dcp.save({"model": get_model_state_dict(model), "rank0": SideEffect(str(marker))}, checkpoint_id=str(step / "model"))
     optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match=r"checkpoint entry 'rank0' holds more than tensors and plain values"):
+    with pytest.raises(ValueError, match=r"\(model/__0_0.distcp at offset \d+ \(rank0\): holds more than tensors and plain values"):
         load_checkpoint(str(step), model, optimizer)
     assert not marker.exists(), "the checkpoint's pickle ran"
     assert os.listdir(step / "model")  # the checkpoint is left as it was
+
+
+class ReturnsTheRealMetadata:
+    """Unpickling it creates `path`, then returns the real metadata: a resume would go on as if nothing
+    had happened (what the outside-in campaign found DCP's reader doing, rc 0)."""
+
+    def __init__(self, path: str, metadata) -> None:
+        self.path, self.metadata = path, metadata
+
+    def __reduce__(self):
+        return (operator.itemgetter(1), ((SideEffect(self.path), self.metadata),))
+
+
+def trained_checkpoint(directory) -> str:
+    """A checkpoint of a Linear and an AdamW that took a step: tensors, optimizer state and trainer
+    state in both parts."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return save_checkpoint(str(directory), 1, model, optimizer, {"world_size": 1}, {"step": 1, "rng": torch.get_rng_state()})
+
+
+def resume(path: str) -> None:
+    """What a resume reads, in its order: the run note and both .metadata, then every entry."""
+    check_checkpoint(path, {"world_size": 1})
+    model = torch.nn.Linear(4, 4)
+    load_checkpoint(path, model, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("part", ["model", "optimizer"])
+@pytest.mark.parametrize("returns_metadata", [False, True])
+def test_a_pickle_planted_in_metadata_never_runs(tmp_path, part, returns_metadata):
+    ck = trained_checkpoint(tmp_path / "ck")
+    marker = tmp_path / "ran"
+    metadata_file = os.path.join(ck, part, ".metadata")
+    with open(metadata_file, "rb") as f:
+        real = pickle.load(f)
+    payload = pickle.dumps(ReturnsTheRealMetadata(str(marker), real) if returns_metadata else SideEffect(str(marker)))
+    assert pickle.loads(payload) is not None and marker.exists()  # a plain unpickler runs it ...
+    marker.unlink()
+    with open(metadata_file, "wb") as f:
+        f.write(payload)
+    with pytest.raises(ValueError, match=rf"{re.escape(ck)} cannot be read \({part}/.metadata not loaded as DCP metadata "
+                       r"\(UnpicklingError: it names .*, which DCP metadata never holds"):  # fmt: skip
+        check_checkpoint(ck, {"world_size": 1})
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=rf"{part}/.metadata not loaded as DCP metadata"):
+        load_checkpoint(ck, model, torch.optim.AdamW(model.parameters()))
+    assert not marker.exists(), "the checkpoint's .metadata ran"  # ... ours does not
+
+
+def _entries(ck: str) -> list[tuple[str, str, int, int]]:
+    """(part, data file, offset, length) of every entry of the checkpoint."""
+    found = []
+    for part in ("model", "optimizer"):
+        for info in read_dcp_metadata(os.path.join(ck, part, ".metadata")).storage_data.values():
+            found.append((part, info.relative_path, info.offset, info.length))
+    return found
+
+
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_pickle_planted_in_any_entry_of_any_file_a_resume_reads_never_runs(tmp_path):
+    """Each entry of each data file (tensors, the trainer state, the optimizer's state and hyperparameters)
+    and run.json in turn holds a payload; each is refused naming its file, and none runs."""
+    good = trained_checkpoint(tmp_path / "good")
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(SideEffect(str(marker)), protocol=2)
+    entries = _entries(good)
+    assert len(entries) >= 10 and {p for p, *_ in entries} == {"model", "optimizer"}
+    for n, (part, name, offset, length) in enumerate(entries + [("", "run.json", 0, None)]):
+        ck = str(tmp_path / f"trial{n}" / "step_00000001")
+        shutil.copytree(good, ck)
+        target = os.path.join(ck, part, name)
+        with open(target, "r+b") as f:
+            assert length is None or length >= len(payload)
+            f.seek(offset)
+            f.write(payload if length is None else payload.ljust(length, b"\0"))
+            if length is None:
+                f.truncate()
+        with pytest.raises(ValueError) as refused:
+            resume(ck)
+        assert os.path.join(part, name).lstrip("/") in str(refused.value) or name in str(refused.value), str(refused.value)
+        assert not marker.exists(), f"a payload in {part}/{name} at {offset} ran"
+
+
+def test_the_metadata_unpickler_admits_what_dcp_writes_and_nothing_else(tmp_path):
+    ck = trained_checkpoint(tmp_path)
+    for part in ("model", "optimizer"):
+        with open(os.path.join(ck, part, ".metadata"), "rb") as f:
+            data = f.read()
+        assert MetadataUnpickler(io.BytesIO(data)).load() == pickle.loads(data)
+    for forbidden in (os.system, operator.itemgetter(1), torch.load, SideEffect("x")):
+        with pytest.raises(pickle.UnpicklingError, match="which DCP metadata never holds"):
+            MetadataUnpickler(io.BytesIO(pickle.dumps(forbidden))).load()
 
 
 def save(directory, step: int, weight: float, keep: int = 2) -> str:
