@@ -309,6 +309,18 @@ class BandwidthProfile:
             self._lock_fd = -1
 
 
+def write_profile(path: str, speeds: dict[str, TierSpeed]) -> str:
+    """Stores `speeds` (tier spec -> speed) as calibrated in the profile at `path` (what a benchmark or
+    a test starts a run from); returns `path`."""
+    profile = BandwidthProfile(path)
+    try:
+        with profile.locked():
+            profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
+    finally:
+        profile.close()
+    return path
+
+
 @contextlib.contextmanager
 def node_turn() -> Iterator[None]:
     """Holds this user's calibration lock on this node (an flock on a file in the temp dir, dropped by

@@ -24,7 +24,7 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.bandwidth import expected_step_seconds, steady_traffic
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key
+from fsdp_offload.calibrate import TierSpeed, write_profile
 from fsdp_offload.results import record
 
 MB = 1e6
@@ -33,14 +33,6 @@ MB = 1e6
 def throttled(root: str, name: str, read_mbps: float, write_mbps: float) -> str:
     os.makedirs(os.path.join(root, name))
     return f"throttle:posix:{os.path.join(root, name)}?read={read_mbps}MB/s&write={write_mbps}MB/s"
-
-
-def profile_with(path: str, speeds: dict[str, TierSpeed]) -> str:
-    profile = BandwidthProfile(path)
-    with profile.locked():
-        profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
-    profile.close()
-    return path
 
 
 def steady_update_s(tiers: list[str], profile: str, sg: int, m: int, c: int, steps: int, **cfg_kw) -> tuple[list[float], OffloadAdamW]:
@@ -77,7 +69,7 @@ def main() -> None:
         for rule in ("eq1", "learned"):
             tiers = [throttled(root, f"{rule}-{n}", r, w) for n, (r, w) in speeds.items()]
             seeds = {t: TierSpeed(r * MB, w * MB, 0.0) for t, (r, w) in zip(tiers, speeds.values())}
-            times, opt = steady_update_s(tiers, profile_with(os.path.join(scratch, f"{rule}.json"), seeds), sg, m, c, args.steps,
+            times, opt = steady_update_s(tiers, write_profile(os.path.join(scratch, f"{rule}.json"), seeds), sg, m, c, args.steps,
                                          placement=rule, update_order="alternating")  # fmt: skip
             tier_of = opt.store.placement.tier_of
             predicted = expected_step_seconds(tier_of, list(seeds.values()), sizes, steady_traffic(m, c, "alternating"))
@@ -88,7 +80,7 @@ def main() -> None:
         result["asymmetric"] = {**rules, "learned_speedup_measured": rules["eq1"]["update_s"] / rules["learned"]["update_s"],
                                 "learned_speedup_predicted": rules["eq1"]["predicted_s"] / rules["learned"]["predicted_s"]}  # fmt: skip
         tiers = [throttled(root, "a", 48, 48), throttled(root, "b", 24, 24)]
-        profile = profile_with(os.path.join(scratch, "two_to_one.json"), {t: TierSpeed(30 * MB, 30 * MB, 0.0) for t in tiers})
+        profile = write_profile(os.path.join(scratch, "two_to_one.json"), {t: TierSpeed(30 * MB, 30 * MB, 0.0) for t in tiers})
         times, opt = steady_update_s(tiers, profile, sg, m, c, 6)
         opt.close()
         moved = 2 * (m - c) * 12 * sg  # read and written each step

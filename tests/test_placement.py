@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key
+from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key, write_profile
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
 from fsdp_offload.placement import AdaptivePlacement, eq1_counts, make_placement, plan_eq1, plan_makespan
@@ -42,14 +42,6 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 STATE = 3 * SG * 4
 MB = 1e6
-
-
-def write_profile(path: str, speeds: dict[str, TierSpeed]) -> str:
-    profile = BandwidthProfile(path)
-    with profile.locked():
-        profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
-    profile.close()
-    return path
 
 
 def throttled(root, name: str, read_mbps: float, write_mbps: float) -> str:
