@@ -1,0 +1,104 @@
+"""Gradient accumulation: a step's micro-batch grads are summed in FP32, in micro-batch order, and the
+step equals torch AdamW on those FP32 sums bit for bit, wherever the state lives, with clipping, with
+some params taking fewer grads than others, and when a second backward comes unplanned.
+(On FSDP2 with gloo, test_fsdp.py's "accum" variant; the "gpu" sums, test_grad_accumulation_gpu.py.)"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.grads import square_sum
+from test_optimizer import SG, assert_same_as_reference, budget_for, grads_for, groups, make_params
+
+STEPS = 3
+
+
+def micro_grads(step: int, micro: int) -> list[list[torch.Tensor]]:
+    return [grads_for(100 * step + m) for m in range(micro)]
+
+
+def run_accumulating(cfg: OffloadConfig, micro: int, max_norm: float | None, skip: set[tuple[int, int]] = frozenset()):
+    """OffloadAdamW fed `micro` grads a param a step (as hooks feed it), and torch AdamW on their FP32
+    sums, clipped by the same norm; `skip`: (micro-batch, param) pairs that give no grad."""
+    init = make_params()
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    mine = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
+    opt = OffloadAdamW(groups(mine), offload=cfg)
+    for step in range(STEPS):
+        sums: list[torch.Tensor | None] = [None] * len(ref)
+        for m, grads in enumerate(micro_grads(step, micro)):
+            for i, g in enumerate(grads):
+                if (m, i) in skip:
+                    continue
+                opt.stage_grad(i, g)
+                sums[i] = g.float() if sums[i] is None else sums[i] + g.float()
+        # as the optimizer takes it: a param's FP32 sum, or its one low-precision grad as it came
+        once = [sum(1 for m in range(micro) if (m, i) not in skip) == 1 for i in range(len(ref))]
+        lowp = [next(g[i] for m, g in enumerate(micro_grads(step, micro)) if (m, i) not in skip) for i in range(len(ref))]
+        norm_of = [lowp[i] if once[i] else sums[i] for i in range(len(ref))]
+        norm = math.sqrt(float(torch.stack([square_sum(g.reshape(-1)) for g in norm_of]).sum()))
+        clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
+        for r, s in zip(ref, sums):
+            r.grad = s * clip if clip != 1.0 else s
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        if max_norm is not None:
+            assert opt.last_grad_norm == norm
+    return opt, ref_opt, mine, ref
+
+
+@pytest.mark.parametrize("micro", [1, 2, 8])
+def test_accumulation_equals_torch_adamw_on_fp32_sums(tmp_path, micro):
+    """State on disk behind a small host cache, clipping that bites: bit for bit."""
+    cfg = OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=micro, tiers=[f"posix:{tmp_path}"],
+                        host_budget_gb=budget_for(3) + 6 * 11 * SG / 2**30, max_grad_norm=0.5)  # fmt: skip
+    opt, ref_opt, mine, ref = run_accumulating(cfg, micro, max_norm=0.5)
+    assert opt.grad_accumulation == "host"  # the params are on the CPU
+    assert opt.last_grad_norm > 0.5  # the clip bit
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_params_with_fewer_grads_share_subgroups_with_summed_ones():
+    """Param 1 gets one grad of three, param 3 two: a subgroup holds summed params and a once-staged one."""
+    cfg = OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=3)
+    opt, ref_opt, mine, ref = run_accumulating(cfg, 3, max_norm=None, skip={(0, 1), (2, 1), (1, 3)})
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_an_unplanned_second_backward_is_summed_exactly_and_said(caplog):
+    cfg = OffloadConfig(kernel="torch", subgroup_numel=SG)  # micro_batches=1
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.grad_sums"):
+        opt, ref_opt, mine, ref = run_accumulating(cfg, 2, max_norm=None)
+    said = [r.getMessage() for r in caplog.records if "second backward" in r.getMessage()]
+    assert len(said) == 1 and "offload.micro_batches" in said[0]
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    opt.close()
+
+
+def test_sums_on_the_gpu_need_cuda_params():
+    with pytest.raises(ValueError, match=r"grad_accumulation='gpu'.*params are on cpu.*'host'"):
+        OffloadAdamW([torch.nn.Parameter(torch.ones(8))], offload=OffloadConfig(grad_accumulation="gpu", micro_batches=2))
+
+
+def test_the_host_budget_counts_the_sums():
+    """6 bytes a param of sums and landing buffer come out of the host budget: a budget that held three
+    cache slots without accumulation is short with it, and the error says the budget's name."""
+    with pytest.raises(ValueError, match="host_budget_gb"):
+        OffloadAdamW(groups([torch.nn.Parameter(t) for t in make_params()]),
+                     offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2, tiers=["posix:/tmp"],
+                                           host_budget_gb=budget_for(3)))  # fmt: skip
+
+
+def test_overlap_backward_refuses_accumulation():
+    with pytest.raises(ValueError, match="micro_batches=2"):
+        OffloadConfig(overlap="backward", micro_batches=2)
+    assert OffloadConfig(overlap="auto", micro_batches=2).resolved_overlap() == "next_forward"
