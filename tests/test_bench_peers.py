@@ -1,6 +1,8 @@
-"""scripts/bench_peers.py end to end on CPU with the tiny model: this product's host and disk runs
-through scripts/train.py, the FSDP2 CPUOffloadPolicy peer, and the DeepSpeed peers, which cannot run
-here (no DeepSpeed, no CUDA) and must say why in the JSON and the table instead of vanishing."""
+"""scripts/bench_peers.py on CPU with the tiny model: GPU-only (train.py offload=none) and this product's
+host and disk runs through scripts/train.py, the FSDP2 CPUOffloadPolicy peer, and the DeepSpeed peers,
+which cannot run here (no DeepSpeed, no CUDA) and must say why in the JSON and the table instead of
+vanishing; every system accumulating 2 micro-batches, on one rank and under torchrun on two (gloo).
+The comparisons across systems and rounds are checked on made-up rows. No speed is asserted."""
 
 from __future__ import annotations
 
@@ -12,40 +14,69 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
-RUN_KEYS = {
-    "iteration_s", "forward_s", "backward_s", "update_s", "exposed_update_s", "host_peak_gib", "gpu_peak_gib",
-    "effective_io_gbps", "raw_mixed_io_gbps", "physical_limit_s",
+sys.path.insert(0, str(SCRIPT.parent))
+
+from bench_peers_report import against_gpu_only, median_round, round_ratios, turn  # noqa: E402
+
+ROW_KEYS = {  # issue #33's result keys, on every system that ran
+    "command", "device", "commit", "system", "micro_batches", "iteration_s", "forward_s", "backward_s", "exposed_update_s",
+    "tokens_per_s", "share_of_gpu_only", "compute_limit_s", "compute_limit_from", "model_tflops", "first_steps_s",
+    "gpu_peak_gib", "host_peak_gib", "grad_accumulation",
 }  # fmt: skip
-TIMINGS = ("iteration_s", "forward_s", "backward_s", "update_s", "exposed_update_s", "host_peak_gib")
-RATIOS = ("ratio_vs_fsdp_cpu_offload_clip", "ratio_vs_fsdp_cpu_offload", "ratio_vs_zero_infinity")
-SYSTEMS = ("host", "disk", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")
+IO_KEYS = {"effective_io_gbps", "raw_mixed_io_gbps", "physical_limit_s", "update_s"}
+POSITIVE = ("iteration_s", "forward_s", "backward_s", "update_s", "exposed_update_s", "host_peak_gib", "tokens_per_s",
+            "share_of_gpu_only", "compute_limit_s", "model_tflops")  # fmt: skip
 
 
-def test_tiny_model_on_cpu_reports_every_system(tmp_path):
+def bench(tmp_path: Path, *flags: str) -> tuple[dict, str]:
+    """Runs the bench on the tiny model on CPU; returns its JSON and its stdout."""
     cmd = [
-        sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "64", "--device", "cpu", "--steps", "3",
-        "--systems", ",".join(SYSTEMS), "--tier-dir", str(tmp_path / "tier"), "--device-kind", "cpu-test",
-        "--raw-io-gib", "0.0625", "--raw-io-samples", "1", "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
-        # a host cache of a few 16Ki-param subgroups, so the tiny model's state really streams through the disk;
-        # the pure-torch kernel, so no C++ build
-        "--host-budget-gb", "0.0012", "--train-override", "++offload.subgroup_numel=16384", "--train-override", "++offload.kernel=torch",
+        sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "64", "--device", "cpu", "--micro-batches", "2",
+        "--tier-dir", str(tmp_path / "tier"), "--device-kind", "cpu-test", "--out", str(tmp_path / "out"),
+        "--log-dir", str(tmp_path / "logs"), "--train-override", "++offload.kernel=torch", *flags,  # torch kernel: no C++ build
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [path] = (tmp_path / "out").glob("bench_peers_cpu-test_*.json")
-    result = json.loads(path.read_text())
-    assert {"command", "device", "commit", "model"} <= set(result)
-    assert result["device"] == "cpu-test" and result["model"]["preset"] == "tiny"
-    runs = result["runs"]
-    assert set(runs) == set(SYSTEMS)
+    return json.loads(path.read_text()), out.stdout
 
-    for name in ("host", "disk"):  # this product, through scripts/train.py
-        run = runs[name]
-        assert "error" not in run, run
-        assert RUN_KEYS <= set(run), RUN_KEYS - set(run)
-        assert all(run[k] > 0 for k in TIMINGS), {k: run[k] for k in TIMINGS}
-        assert run["steps_averaged"] == [2, 3]
-        assert run["exposed_update_note"]
+
+def check_row(run: dict, steps: int, ranks: int) -> None:
+    assert "error" not in run, run
+    assert ROW_KEYS | IO_KEYS <= set(run), (ROW_KEYS | IO_KEYS) - set(run)
+    assert all(run[k] > 0 for k in POSITIVE), {k: run[k] for k in POSITIVE}
+    assert run["micro_batches"] == 2 and run["device"] == "cpu-test" and run["commit"]
+    assert len(run["step_s_all"]) == steps and run["first_steps_s"] == run["step_s_all"][:2]
+    assert run["tokens_per_step"] == ranks * 2 * 64
+    assert run["tokens_per_s"] == run["tokens_per_step"] / run["iteration_s"]
+    assert len(run["host_peak_gib_per_rank"]) == ranks and run["host_peak_gib"] == sum(run["host_peak_gib_per_rank"])
+    assert run["gpu_peak_gib"] is None  # no GPU here
+    assert "gpu_only" in run["compute_limit_from"]
+    assert run["exposed_update_note"]
+
+
+def test_tiny_model_on_cpu_reports_every_system(tmp_path):
+    systems = ("gpu_only", "host", "disk", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")
+    result, stdout = bench(
+        tmp_path, "--steps", "3", "--systems", ",".join(systems), "--raw-io-gib", "0.0625", "--raw-io-samples", "1",
+        # a host cache of a few 16Ki-param subgroups, so the tiny model's state really streams through the disk
+        "--host-budget-gb", "0.0018", "--train-override", "++offload.subgroup_numel=16384",
+    )  # fmt: skip
+    assert {"command", "device", "commit", "model"} <= set(result)
+    assert result["device"] == "cpu-test" and result["model"]["preset"] == "tiny" and result["model"]["micro_batches"] == 2
+    runs = result["runs"]
+    assert set(runs) == set(systems)
+
+    gpu = runs["gpu_only"]
+    for name in ("gpu_only", "host", "disk"):  # through scripts/train.py
+        check_row(runs[name], steps=3, ranks=1)
+        assert runs[name]["steps_averaged"] == [2, 3]
+        assert runs[name]["share_of_gpu_only"] == runs[name]["tokens_per_s"] / gpu["tokens_per_s"]
+        assert runs[name]["compute_limit_s"] == gpu["forward_s"] + gpu["backward_s"]
+    assert gpu["share_of_gpu_only"] == 1.0 and gpu["grad_accumulation"] is None
+    for name in ("host", "disk"):  # on CPU the FP32 sums can only be on the host
+        assert runs[name]["grad_accumulation"] == "host", runs[name]["grad_accumulation_from"]
+    assert abs(runs["host"]["loss_first"] - gpu["loss_first"]) < 0.05
     disk = runs["disk"]
     assert disk["effective_io_gbps"] > 0 and disk["disk_bytes_per_step"] > 0
     assert disk["raw_mixed_io_gbps"] == disk["raw_io"]["mixed_gbps"] > 0
@@ -59,48 +90,61 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
         assert fsdp["error"].strip()
         assert result["ratio_vs_fsdp_cpu_offload_clip"] is None
     else:
-        assert RUN_KEYS <= set(fsdp) and all(fsdp[k] > 0 for k in TIMINGS)
-        assert fsdp["loss_first"] == runs["host"]["loss_first"] or abs(fsdp["loss_first"] - runs["host"]["loss_first"]) < 0.05
+        check_row(fsdp, steps=3, ranks=1)
+        assert fsdp["grad_accumulation"] is None
+        assert abs(fsdp["loss_first"] - runs["host"]["loss_first"]) < 0.05
         assert result["ratio_vs_fsdp_cpu_offload_clip"] == fsdp["iteration_s"] / runs["host"]["iteration_s"]
 
     for name in ("zero_infinity", "zero_offload"):  # no DeepSpeed (or no CUDA) here: a reason, not a gap
         reason = runs[name]["error"]
         assert "deepspeed" in reason.lower() or "cuda" in reason.lower(), reason
-        assert f"{name:<22} error: " in out.stdout
-    assert set(RATIOS) <= set(result)
+        assert f"{name:<22}   2 error: " in stdout
     assert result["ratio_vs_zero_infinity"] is None and "zero_infinity failed" in result["ratios_basis"]["ratio_vs_zero_infinity"]
     assert result["ratio_vs_fsdp_cpu_offload"] is None  # neither side was selected
     assert (tmp_path / "logs").is_dir() and all(Path(r["log"]).is_file() for r in runs.values())
     assert not list((tmp_path / "tier").iterdir())  # every system's tier files are gone
+    table = stdout[stdout.index("\nsystem ") :]  # the table comes last
+    assert all(word in table.splitlines()[1] for word in ("mb", "iteration", "tokens/s", "share gpu_only", "x compute", "host GiB"))
 
 
-def test_rounds_take_turns_and_report_medians(tmp_path):
-    cmd = [
-        sys.executable, str(SCRIPT), "--model", "tiny", "--seq", "64", "--device", "cpu", "--steps", "3", "--rounds", "3",
-        "--systems", "host_noclip,fsdp_cpu_offload", "--tier-dir", str(tmp_path / "tier"), "--device-kind", "cpu-test",
-        "--raw-io-gib", "0", "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
-        "--train-override", "++offload.kernel=torch",
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    [path] = (tmp_path / "out").glob("bench_peers_cpu-test_*.json")
-    result = json.loads(path.read_text())
-    assert result["rounds"] == 3 and len(result["round_runs"]) == 3
-    # each round in the opposite order of the one before, its logs in a dir of its own
-    started = [line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("== ")]
-    assert started == ["host_noclip", "fsdp_cpu_offload", "fsdp_cpu_offload", "host_noclip", "host_noclip", "fsdp_cpu_offload"]
-    assert all((tmp_path / "logs").glob(f"bench_peers_*/round{k}/host_noclip.log") for k in range(3))
-    for name, run in result["runs"].items():  # the row is the median round, every round's time beside it
-        times = [r[name]["iteration_s"] for r in result["round_runs"]]
-        assert run["iteration_s_rounds"] == times
-        assert run["iteration_s"] == sorted(times)[1] == times[run["round"]]
-        assert run == {**result["round_runs"][run["round"]][name], "round": run["round"], "iteration_s_rounds": times}
-    each = result["ratio_rounds"]["ratio_vs_fsdp_cpu_offload"]
-    if "error" in result["runs"]["fsdp_cpu_offload"]:  # CPUOffloadPolicy refused on CPU/gloo: no ratio, said why
-        assert result["ratio_vs_fsdp_cpu_offload"] is None and "failed" in result["ratios_basis"]["ratio_vs_fsdp_cpu_offload"]
-    else:  # the median of the ratios taken within one round, not a ratio of medians
-        rounds = result["round_runs"]
-        assert each == [r["fsdp_cpu_offload"]["iteration_s"] / r["host_noclip"]["iteration_s"] for r in rounds]
-        assert result["ratio_vs_fsdp_cpu_offload"] == sorted(each)[1]
-        assert "median over 3 rounds" in result["ratios_basis"]["ratio_vs_fsdp_cpu_offload"]
-    assert "not selected" in result["ratios_basis"]["ratio_vs_zero_infinity"]
+def test_two_ranks_under_torchrun(tmp_path):
+    result, stdout = bench(tmp_path, "--nproc", "2", "--steps", "2", "--systems", "gpu_only,host,zero_offload", "--raw-io-gib", "0")
+    runs = result["runs"]
+    assert result["model"]["nproc"] == 2 and result["model"]["tokens_per_step"] == 2 * 2 * 64
+    for name in ("gpu_only", "host"):
+        check_row(runs[name], steps=2, ranks=2)
+        assert "torch.distributed.run" in runs[name]["command"] and "--nproc-per-node=2" in runs[name]["command"]
+    assert runs["host"]["grad_accumulation"] == "host"
+    assert "deepspeed" in runs["zero_offload"]["error"].lower()
+
+
+def ran(iteration_s: float, forward_s: float = 0.1, backward_s: float = 0.2) -> dict:
+    return {"iteration_s": iteration_s, "forward_s": forward_s, "backward_s": backward_s, "tokens_per_s": 100 / iteration_s}
+
+
+def test_share_and_compute_limit_are_taken_within_a_round():
+    got = against_gpu_only({"gpu_only": ran(0.5, 0.1, 0.3), "host": ran(1.0), "zero_offload": {"error": "no deepspeed"}})
+    assert got["host"]["share_of_gpu_only"] == 0.5 and got["gpu_only"]["share_of_gpu_only"] == 1.0
+    assert got["host"]["compute_limit_s"] == 0.1 + 0.3 and got["host"]["iteration_over_compute_limit"] == 1.0 / 0.4
+    assert got["zero_offload"] == {"error": "no deepspeed"}
+    for runs, why in (({"host": ran(1.0)}, "not selected"), ({"gpu_only": {"error": "OOM"}, "host": ran(1.0)}, "gpu_only failed")):
+        host = against_gpu_only(runs)["host"]  # no GPU-only figure: no share, the system's own forward+backward
+        assert host["share_of_gpu_only"] is None and why in host["share_of_gpu_only_note"]
+        assert host["compute_limit_s"] == 0.1 + 0.2 and "own" in host["compute_limit_from"] and why in host["compute_limit_from"]
+
+
+def test_rounds_take_turns_and_report_medians():
+    assert turn(["a", "b", "c"], 0) == ["a", "b", "c"] and turn(["a", "b", "c"], 1) == ["c", "b", "a"]
+    rounds = [
+        {"host_noclip": ran(1.0), "fsdp_cpu_offload": ran(3.0)},
+        {"host_noclip": ran(2.0), "fsdp_cpu_offload": ran(2.0)},
+        {"host_noclip": ran(1.5), "fsdp_cpu_offload": {"error": "refused"}},
+    ]
+    runs = median_round(rounds)
+    assert runs["host_noclip"] == {**rounds[2]["host_noclip"], "round": 2, "iteration_s_rounds": [1.0, 2.0, 1.5]}
+    assert runs["fsdp_cpu_offload"]["round"] == 1  # the lower middle (the faster) of the two rounds it ran
+    values, basis, each = round_ratios(rounds)
+    assert each["ratio_vs_fsdp_cpu_offload"] == [3.0, 1.0, None]
+    assert values["ratio_vs_fsdp_cpu_offload"] == 1.0  # the median of ratios taken within one round
+    assert "median over 3 rounds" in basis["ratio_vs_fsdp_cpu_offload"]
+    assert values["ratio_vs_zero_infinity"] is None and "not selected" in basis["ratio_vs_zero_infinity"]
