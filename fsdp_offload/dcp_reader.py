@@ -26,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
+from .entry_digests import crc_of_range, entry_key
 from .storage import TierError
 
 _METADATA_CLASSES = {
@@ -122,9 +123,15 @@ class SafeFileSystemReader(FileSystemReader):
     """FileSystemReader whose metadata is read through MetadataUnpickler, and whose data files are
     read only as regular files of the checkpoint, with a failure named by its file."""
 
-    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, metadata: Metadata | None = None, digests: dict[str, int] | None = None,
+                 self_checked: set[str] | frozenset[str] = frozenset()) -> None:  # fmt: skip
+        """`metadata`: read already (and checked) by the caller. `digests` (entry_key -> CRC32 of the
+        entry's bytes, from the manifest): each entry is checked before DCP parses it, but those in
+        `self_checked` (subgroups, which the planner checks as they stream in)."""
         super().__init__(path)
-        self._metadata = metadata  # read already (and checked) by the caller
+        self._metadata = metadata
+        self._digests = digests
+        self._self_checked = self_checked
 
     def read_metadata(self) -> Metadata:
         # No rank argument: DCP then never falls back to per-rank metadata files (which our checkpoints
@@ -143,6 +150,7 @@ class SafeFileSystemReader(FileSystemReader):
         for name, items in per_file.items():
             path = os.path.join(str(self.path), name)
             _regular_file(path)
+            self._check_digests(path, items)
             try:
                 done = super().read_data(LoadPlan(items, plan.storage_data, plan.planner_data), planner)
             except ValueError:  # the planner's verdict on an entry, naming it (or this reader's)
@@ -156,3 +164,24 @@ class SafeFileSystemReader(FileSystemReader):
         if done is None:
             done = super().read_data(plan, planner)
         return done
+
+    def _check_digests(self, path: str, items: list) -> None:
+        """Refuses the first entry of `items` (all in the file at `path`) whose bytes differ from the
+        manifest's CRC32 or which the manifest does not name."""
+        if self._digests is None:
+            return
+        for item in items:
+            key = entry_key(item.storage_index)
+            if key in self._self_checked:
+                continue
+            info = self.storage_data[item.storage_index]
+            where = f"at offset {info.offset} ({item.storage_index.fqn})"
+            expected = self._digests.get(key)
+            if expected is None:
+                raise CheckpointFileError(path, f"{where}: not in the checkpoint's manifest (a part of another checkpoint?)")
+            try:
+                crc = crc_of_range(path, info.offset, info.length)
+            except (OSError, EOFError) as exc:
+                raise CheckpointFileError(path, f"{where}: cannot be read ({exc})") from None
+            if crc != expected:
+                raise CheckpointFileError(path, f"{where}: its CRC32 differs from the manifest's (damaged, or from another save)")

@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem
 
 from .cache import aligned_host_buffer
 from .dcp_reader import CheckpointFileError
+from .entry_digests import DigestingFileSystemWriter, entry_key
 from .optimizer import OffloadAdamW
 from .store import LAYOUT_FIX, size_mismatch
 
@@ -130,7 +131,10 @@ class OffloadOptimizerState:
 
 class _TensorBytes(io.BytesIO):
     """A BYTE_IO payload over a tensor's memory, not a copy of it. DCP's writer calls `getbuffer()`
-    once and writes what it gives before it takes the next entry; the tensor is let go then."""
+    once and writes what it gives before it takes the next entry; the tensor is let go then. Its
+    digest is taken by the planner that made it (`self_checked`)."""
+
+    self_checked = True
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__()
@@ -179,10 +183,12 @@ def _optimizers(entries: dict[str, Any]) -> list[OffloadAdamW]:
 
 
 class StreamingSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, reading each subgroup only when its entry is written."""
+    """DCP's default save planner, reading each subgroup only when its entry is written; a subgroup's
+    digest (the CRC32 of its chunks' CRC32s) goes to `self_digests` for DigestingFileSystemWriter."""
 
     def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.self_digests: dict[str, int] = {}
         entries = [v for v in self.state_dict.values() if isinstance(v, SubgroupEntry)]
         self._payloads = _ThreadBuffers(max((e.nbytes for e in entries), default=0))
         for opt in _optimizers(self.state_dict):
@@ -197,6 +203,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
             object.optimizer.store.read(object.index, payload[:n])
             crcs = _chunk_crcs(memoryview(payload[:n].numpy()))
             trailer = bytearray(struct.pack(f"<4sI{len(crcs)}I", _MAGIC, len(crcs), *crcs))
+            self.self_digests[entry_key(write_item.index)] = zlib.crc32(trailer)  # one key per entry: threads never share one
             payload[n:].copy_(torch.frombuffer(trailer, dtype=torch.uint8))
             return self._payloads.hold(_TensorBytes(payload))
         if isinstance(object, MetaEntry):
@@ -208,7 +215,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that an object entry (anything not a tensor) is unpickled
     with `weights_only=True`: tensors and plain types load, and a crafted checkpoint cannot run code.
     (DCP's own planner unpickles them with weights_only=False.) The object is checked, then handed on
-    re-serialised from what was loaded, so nothing of the file's pickle reaches the unsafe load."""
+    re-serialised from what was loaded, so nothing of the file's pickle reaches the unsafe load.
+
+    (With a manifest, every entry's bytes are checked by dcp_reader.SafeFileSystemReader before this.)"""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
@@ -238,7 +247,13 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
     """DCP's default load planner, checking each subgroup and writing it into the optimizer as it is
     read. The checkpoint must hold exactly this optimizer's subgroups at their sizes; else a
-    ValueError says what differs before any rank changes anything."""
+    ValueError says what differs before any rank changes anything. With `digests` (entry_key -> CRC32
+    of a subgroup's chunk CRC32s, from the checkpoint's manifest), a subgroup whose CRC32s differ from
+    the manifest's is refused: one from another save."""
+
+    def __init__(self, digests: dict[str, int] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.digests = digests
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -273,6 +288,8 @@ class StreamingLoadPlanner(WeightsOnlyLoadPlanner):
             saved = struct.unpack_from(f"<{count}I", payload[n:].numpy(), 8)
             bad = [i for i, (a, b) in enumerate(zip(crcs, saved)) if a != b]
             problem = f"checksum mismatch in its {CHUNK_BYTES}-byte chunk at offset {bad[0] * CHUNK_BYTES}" if bad else ""
+            if not bad and self.digests is not None and self.digests.get(entry_key(read_item.storage_index)) != zlib.crc32(payload[n:].numpy()):
+                problem = "its checksums differ from the manifest's: it comes from another save"
         if problem:
             raise self._refused(read_item, f"subgroup {entry.index} is corrupted ({problem})",
                                 ": restore the checkpoint from a good copy or resume from an older one")
@@ -302,17 +319,5 @@ def _check_subgroups(entries: dict[str, SubgroupEntry], metadata: Metadata) -> N
         )
 
 
-class CheckedFileSystemWriter(FileSystemWriter):
-    """FileSystemWriter that fails the save when one of its writer threads failed. torch 2.13's drops
-    such an error (pytorch/pytorch#191391) and would commit metadata for entries never written."""
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        future = super().write_data(plan, planner)
-        written = {r.index for r in future.wait()}
-        missing = [item.index.fqn for item in plan.items if item.index not in written]
-        if missing:
-            raise RuntimeError(
-                f"checkpoint {self.path}: {len(missing)} of {len(plan.items)} entries were not written (a writer "
-                f"thread failed; its traceback is above), e.g. {missing[:3]}; nothing was committed"
-            )
-        return future
+# The writer a save with more than one thread needs (it fails the save when a writer thread failed).
+CheckedFileSystemWriter = DigestingFileSystemWriter

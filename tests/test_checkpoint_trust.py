@@ -8,12 +8,15 @@ every rank when rank 0 cannot commit; resuming takes the newest complete checkpo
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
+import json
 import operator
 import os
 import pickle
 import re
 import shutil
+import zlib
 from datetime import timedelta
 
 import pytest
@@ -25,9 +28,11 @@ from dist_utils import free_port
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp_offload.checkpoint import (
-    CheckpointConfig, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
+    CheckpointConfig, FileOps, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
 )  # fmt: skip
 from fsdp_offload.dcp_reader import MetadataUnpickler, read_dcp_metadata
+from fsdp_offload.entry_digests import entry_key
+from fsdp_offload.job_errors import JobError
 from fsdp_offload.storage import TierError
 
 
@@ -44,15 +49,17 @@ class SideEffect:
 @pytest.mark.bad_input
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 def test_a_pickle_with_a_side_effect_is_refused_without_running(tmp_path):
+    """A checkpoint whose trainer state holds a pickle that runs code, with a manifest that matches
+    it (whoever crafted it wrote one: digests find damage, not malice): refused, and nothing runs."""
     model = torch.nn.Linear(4, 4)
     marker = tmp_path / "ran"
-    step = tmp_path / "step_00000001"
-    dcp.save({"model": get_model_state_dict(model), "rank0": SideEffect(str(marker))}, checkpoint_id=str(step / "model"))
-    optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match=r"\(model/__0_0.distcp at offset \d+ \(rank0\): holds more than tensors and plain values"):
-        load_checkpoint(str(step), model, optimizer)
+    ck = save_checkpoint(str(tmp_path), 1, model, torch.optim.AdamW(model.parameters()), {"world_size": 1},
+                         {"step": 1, "evil": SideEffect(str(marker))})  # fmt: skip
+    assert not marker.exists()
+    with pytest.raises(ValueError, match=r"\(model/ entry rank0, the trainer state, holds more than tensors and plain values"):
+        load_checkpoint(ck, model, torch.optim.AdamW(model.parameters()))
     assert not marker.exists(), "the checkpoint's pickle ran"
-    assert os.listdir(step / "model")  # the checkpoint is left as it was
+    assert os.listdir(os.path.join(ck, "model"))  # the checkpoint is left as it was
 
 
 class ReturnsTheRealMetadata:
@@ -98,6 +105,7 @@ def test_a_pickle_planted_in_metadata_never_runs(tmp_path, part, returns_metadat
     marker.unlink()
     with open(metadata_file, "wb") as f:
         f.write(payload)
+    reseal(ck, part, ".metadata", 0, payload)  # as its author would
     with pytest.raises(ValueError, match=rf"{re.escape(ck)} cannot be read \({part}/.metadata not loaded as DCP metadata "
                        r"\(UnpicklingError: it names .*, which DCP metadata never holds"):  # fmt: skip
         check_checkpoint(ck, {"world_size": 1})
@@ -127,19 +135,40 @@ def test_a_pickle_planted_in_any_entry_of_any_file_a_resume_reads_never_runs(tmp
     entries = _entries(good)
     assert len(entries) >= 10 and {p for p, *_ in entries} == {"model", "optimizer"}
     for n, (part, name, offset, length) in enumerate(entries + [("", "run.json", 0, None)]):
-        ck = str(tmp_path / f"trial{n}" / "step_00000001")
-        shutil.copytree(good, ck)
-        target = os.path.join(ck, part, name)
-        with open(target, "r+b") as f:
-            assert length is None or length >= len(payload)
-            f.seek(offset)
-            f.write(payload if length is None else payload.ljust(length, b"\0"))
-            if length is None:
-                f.truncate()
-        with pytest.raises(ValueError) as refused:
-            resume(ck)
-        assert os.path.join(part, name).lstrip("/") in str(refused.value) or name in str(refused.value), str(refused.value)
-        assert not marker.exists(), f"a payload in {part}/{name} at {offset} ran"
+        for resealed in (False, True):  # True: the manifest made to match the payload, as its author would
+            ck = str(tmp_path / f"trial{n}{resealed}" / "step_00000001")
+            shutil.copytree(good, ck)
+            target = os.path.join(ck, part, name)
+            planted = payload if length is None else payload.ljust(length, b"\0")
+            with open(target, "r+b") as f:
+                assert length is None or length >= len(payload)
+                f.seek(offset)
+                f.write(planted)
+                if length is None:
+                    f.truncate()
+            if resealed:
+                reseal(ck, part, name, offset, planted)
+            with pytest.raises(ValueError) as refused:
+                resume(ck)
+            assert f"{part}/{name}".lstrip("/") in str(refused.value), str(refused.value)
+            assert not marker.exists(), f"a payload in {part}/{name} at {offset} ran"
+
+
+def reseal(ck: str, part: str, name: str, offset: int, planted: bytes) -> None:
+    """Rewrites the manifest so that it agrees with what was planted: a file's sha256, an entry's CRC32."""
+    manifest_path = os.path.join(ck, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    rel = f"{part}/{name}".lstrip("/")
+    if "sha256" in manifest["parts"][rel]:
+        with open(os.path.join(ck, rel), "rb") as f:
+            manifest["parts"][rel]["sha256"] = hashlib.sha256(f.read()).hexdigest()
+    else:
+        for index, info in read_dcp_metadata(os.path.join(ck, part, ".metadata")).storage_data.items():
+            if info.relative_path == name and info.offset == offset:
+                manifest["entries"][part][entry_key(index)] = zlib.crc32(planted)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
 
 
 def test_the_metadata_unpickler_admits_what_dcp_writes_and_nothing_else(tmp_path):
@@ -153,12 +182,12 @@ def test_the_metadata_unpickler_admits_what_dcp_writes_and_nothing_else(tmp_path
             MetadataUnpickler(io.BytesIO(pickle.dumps(forbidden))).load()
 
 
-def save(directory, step: int, weight: float, keep: int = 2) -> str:
+def save(directory, step: int, weight: float, keep: int = 2, ops: FileOps | None = None) -> str:
     """A checkpoint of a 4x4 Linear whose weights are all `weight`, as train.py saves one."""
     model = torch.nn.Linear(4, 4)
     torch.nn.init.constant_(model.weight, weight)
     optimizer = torch.optim.AdamW(model.parameters())
-    return save_checkpoint(str(directory), step, model, optimizer, {"world_size": 1}, {"step": step}, keep=keep)
+    return save_checkpoint(str(directory), step, model, optimizer, {"world_size": 1}, {"step": step}, keep=keep, ops=ops)
 
 
 def saved_weight(path: str) -> float:
@@ -203,17 +232,21 @@ def test_latest_checkpoint_is_never_one_being_written_or_removed(tmp_path):
     assert resume_point(CheckpointConfig(dir=str(tmp_path)))[0] == good
 
 
+class FullDisk(FileOps):
+    """Writes fail as on a full file system."""
+
+    def write_file(self, path: str, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
 def _commit_fails_on_rank0(rank: int, world: int, directory: str) -> None:
-    import json
-
-    if rank == 0:  # rank 0 cannot write the run note (a full disk, say)
-        def full(*args, **kwargs):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        json.dump = full
-    wanted = "No space left on device" if rank == 0 else r"committing checkpoint .*step_00000003 failed on rank 0: OSError"
-    with pytest.raises((OSError, RuntimeError), match=wanted):
-        save(directory, 3, weight=1.0)
+    # rank 0 cannot write the run note (a full disk, say): it says so in one line naming the file, the
+    # option and the fix; the other ranks fail too, pointing at rank 0's line
+    wanted = (rf"committing checkpoint .*step_00000003: checkpoint.dir={directory}: cannot write .*run.json \(No space left "
+              r"on device\): free space on that file system, or point checkpoint.dir at one with room" if rank == 0 else
+              r"committing checkpoint .*step_00000003 failed on rank 0 \(JobError: .*\): rank 0 says how to fix it")  # fmt: skip
+    with pytest.raises(JobError, match=wanted):
+        save(directory, 3, weight=1.0, ops=FullDisk() if rank == 0 else None)
 
 
 def _entry(rank: int, world: int, port: int, directory: str) -> None:

@@ -1,24 +1,13 @@
-"""Checkpoints of a training run: atomic, resumable on other tier dirs, never gathering the state.
-
-A checkpoint is a directory `step_<k>` of two torch.distributed.checkpoint checkpoints and a note:
-  run.json      what it fits: model args, world size, optimizer layout; checked first
-  model/        the model's shards and each rank's trainer state: a plain DCP checkpoint, which any
-                DCP tool reads (dcp_to_torch_save, ...)
-  optimizer/    the optimizer: an OffloadAdamW as a Stateful whose subgroups stream one at a time from
-                the host cache and tiers (see optimizer_state.py)
-It is written under `step_<k>.tmp` and renamed once every rank has finished, so a run killed while
-saving leaves the previous checkpoint as the latest; a checkpoint being replaced or pruned is renamed
-`step_<k>.old` before it is removed.
-"""
+"""Saving, checking and loading a training run's checkpoints (the layout: checkpoint/__init__.py)."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import pickle
 import re
 import shutil
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,49 +21,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .optimizer_state import (
-    CheckedFileSystemWriter, OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
+from ..dcp_reader import CheckpointFileError, SafeFileSystemReader, read_dcp_metadata
+from ..dcp_reader import reading_failed as _reading_failed
+from ..entry_digests import DigestingFileSystemWriter
+from ..job_errors import JobError, os_error_line
+from ..optimizer import OffloadAdamW
+from ..optimizer_state import (
+    OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner, WeightsOnlyLoadPlanner,
 )  # fmt: skip
-from .config import is_whole, path_option
-from .dcp_reader import CheckpointFileError, SafeFileSystemReader, read_dcp_metadata
-from .dcp_reader import reading_failed as _reading_failed
-from .optimizer import OffloadAdamW
+from .config import CheckpointConfig
+from .files import FileOps, commit_dir
+from .manifest import PARTS, check_manifest, write_manifest
 
 RUN_FILE = "run.json"
 _STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
 _OLD_DIR = re.compile(r"^step_\d+\.old$")  # one being removed
-
-
-@dataclass
-class CheckpointConfig:
-    dir: str | None = None  # None: no checkpoints
-    every: int = 0  # save every this many steps (0: only at the end)
-    # "auto": the latest checkpoint in `dir` if there is one, else a fresh start (said in one line);
-    # "required": the latest, refusing to start without one; "never": a fresh start; or the path of
-    # one checkpoint (a step_* dir). true/false mean auto/never.
-    resume: str | bool = "auto"
-    keep: int = 2  # checkpoints kept; older ones are deleted
-    io_threads: int = 2  # writers of optimizer subgroups per rank: each holds one subgroup in host memory at a time
-
-    def __post_init__(self) -> None:
-        if isinstance(self.resume, bool):
-            self.resume = "auto" if self.resume else "never"
-        self.resume = path_option(self.resume, "checkpoint.resume", what="auto, required, never or the path of a step_* dir")
-        self.dir = path_option(self.dir, "checkpoint.dir", null="no checkpoints", what="a directory path")
-        for name in ("every", "keep", "io_threads"):
-            if not is_whole(getattr(self, name)):
-                raise ValueError(f"checkpoint.{name}={getattr(self, name)!r} must be a whole number")
-        if self.every < 0:
-            raise ValueError(f"checkpoint.every={self.every} must be >= 0 (0: a checkpoint at the end only)")
-        if self.every and not self.dir:
-            raise ValueError(f"checkpoint.every={self.every} saves into checkpoint.dir, which is not set: give checkpoint.dir")
-        if self.io_threads < 1:
-            raise ValueError(f"checkpoint.io_threads={self.io_threads}: at least 1 writer is needed")
-        if self.keep < 1:
-            raise ValueError(
-                f"checkpoint.keep={self.keep}: at least the checkpoint just written must be kept; give checkpoint.keep=1 "
-                "or more, or checkpoint.dir=null for no checkpoints"
-            )
 
 
 def _rank() -> int:
@@ -86,23 +47,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _on_rank0(what: str, work: Callable[[], None]) -> None:
+def _on_rank0(what: str, work: Callable[[], None], directory: str) -> None:
     """Runs `work` on rank 0 and tells every rank how it went, so that a failure there is an error on
-    every rank rather than a hang of the others in their next collective. `what` names it for them."""
+    every rank rather than a hang of the others in their next collective; rank 0 alone says it (a
+    JobError), naming the path, checkpoint.dir and the fix. `what` names the work."""
     error: BaseException | None = None
     if _rank() == 0:
         try:
             work()
+        except OSError as exc:
+            error = JobError(f"{what}: {os_error_line(exc, {'checkpoint.dir': directory})}; the checkpoints saved before are intact")
+            error.__cause__ = exc
         except BaseException as exc:  # the other ranks hear of it first
             error = exc
     if dist.is_initialized():
         status = [None if error is None else f"{type(error).__name__}: {error}"]
         dist.broadcast_object_list(status, src=0)
         if status[0] is not None and error is None:
-            raise RuntimeError(
-                f"{what} failed on rank 0: {status[0]}; fix checkpoint.dir (its space, its permissions) and resume: the "
-                "checkpoints saved before are intact"
-            )
+            raise JobError(f"{what} failed on rank 0 ({status[0]}): rank 0 says how to fix it")
     if error is not None:
         raise error
 
@@ -119,14 +81,6 @@ def _pack(obj: Any) -> bytes:
 def _unpack(data: bytes) -> Any:
     # weights_only: tensors, containers and plain values only; a checkpoint cannot run code on load
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -191,11 +145,14 @@ def save_checkpoint(
     rank_state: dict[str, Any],
     keep: int = 2,
     io_threads: int = 2,
+    ops: FileOps | None = None,
 ) -> str:
     """Saves model shards, optimizer state and `rank_state` (data position, RNG, ...) atomically.
 
     `run` is what the checkpoint must match on resume (model args, world size, ...). `io_threads`
-    subgroups are read from the tiers and written at once (each thread writes its own file)."""
+    subgroups are read from the tiers and written at once (each thread writes its own file). `ops`
+    makes the commit's fsyncs and renames (a test records them)."""
+    ops = ops or FileOps()
     final = os.path.join(directory, f"step_{step:08d}")
     tmp = final + ".tmp"
 
@@ -206,98 +163,143 @@ def save_checkpoint(
             shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(tmp, mode=0o700)
 
+    _on_rank0(f"creating {tmp}", start, directory)
+    digests: dict[str, dict[str, int]] = {}
+    self_checked: dict[str, list[str]] = {}
+    try:
+        writers = {"model": DigestingFileSystemWriter(os.path.join(tmp, "model")),
+                   "optimizer": DigestingFileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)}  # fmt: skip
+        model_state = {"model": get_model_state_dict(model), f"rank{_rank()}": _pack(rank_state)}
+        dcp.save(model_state, storage_writer=writers["model"])
+        dcp.save({"optimizer": _optimizer_state(model, optimizer)}, storage_writer=writers["optimizer"], planner=StreamingSavePlanner())
+        for part, writer in writers.items():
+            digests[part], self_checked[part] = writer.digests, sorted(writer.self_checked)
+    except CheckpointException as exc:  # a full, read-only or vanished checkpoint.dir: one line, on rank 0
+        _on_rank0(f"saving checkpoint {final}", lambda: _raise_os_error(exc, tmp), directory)
+        raise
+    if dist.is_initialized():  # every rank's entries, for the manifest
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (digests, self_checked))
+        digests = {part: {k: v for d, _ in gathered for k, v in d[part].items()} for part in PARTS}
+        self_checked = {part: sorted(k for _, s in gathered for k in s[part]) for part in PARTS}
+
     def commit() -> None:
-        with open(os.path.join(tmp, RUN_FILE), "w") as f:
-            json.dump({**run, "step": step}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        for d in (os.path.join(tmp, "model"), os.path.join(tmp, "optimizer"), tmp):
-            _fsync_dir(d)  # DCP fsyncs its files, not their names
+        ops.write_file(os.path.join(tmp, RUN_FILE), json.dumps({**run, "step": step}, indent=1).encode())
+        write_manifest(tmp, step, RUN_FILE, digests, self_checked, ops)  # refuses when a part is missing or short
         # Saving a step again (a run resumed from an earlier one): the complete old one goes aside and
         # only then away, so there is always a complete copy of the step on disk.
         replaced = _move_aside(final) if os.path.exists(final) else None
-        os.replace(tmp, final)
-        _fsync_dir(directory)  # the rename itself survives a power loss
+        commit_dir(tmp, final, ops)  # every file and dir fsynced, renamed, the rename fsynced
         others = [d for d in _step_dirs(directory) if d != final]
         gone = [_move_aside(d) for d in others[: max(0, len(others) - (keep - 1))]]  # the one just written stays
         for d in ([replaced] if replaced else []) + gone:
             shutil.rmtree(d, ignore_errors=True)
 
-    _on_rank0(f"creating {tmp}", start)
-    rank = _rank()
-    dcp.save({"model": get_model_state_dict(model), f"rank{rank}": _pack(rank_state)}, checkpoint_id=os.path.join(tmp, "model"))
-    optim = {"optimizer": _optimizer_state(model, optimizer)}
-    writer = CheckedFileSystemWriter(os.path.join(tmp, "optimizer"), thread_count=io_threads)
-    dcp.save(optim, storage_writer=writer, planner=StreamingSavePlanner())
     _barrier()
-    _on_rank0(f"committing checkpoint {final}", commit)
+    _on_rank0(f"committing checkpoint {final}", commit, directory)
     return final
 
 
+def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
+    """On rank 0, after a save failed: frees what the half-written checkpoint took and raises the
+    first OSError of any rank (which _on_rank0 says in one line), else nothing (the save's own error
+    is raised on every rank)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    oserrors = [e for e, _ in exc.failures.values() if isinstance(e, OSError)]
+    if oserrors:
+        raise oserrors[0]
+
+
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:
-    """Raises a one-line error when the checkpoint at `path` was written by an incompatible run;
-    returns its step."""
-    for part in ("model", "optimizer"):
+    """Raises a one-line JobError when the checkpoint at `path` was written by an incompatible run, or
+    when a part of it is missing, damaged or from another checkpoint; returns its step."""
+    for part in PARTS:
         if not os.path.isfile(os.path.join(path, part, ".metadata")):
-            raise ValueError(
+            raise JobError(
                 f"checkpoint {path} has no {part}/.metadata: it was written by an older fsdp-offload (before "
                 "checkpoints went through DCP as model/ and optimizer/) or copied in part; point checkpoint.dir "
                 "elsewhere to start afresh"
             )
-    try:
-        with open(os.path.join(path, RUN_FILE)) as f:
-            saved = json.load(f)
-        int(saved["step"])
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(_unreadable(path, f"{RUN_FILE}: {exc!r}")) from exc
+    saved = _run_note(path)
     for key, value in run.items():
         if saved.get(key) != value:
-            raise ValueError(
+            raise JobError(
                 f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {key}={value!r}: "
                 f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
             )
-    for part in ("model", "optimizer"):  # read here (never unpickling code), so that a garbled one is named
+    for part in PARTS:  # read here (never unpickling code), so that a garbled one is named
         try:
             read_dcp_metadata(os.path.join(path, part, ".metadata"))
         except CheckpointFileError as exc:
-            raise ValueError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
+            raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
+    _manifest_digests(path, int(saved["step"]))
     return int(saved["step"])
 
 
+def _run_note(path: str) -> dict[str, Any]:
+    """The checkpoint's run.json, with its step; a JobError naming it when it cannot be read."""
+    try:
+        with open(os.path.join(path, RUN_FILE), "rb") as f:
+            saved = json.loads(f.read())
+        int(saved["step"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise JobError(_unreadable(path, f"{RUN_FILE}: {exc!r}")) from exc
+    match = re.search(r"step_(\d+)$", os.path.basename(os.path.normpath(path)))
+    if match and int(match.group(1)) != int(saved["step"]):
+        raise JobError(_unreadable(path, f"{RUN_FILE} is of step {saved['step']}, its dir of step {int(match.group(1))}"))
+    return saved
+
+
+def _manifest_digests(path: str, step: int) -> tuple[dict[str, dict[str, int]], dict[str, set[str]]]:
+    """The entries' digests and self-checked entries per part, once every part of the checkpoint
+    agrees with its manifest."""
+    try:
+        return check_manifest(path, step)
+    except CheckpointFileError as exc:
+        where = os.path.relpath(exc.path, path)
+        raise JobError(_unreadable(path, f"{where} {exc.problem}")) from None
+
+
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restores model shards and optimizer state; returns this rank's `rank_state`."""
+    """Restores model shards and optimizer state, each entry checked against the manifest's digest;
+    returns this rank's `rank_state`."""
+    digests, self_checked = _manifest_digests(path, int(_run_note(path)["step"]))
     key = f"rank{_rank()}"
     state = {"model": get_model_state_dict(model), key: b""}
-    _load(state, os.path.join(path, "model"), WeightsOnlyLoadPlanner())
+    _load(state, os.path.join(path, "model"), WeightsOnlyLoadPlanner(), digests["model"], self_checked["model"])
     set_model_state_dict(model, state["model"])
     optim = {"optimizer": _optimizer_state(model, optimizer)}
-    _load(optim, os.path.join(path, "optimizer"), StreamingLoadPlanner())
+    _load(optim, os.path.join(path, "optimizer"), StreamingLoadPlanner(digests["optimizer"]), digests["optimizer"], self_checked["optimizer"])
     if not isinstance(optimizer, OffloadAdamW):
         set_optimizer_state_dict(model, optimizer, optim["optimizer"])
-    return _unpack(state[key])
+    try:
+        return _unpack(state[key])
+    except pickle.UnpicklingError:
+        raise JobError(_unreadable(path, f"model/ entry {key}, the trainer state, holds more than tensors and plain values, "
+                                   "so it is not loaded (it could run code)")) from None
 
 
-def _load(state: dict[str, Any], path: str, planner: Any) -> None:
+def _load(state: dict[str, Any], path: str, planner: Any, digests: dict[str, int], self_checked: set[str]) -> None:
     """dcp.load, with a damaged or mismatched checkpoint (a ValueError on some rank, or a file of it cut
-    short or garbled) raised as a one-line error named by its path, rather than DCP's gathered
+    short or garbled) raised as a one-line JobError named by its path, rather than DCP's gathered
     tracebacks; any other error (a tier that fails as subgroups go to it, a bug) as it is."""
     try:
         metadata = read_dcp_metadata(os.path.join(path, ".metadata"))  # here, so that a refusal is named once
     except CheckpointFileError as exc:
-        raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/.metadata {exc.problem}")) from None
+        raise JobError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/.metadata {exc.problem}")) from None
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=planner)
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata, digests, self_checked), planner=planner)
     except CheckpointException as exc:
         named = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointFileError)]
         if named:  # a path of the reader's, or a file name of the planner's (inside the part's dir)
             where = os.path.relpath(os.path.join(path, named[0].path), os.path.dirname(path))
-            raise ValueError(_unreadable(os.path.dirname(path), f"{where} {named[0].problem}")) from None
+            raise JobError(_unreadable(os.path.dirname(path), f"{where} {named[0].problem}")) from None
         bad = [e for e, _ in exc.failures.values() if isinstance(e, ValueError)]
         if bad:
-            raise ValueError(f"{path}: {bad[0]}") from exc
+            raise JobError(f"{path}: {bad[0]}") from exc
         unread = [e for e, _ in exc.failures.values() if _reading_failed(e, path)]
         if unread:
-            raise ValueError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {unread[0]!r}")) from exc
+            raise JobError(_unreadable(os.path.dirname(path), f"{os.path.basename(path)}/: {unread[0]!r}")) from exc
         raise
 
 
