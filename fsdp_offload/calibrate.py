@@ -37,9 +37,6 @@ from .storage.base import ALIGN, Tier, TierError
 from .storage.chunked import tier_file_tag
 from .storage.spec import as_spec
 
-# scripts/bench_peers.py imports it from here until it takes it from fsdp_offload.rawio (its owner's change)
-from .rawio import measure_raw_io  # noqa: F401
-
 log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "~/.cache/fsdp-offload/bandwidth.json"

@@ -21,7 +21,7 @@ from .order import UPDATE_ORDERS
 from .storage import TierSpec
 from .storage.lock import access_slots
 from .subgroups import ALIGN_NUMEL
-from .units import GIB, SIZE_UNITS, parse_size
+from .units import GIB, SIZE_UNITS, parse_size, readable_size
 
 NULL = "null (None in Python)"  # how an error names an unset option: recipes and the command line write null
 
@@ -296,10 +296,8 @@ def dataclass_from(cls, raw: Mapping, option: str):
 
 def format_bytes(nbytes: float) -> str:
     """Exact bytes plus a readable size, for error messages: '3221225472 bytes (3.00 GiB)'."""
-    for unit, size in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{int(nbytes)} bytes ({nbytes / size:.2f} {unit})"
-    return f"{int(nbytes)} bytes"
+    readable = readable_size(nbytes)
+    return f"{int(nbytes)} bytes" + ("" if readable.endswith("bytes") else f" ({readable})")
 
 
 def _tmpdir() -> str:

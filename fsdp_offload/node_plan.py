@@ -24,7 +24,9 @@ from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes,
 from .memory import auto_host_budget
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import make_placement
-from .store import check_gpu_share, gpu_subgroup_bytes, host_cache_slots, last_that_fit, moved_staging_itemsize
+from .gpu_share import check_gpu_share, gpu_subgroup_bytes, last_that_fit, moved_staging_itemsize
+from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
+from .store import host_cache_slots
 from .subgroups import SubgroupLayout
 from .tier_speeds import placement_measures, starting_speeds
 from .units import GIB
@@ -61,6 +63,9 @@ class RankPlan:
     gpu_params_bytes: int = 0  # the model's low-precision params, this rank's shard
     gpu_startup_bytes: int = 0  # estimated GPU peak while the model is built (streamed start-up)
     gpu_train_bytes: int = 0  # estimated GPU peak of a training step
+    grad_accumulation: str = "host"  # where the FP32 sums of several micro-batches live ("gpu" | "host")
+    grad_sums_gpu_bytes: int = 0  # those sums in GPU memory (in gpu_train_bytes)
+    grad_sums_host_bytes: int = 0  # those sums and their landing buffer in host memory (in host_bytes)
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
     cpu_s: float | None = None  # CPU update (None: no CPU speed given)
@@ -139,10 +144,20 @@ def plan_rank(
     # only a GPU-resident subgroup's, which goes along with its state
     gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
     moving = moved_staging_itemsize(cfg.grad_path, itemsize)
+    # Where several micro-batches' grads are summed comes first: on the GPU (where the step leaves room
+    # for them) they cost nothing on backward's path; the GPU's share of the state takes what is left.
+    every = list(range(len(layout)))
+    sums_on_gpu_need = grad_accumulation_memory(layout, "gpu", cfg.micro_batches, every)[0]
+    room = None if gpu_bytes is None else gpu_bytes - train - gpu_staging - int(cfg.gpu_headroom_gb * GIB)
+    try:
+        accumulation = resolve_grad_accumulation(cfg.grad_accumulation, cfg.micro_batches, "cpu" if gpu_bytes is None else "cuda",
+                                                 room, sums_on_gpu_need)  # fmt: skip
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
     if gpu_bytes is None or cfg.gpu_fraction == 0:  # CPU training, or no state on the GPU
         on_gpu = frozenset()
-    elif cfg.gpu_fraction == "auto":  # what the run will size after its first step, from the training peak (estimated here)
-        room = gpu_bytes - train - gpu_staging - int(cfg.gpu_headroom_gb * GIB)
+    elif cfg.gpu_fraction == "auto":  # placed at start-up (train.py hands the count in), beside the training peak estimated here
+        room -= sums_on_gpu_need if accumulation == "gpu" else 0
         count, _ = last_that_fit(layout, list(range(len(layout))), room, moving)
         on_gpu = frozenset(range(len(layout) - count, len(layout)))
     else:  # checked as the optimizer checks it, against the memory free once the model is built
@@ -162,16 +177,18 @@ def plan_rank(
     # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer
     grad_slots = TierFP32Grads.slot_bytes(layout) if cfg.grad_path == "tier_fp32" else [0] * len(layout)
     fp32_grads = max(grad_slots)
+    sums_gpu, sums_host = grad_accumulation_memory(layout, accumulation, cfg.micro_batches, host_sgs)
     try:
-        slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads)
+        slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads + sums_host)
     except ValueError as exc:
         raise PlanError(f"host memory, rank {rank}: {exc}") from None
     state_bytes = sum(sg.state_bytes for sg in layout.subgroups)
     plan = RankPlan(
         rank=rank, params=local, subgroups=len(layout), state_bytes=state_bytes, gpu_subgroups=len(on_gpu),
         gpu_state_bytes=gpu_state, cache_slots=slots, cache_bytes=slots * layout.slot_bytes, staging_bytes=staging,
-        fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + slots * layout.slot_bytes,
-        gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state,
+        fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + sums_host + slots * layout.slot_bytes,
+        gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state + sums_gpu,
+        grad_accumulation=accumulation, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
     )  # fmt: skip
     streamed = len(host_sgs)
     sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]

@@ -28,9 +28,6 @@ from .storage.base import Transfer
 from .subgroups import SubgroupLayout
 from .tier_speeds import placement_measures, starting_speeds
 
-# train.py and optimizer.py import it from here until they call tier_speeds.starting_speeds (their owner's change)
-from .tier_speeds import node_tier_speeds  # noqa: F401
-
 log = logging.getLogger(__name__)
 
 

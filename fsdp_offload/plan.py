@@ -35,10 +35,7 @@ from .machine import MachineConfig, measured_speeds, planned_gpu_bytes
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
-from .units import GIB
-
-# train.py imports it from here until it imports it from fsdp_offload.machine (its owner's change)
-from .machine import nearest_existing  # noqa: F401
+from .units import GIB, readable_size
 
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
@@ -64,6 +61,11 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
             + (f" | {tiers}" if tiers else "") + f" | {r.update_s:.2f} ({r.io_s:.2f} / {r.cpu_s:.2f}"
             + (f", + FP32 grads {r.grad_io_s:.2f})" if r.grad_io_s else ")")
         )
+    if cfg.micro_batches > 1:
+        r = plan.ranks[0]
+        where = "on the GPU (in train~)" if r.grad_accumulation == "gpu" else "in host memory (in the host columns' total)"
+        lines.append(f"grad accumulation: {cfg.micro_batches} micro-batches summed in FP32 {where}, "
+                     f"{(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes) / GIB:.2f} GiB a rank (offload.grad_accumulation={cfg.grad_accumulation!r})")  # fmt: skip
     lines.append(f"predicted update phase: {plan.predicted_update_s:.2f} s a step (~: estimates)")
     return "\n".join(lines)
 
@@ -71,10 +73,11 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
 def plan_summary(r: RankPlan, cfg: OffloadConfig) -> str:
     """One rank's placement in a line (train.py logs it before building the model)."""
     tiers = ", ".join(f"{t.subgroups} on {t.spec}" for t in r.tiers)
-    return (f"rank {r.rank}: {r.subgroups} subgroups ({r.state_bytes / GIB:.1f} GiB of FP32 state): {r.gpu_subgroups} on the GPU"
-            + (" (to be sized after the first step)" if cfg.gpu_fraction == "auto" else "")
+    return (f"rank {r.rank}: {r.subgroups} subgroups ({readable_size(r.state_bytes)} of FP32 state): {r.gpu_subgroups} on the GPU"
             + f", {r.cache_slots} host cache slots" + (f", {tiers}" if tiers else "")
-            + f"; host memory {r.host_bytes / GIB:.1f} GiB (staging {r.staging_bytes / GIB:.1f})")  # fmt: skip
+            + f"; host memory {readable_size(r.host_bytes)} (staging {readable_size(r.staging_bytes)})"
+            + (f"; {cfg.micro_batches} micro-batches summed in FP32 on the {'GPU' if r.grad_accumulation == 'gpu' else 'host'} "
+               f"({readable_size(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes)})" if cfg.micro_batches > 1 else ""))  # fmt: skip
 
 
 def compose_plan_config(overrides: list[str]):

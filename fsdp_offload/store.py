@@ -43,60 +43,6 @@ def size_mismatch(sg: int, got: int, want: int, where: str = "") -> ValueError:
     )
 
 
-def gpu_share(layout: SubgroupLayout, fraction: float) -> frozenset[int]:
-    """The last `fraction` of the subgroups: the ones a fixed offload.gpu_fraction keeps in GPU memory."""
-    m = len(layout)
-    return frozenset(range(m - round(m * fraction), m))
-
-
-def gpu_subgroup_bytes(layout: SubgroupLayout, sg: int, itemsize: int) -> int:
-    """GPU memory a resident subgroup takes: its state, plus its low-precision grads and params beside it."""
-    return layout.subgroups[sg].state_bytes + itemsize * layout.subgroups[sg].padded
-
-
-def moved_staging_itemsize(grad_path: str, itemsize: int) -> int:
-    """Bytes per element of a subgroup's staging part that go to the GPU with its state: none with
-    grad_path="gpu_bf16", where every part is in GPU memory from the start."""
-    return 0 if grad_path == "gpu_bf16" else itemsize
-
-
-def last_that_fit(layout: SubgroupLayout, candidates: list[int], room: int, itemsize: int) -> tuple[int, int]:
-    """How many of the last `candidates` fit in `room` bytes of GPU memory, and the bytes they take
-    (offload.gpu_fraction="auto")."""
-    count, used = 0, 0
-    for sg in reversed(candidates):
-        need = gpu_subgroup_bytes(layout, sg, itemsize)
-        if used + need > room:
-            break
-        count, used = count + 1, used + need
-    return count, used
-
-
-def gpu_resident_subgroups(layout: SubgroupLayout, fraction: float, device: torch.device) -> frozenset[int]:
-    """The subgroups whose state stays in GPU memory: the last `fraction` of them, if they fit."""
-    if fraction == 0.0:
-        return frozenset()
-    if device.type != "cuda":
-        raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
-    return check_gpu_share(layout, fraction, torch.cuda.mem_get_info(device)[0])
-
-
-def check_gpu_share(layout: SubgroupLayout, fraction: float, free: int) -> frozenset[int]:
-    """The subgroups a fixed offload.gpu_fraction keeps in GPU memory, if they fit in 0.9 of the `free`
-    bytes of it (what is free when the optimizer is built; the planner's estimate of it), else why not."""
-    m = len(layout)
-    chosen = gpu_share(layout, fraction)
-    need = sum(gpu_subgroup_bytes(layout, sg, 2) for sg in chosen)
-    if need > 0.9 * free:
-        per_sg = need / max(1, len(chosen))
-        raise ValueError(
-            f"offload.gpu_fraction={fraction} keeps {len(chosen)} of {m} subgroups on the GPU: "
-            f"{format_bytes(need)}, but only {format_bytes(free)} of GPU memory is free; use at most "
-            f"{int(0.9 * free / per_sg) / m:.3f}"
-        )
-    return frozenset(chosen)
-
-
 def host_cache_slots(
     cfg: OffloadConfig, budget: int | None, budget_name: str, streamed: int, slot_bytes: int, reserved_bytes: int
 ) -> int:
@@ -279,6 +225,14 @@ class SubgroupStore:
                 log.info("gave %s of host cache back to the OS: %d subgroups stay off the GPU, %d slots hold them",
                          format_bytes(released), len(self.host_subgroups), self.cache.num_slots)  # fmt: skip
         return chosen
+
+    def placement_summary(self) -> dict:
+        """Where the subgroups live now: on the GPU, in host cache slots, and by tier (the one each would
+        be written to), as the planner predicts it."""
+        streams = self.cache.num_slots < len(self.host_subgroups)  # else no subgroup reaches a tier
+        tiers = [self.placement.tier_for(sg) for sg in self.host_subgroups] if streams else []
+        return {"subgroups": len(self.layout), "gpu_subgroups": len(self.gpu_state), "cache_slots": self.cache.num_slots,
+                "tier_subgroups": {t.name: tiers.count(i) for i, t in enumerate(self.tiers)}}  # fmt: skip
 
     def resident(self) -> set[int]:
         """The subgroups held in memory (GPU or host cache) now: a step finds them without I/O."""

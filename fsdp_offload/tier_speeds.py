@@ -97,9 +97,3 @@ def _node_speeds(cfg: OffloadConfig, group: dist.ProcessGroup) -> list[TierSpeed
     if kind == "error":
         raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
     return value
-
-
-def node_tier_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
-    """The tiers' speeds, once a node of `group`, whether or not a bandwidth rule needs them. Kept for
-    train.py's and optimizer.py's calls until they call starting_speeds (their owner's change)."""
-    return starting_speeds(cfg, group=group, needed=True).speeds

@@ -42,11 +42,13 @@ from .node import node_ranks
 from .optimizer import OffloadAdamW
 from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
-from .placement import node_tier_speeds, placement_measures
-from .plan import MachineConfig, make_plan, nearest_existing, plan_summary, preset_name
+from .machine import MachineConfig, nearest_existing
+from .node_plan import make_plan, preset_name
+from .plan import plan_summary
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
+from .tier_speeds import starting_speeds
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -194,17 +196,21 @@ def _run(cfg: DictConfig) -> list[dict]:
             if rank == 0:
                 log.info("%s", what)
             recipe.config = dataclasses.replace(recipe.config, host_budget_gb=f"{budget // 1024}KiB")
-        speeds = node_tier_speeds(recipe.config, group) if placement_measures(recipe.config) else None  # once a node
+        speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
                          dcfg.seq_len, dcfg.micro_batch, device.type, speeds=speeds)  # fmt: skip
+        mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
-            log.info("plan: %s", plan_summary(plan.ranks[0], recipe.config))
+            log.info("plan: %s", plan_summary(mine, recipe.config))
+        # The plan's choices, made with the step's activations in view, are the run's: where the grad
+        # sums live, and the GPU's share of the state, placed now so that the first steps run at speed.
+        recipe.config = dataclasses.replace(recipe.config, grad_accumulation=mine.grad_accumulation)
+        gpu_subgroups = mine.gpu_subgroups if recipe.config.gpu_fraction == "auto" else None
         # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
-        # The plan's tier speeds spare the tiers a second measurement; a profile gives them again, and
-        # keeps what the run learns.
+        # The plan's tier speeds spare the tiers a second measurement; the profile, if set, keeps what the run learns.
         model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
-                                                 tier_speeds=None if recipe.config.bandwidth_profile else speeds)  # fmt: skip
+                                                 tier_speeds=speeds, gpu_subgroups=gpu_subgroups)  # fmt: skip
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)

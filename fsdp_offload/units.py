@@ -13,6 +13,14 @@ TIME_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
 _NUMBER = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 
 
+def readable_size(nbytes: float) -> str:
+    """A size in the largest binary unit it fills: '1.57 MiB', '3.00 GiB', '512 bytes'."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if nbytes >= SIZE_UNITS[unit]:
+            return f"{nbytes / SIZE_UNITS[unit]:.2f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 def parse_size(text: str) -> tuple[float, str]:
     """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB. ValueError if not a size."""
     text = text.strip()

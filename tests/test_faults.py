@@ -290,7 +290,7 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
     import signal
 
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
-    real, interrupts = opt._kernel, [0]
+    real, interrupts = opt.engine.cpu_kernel, [0]
 
     def interrupted_kernel(*args, **kwargs):
         real(*args, **kwargs)
@@ -298,7 +298,7 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
             interrupts[0] += 1
             os.kill(os.getpid(), signal.SIGINT)
 
-    opt._kernel = interrupted_kernel
+    opt.engine.cpu_kernel = interrupted_kernel
     assert _steps_through_ctrl_c(opt, ref_opt, mine, ref) == 6
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()
@@ -311,15 +311,15 @@ def test_ctrl_c_in_the_last_subgroup_s_update_leaves_the_retry_to_close_the_step
     import signal
 
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
-    real, tries = opt._update_subgroup, []
+    real, tries = opt.engine.update_subgroup, []
 
     def interrupted_update(sg, state, grad_scale):
         real(sg, state, grad_scale)
         tries.append(sg)
-        if len(tries) == len(opt._pending):  # this try's last subgroup (_pending is set when the try ends)
+        if len(tries) == len(opt.engine.pending):  # this try's last subgroup (pending is set when the try ends)
             os.kill(os.getpid(), signal.SIGINT)
 
-    opt._update_subgroup = interrupted_update
+    opt.engine.update_subgroup = interrupted_update
     opt.step = _clearing_before(opt.step, tries)
     assert _steps_through_ctrl_c(opt, ref_opt, mine, ref) == STEPS  # each step's first try, at its last subgroup
     assert_same_as_reference(opt, ref_opt, mine, ref)

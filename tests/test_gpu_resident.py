@@ -178,7 +178,7 @@ def test_a_move_to_the_gpu_that_runs_out_of_memory_warns_and_trains_on(tmp_path,
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     opt.store.move_to_gpu = out_of_memory
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.optimizer"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload"):
         for s in range(STEPS):
             for p, r, g in zip(mine, ref, grads(s)):
                 p.grad, r.grad = g.cuda(), g.float()

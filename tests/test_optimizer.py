@@ -221,7 +221,7 @@ def fresh_pair(tmp_path):
 
 def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
-    real_write = posix_mod._pwrite_all
+    real_write = posix_mod.pwrite_all
     for s in range(5):
         for p, r, g in zip(mine, ref, grads_for(s)):
             p.grad, r.grad = g, g.float()
@@ -231,13 +231,13 @@ def test_injected_enospc_during_flush_loses_nothing(tmp_path, monkeypatch):
             def failing(fd, view, offset, code=code):
                 raise OSError(code, os.strerror(code))
 
-            monkeypatch.setattr(posix_mod, "_pwrite_all", failing)
+            monkeypatch.setattr(posix_mod, "pwrite_all", failing)
             with pytest.raises(OSError) as info:
                 opt.step()
             assert info.value.errno == code
             with pytest.raises(RuntimeError, match="call step\\(\\) again"):
                 opt.state_dict()
-            monkeypatch.setattr(posix_mod, "_pwrite_all", real_write)  # the fault is gone
+            monkeypatch.setattr(posix_mod, "pwrite_all", real_write)  # the fault is gone
         opt.step()  # finishes the interrupted step, or takes a normal one
         ref_opt.step()
     assert_same_as_reference(opt, ref_opt, mine, ref)
@@ -472,7 +472,7 @@ def test_host_budget_auto_takes_available_memory_less_headroom(tmp_path, monkeyp
     # available such that each of 2 local ranks gets the staging plus 5 slots
     monkeypatch.setattr(memory, "available_host_bytes", lambda: int(2 * (STAGING + 5 * SLOT) + headroom * 2**30))
     cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb="auto", host_headroom_gb=headroom)
-    with caplog.at_level("INFO", logger="fsdp_offload.optimizer"):
+    with caplog.at_level("INFO", logger="fsdp_offload"):
         opt = OffloadAdamW(leaf_params(), offload=cfg)
     assert opt.store.cache.num_slots == 5
     assert "host_budget_gb=auto" in caplog.text and "over 2 local rank(s)" in caplog.text and "5 of 11 subgroups" in caplog.text

@@ -41,17 +41,17 @@ def train(rank: int, tmp: str, overlap: str, order: str) -> tuple[list[float], l
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(UpdateInFlight, "wait_unit", spy)  # before the optimizer binds it in its hooks
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
-    if opt._inflight is not None:
-        units = opt._inflight._units
+    if opt.engine.inflight is not None:
+        units = opt.engine.inflight._units
         slow = units[-1] - units[0]  # the last block's own subgroups
-        update = opt._update_subgroup
+        update = opt.engine.update_subgroup
 
         def slow_update(sg: int, state: torch.Tensor, scale: float) -> None:
             if sg in slow:
                 time.sleep(0.02)
             update(sg, state, scale)
 
-        opt._update_subgroup = slow_update
+        opt.engine.update_subgroup = slow_update
     losses, metrics = [], []
     for step in range(STEPS):
         loss = loss_of(model, batch(rank, 0))
@@ -111,13 +111,13 @@ def train_no_clip(rank: int, tmp: str, overlap: str, checkpointing: bool) -> tup
     cfg = OffloadConfig(tiers=[f"posix:{tmp}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch", overlap=overlap)
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
     in_backward = [0]  # subgroups updated before step() was called
-    update = opt._update_subgroup
+    update = opt.engine.update_subgroup
 
     def spy(sg: int, state: torch.Tensor, scale: float) -> None:
-        in_backward[0] += opt._inflight is not None and opt._inflight.awaiting_grads
+        in_backward[0] += opt.engine.inflight is not None and opt.engine.inflight.awaiting_grads
         update(sg, state, scale)
 
-    opt._update_subgroup = spy
+    opt.engine.update_subgroup = spy
     losses = []
     for step in range(STEPS):
         loss = loss_of(model, batch(rank, 0))
@@ -184,7 +184,7 @@ def test_auto_overlap_is_backward_only_where_the_step_allows_it(options, match):
     assert match in cfg.backward_overlap_conflict()
     # without a model there is nothing to hook: auto is the synchronous step, never an error
     opt = OffloadAdamW([torch.nn.Parameter(torch.ones(8))], offload=OffloadConfig(overlap="auto", kernel="torch"))
-    assert opt._inflight is None and not opt._during_backward
+    assert opt.engine.inflight is None and not opt.engine.during_backward
     opt.close()
 
 
@@ -228,7 +228,7 @@ model.layers[0].register_full_backward_hook(fail)  # after the later units' grad
 try:
     loss_of(model, batch(0, 0)).backward()
 except RuntimeError as exc:
-    print("raised:", exc, "| waiting for grads:", opt._inflight.awaiting_grads, flush=True)
+    print("raised:", exc, "| waiting for grads:", opt.engine.inflight.awaiting_grads, flush=True)
 {end}
 """
 
@@ -249,15 +249,15 @@ def test_an_update_abandoned_by_a_failed_backward_does_not_hang(tmp_path, end):
 def retry_losses(rank: int, inject: bool) -> list[float]:
     model = build_model(rank)
     opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
-    update, failed = opt._update_subgroup, []
+    update, failed = opt.engine.update_subgroup, []
 
     def flaky(sg: int, state: torch.Tensor, scale: float) -> None:
-        if inject and not failed and opt.step_count == 2 and sg == opt._forward[len(opt._forward) // 2]:
+        if inject and not failed and opt.step_count == 2 and sg == opt.engine.forward[len(opt.engine.forward) // 2]:
             failed.append(sg)
             raise OSError("injected I/O error")
         update(sg, state, scale)
 
-    opt._update_subgroup = flaky
+    opt.engine.update_subgroup = flaky
     losses = []
     for _ in range(5):
         try:

@@ -1,0 +1,99 @@
+"""What OffloadAdamW accepts: torch AdamW's arguments checked as torch checks them, the options it
+refuses (each with why), the `offload=` config in any of its forms, and the params it can own."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .config import OffloadConfig, dataclass_from
+from .fsdp import local_data
+
+CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
+TORCH_OPTIONS = {
+    "amsgrad": "it keeps a fourth FP32 state tensor (the running max of exp_avg_sq) that the out-of-core layout has no room for",
+    "maximize": "the fused kernels descend; negate the loss instead",
+    "foreach": "torch's implementation choice: OffloadAdamW always runs its own kernels (choose with offload.kernel)",
+    "fused": "torch's implementation choice: OffloadAdamW always runs its own kernels (choose with offload.kernel)",
+    "capturable": "the update runs on the CPU and storage, outside any CUDA graph",
+    "differentiable": "the update is not part of autograd",
+}
+
+
+def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
+    """`offload=` as given: an OffloadConfig, a mapping of its options (a Hydra/YAML section), or None."""
+    if offload is None:
+        return OffloadConfig()
+    if isinstance(offload, OffloadConfig):
+        return offload
+    if isinstance(offload, Mapping):
+        return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
+    raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
+
+
+def refuse_torch_options(**given: Any) -> None:
+    """torch AdamW's options other than the math ones: their defaults are accepted, any other value is
+    refused by name with why."""
+    for name, value in given.items():
+        if value:
+            raise ValueError(f"OffloadAdamW does not support {name}={value!r}: {TORCH_OPTIONS[name]}")
+
+
+def check_hyperparameters(values: dict[str, Any], where: str) -> None:
+    """AdamW's hyperparameters that `values` sets, checked as torch AdamW checks them (NaN refused
+    too), and of their kind: numbers (or what float() takes, as a 0-d tensor), betas a pair."""
+
+    def number(value: Any) -> float:
+        try:
+            return math.nan if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError, RuntimeError):
+            return math.nan
+
+    for name, must in (("lr", "a number >= 0"), ("eps", "a number >= 0"), ("weight_decay", "a number >= 0 (0: none)")):
+        if name in values and not number(values[name]) >= 0.0:
+            raise ValueError(f"{where}: invalid {name} {values[name]!r}: must be {must}")
+    if "betas" in values:  # a pair of any kind torch AdamW takes: a tuple, a list, Hydra's ListConfig, a tensor
+        betas = values["betas"]
+        try:
+            pair = [number(b) for b in betas] if not isinstance(betas, str) else []
+        except TypeError:  # not iterable
+            pair = []
+        if not (len(pair) == 2 and all(0.0 <= b < 1.0 for b in pair)):
+            raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
+
+
+def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg: OffloadConfig, param_dtype: torch.dtype,
+                 streamed: bool) -> None:  # fmt: skip
+    """The params an OffloadAdamW can own: on one device type, contiguous, FP32 (or, `streamed`, in
+    param_dtype with masters= giving the FP32 values), and not cast by an earlier OffloadAdamW."""
+    if not params:
+        raise ValueError("OffloadAdamW got an empty parameter list")
+    devices = {local_data(p).device.type for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
+    for i, p in enumerate(params):
+        if streamed:
+            if p.dtype != param_dtype:
+                raise ValueError(
+                    f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: with masters= the model is built in "
+                    f"offload.param_dtype={cfg.param_dtype} and the masters come from the source "
+                    "(parallelize.build_offloaded_model does both); without masters=, give FP32 params"
+                )
+        elif p.dtype != torch.float32 and any(getattr(x, CAST_MARK, False) for x in [p, *models]):
+            raise ValueError(
+                f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: an earlier OffloadAdamW cast this model and "
+                "holds its FP32 master weights. Keep using that optimizer; to rebuild one (other options, "
+                "another tier), save the old one's state (state_dict() or a DCP checkpoint), close() it, "
+                "build the model again in FP32, build the new optimizer on it and load the state"
+            )
+        elif p.dtype != torch.float32:
+            raise ValueError(
+                f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
+                "master weights from the model's FP32 params and casts the model to "
+                f"{cfg.param_dtype} itself; build it before casting the model"
+            )
+        if not local_data(p).is_contiguous():
+            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")

@@ -1,0 +1,206 @@
+"""OffloadAdamW's state as torch's tools see it: state dicts, `opt.state[p]`, the FP32 export, and the
+counters a DCP checkpoint keeps beside its subgroups.
+
+`OptimizerStates` gathers the FP32 masters and moments from wherever the store keeps them (one
+subgroup at a time, in host memory) and writes them back the same way, rewriting the model's
+low-precision params from the restored masters. It always runs between steps: `settle` waits for the
+update in flight and refuses a step that stopped part-way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .fsdp import CopyStream, local_data
+from .order import order_ending_with
+from .step_engine import StepEngine
+from .store import STATE_KEYS
+
+META_KEY = "fsdp_offload"  # the first param group's entry for the offload's own counters
+
+
+class OptimizerStates:
+    """The state-dict family of one OffloadAdamW (its face delegates here)."""
+
+    def __init__(self, engine: StepEngine, param_groups: list[dict[str, Any]], copies: CopyStream, settle: Callable[[], None]) -> None:
+        self.engine, self.param_groups, self.copies, self.settle = engine, param_groups, copies, settle
+        self.store, self.params = engine.store, engine.params
+
+    def pass_order(self) -> list[int]:
+        """The order of a pass that is not a step (a fill, a gather): it leaves the host cache holding
+        what the next step needs first."""
+        return order_ending_with(self.engine.forward, self.engine.step_count, self.engine.cfg.update_order)
+
+    @torch.no_grad()
+    def load_params_from_master(self, sg: int, master: torch.Tensor) -> None:
+        """The model's params in subgroup `sg` from its new FP32 masters, rounded (after a fill or a load)."""
+        with self.copies.after_current():
+            self.engine.grads.staging.load_params_from_master(sg, master, [local_data(p) for p in self.params])
+
+    @torch.no_grad()
+    def param_state(self, index: int, key: str) -> torch.Tensor:
+        """Param `index`'s `key` (one of STATE_KEYS), this rank's part read from wherever its subgroups
+        live, shaped as the param (a DTensor for a sharded one)."""
+        self.settle()
+        p = self.params[index]
+        out: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
+        out[index][key] = torch.empty(local_data(p).shape, dtype=torch.float32)
+        self.store.gather(list(self.engine.subgroups_of[index]), out)  # (a pass reorders its list)
+        return like_param(out[index][key], p)
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, Any]:
+        self.settle()
+        out = [{k: torch.empty(local_data(p).shape, dtype=torch.float32) for k in STATE_KEYS} for p in self.params]
+        self.store.gather(self.pass_order(), out)
+        state = {
+            i: {"step": torch.tensor(float(self.engine.steps[i])), **{k: like_param(t, p) for k, t in out[i].items()}}
+            for i, p in enumerate(self.params)
+        }
+        groups, start = [], 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + n))})
+            start += n
+        groups[0][META_KEY] = self.offload_meta()
+        return {"state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def full_fp32_state_dict(self, model: torch.nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        self.settle()
+        names = {id(p): name for name, p in model.named_parameters()}
+        missing = [i for i, p in enumerate(self.params) if id(p) not in names]
+        if missing:
+            raise ValueError(f"params {missing[:5]} of this optimizer are not parameters of the model given")
+        out = [{"master_param": torch.empty(local_data(p).shape, dtype=torch.float32)} for p in self.params]
+        self.store.gather(self.pass_order(), out)
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+        full: dict[str, torch.Tensor] = {}
+        for p, o in zip(self.params, out):
+            t = o["master_param"]
+            if isinstance(p, DTensor):  # the local shard goes where the mesh's collectives run
+                t = like_param(t.to(local_data(p).device), p).full_tensor().cpu()
+            if keep:
+                full[names[id(p)]] = t
+        return full
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.settle()
+        groups = state_dict["param_groups"]
+        self.check_groups([len(g["params"]) for g in groups])
+        # params are matched by position: keys are indices from state_dict(), or the names torch's
+        # distributed state-dict API gives them (in this optimizer's order)
+        keys = [k for g in groups for k in g["params"]]
+        state = [state_dict["state"].get(k, {}) for k in keys]
+        for i, p in enumerate(self.params):
+            want = tuple(local_data(p).shape)
+            for key in ("step", *STATE_KEYS):
+                if key not in state[i]:
+                    raise ValueError(f"state_dict param {i} ({keys[i]!r}) has no {key!r}: it was not saved by OffloadAdamW")
+            for key in STATE_KEYS:
+                got = tuple(local_data(state[i][key]).shape)
+                if got != want:
+                    raise ValueError(
+                        f"state_dict param {i} ({keys[i]!r}) {key}: local shape {got}, expected {want} (another model or sharding?)"
+                    )
+
+        def flat(key: str) -> Callable[[int], torch.Tensor]:
+            return lambda i: local_data(state[i][key]).reshape(-1).to(torch.float32)
+
+        self.begin_load()
+        self.store.fill(self.pass_order(), {key: flat(key) for key in STATE_KEYS}, then=self.load_params_from_master)
+        self.end_load(
+            [{k: v for k, v in g.items() if k not in ("params", META_KEY)} for g in groups],
+            [int(s["step"]) for s in state],
+            groups[0].get(META_KEY) or state_dict.get("offload", {}),  # (state dicts saved before it moved)
+        )
+
+    def check_groups(self, sizes: list[int]) -> None:
+        mine = [len(g["params"]) for g in self.param_groups]
+        if sizes != mine:
+            raise ValueError(
+                f"the saved state has param groups of sizes {sizes}, this optimizer {mine}: it was saved from "
+                "another model or another split of params into groups"
+            )
+
+    def begin_load(self) -> None:
+        """Before a load overwrites subgroups (`store.overwrite`): until it ends, the optimizer refuses to step."""
+        self.settle()
+        self.copies.wait_host()  # the last step's copies to the model still read the staging buffer
+        self.engine.grads.clear()
+        self.store.begin_load()
+
+    def end_load(self, groups: list[dict], steps: list[int], meta: dict[str, Any]) -> None:
+        """After every subgroup (and the model's params) was rewritten: takes the saved hyperparameters
+        and counters."""
+        self.store.end_load()
+        self.engine.grads.clear()
+        self.engine.params_written()
+        for mine, g in zip(self.param_groups, groups):
+            mine.update(g)
+        self.engine.steps = list(steps)
+        self.engine.step_count = int(meta.get("step_count", 0))
+        self.engine.grads.load_state_dict(meta.get("loss_scaler"))
+        if meta.get("placement"):
+            self.store.placement.load_state_dict(meta["placement"])
+
+    def offload_meta(self) -> dict[str, Any]:
+        return {"step_count": self.engine.step_count, "loss_scaler": self.engine.grads.state_dict(),
+                "placement": self.store.placement.state_dict()}  # fmt: skip
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        self.settle()
+        self.store.require_loaded()
+        return {
+            "layout": self.store.layout_signature(),
+            "steps": list(self.engine.steps),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "group_sizes": [len(g["params"]) for g in self.param_groups],
+            "offload": self.offload_meta(),
+        }
+
+    def load_checkpoint_meta(self, meta: dict[str, Any]) -> None:
+        self.store.check_layout(meta["layout"])
+        self.check_groups(meta["group_sizes"])
+        self.end_load(meta["param_groups"], meta["steps"], meta["offload"])
+
+
+class ParamState(Mapping):
+    """`opt.state[p]` of an OffloadAdamW: 'step' (a tensor, as torch's AdamW), and 'exp_avg',
+    'exp_avg_sq' and 'master_param' read from the store on access (each a copy: writing to it changes
+    nothing; load_state_dict does)."""
+
+    def __init__(self, states: OptimizerStates, index: int) -> None:
+        self._states, self._index = states, index
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "step":
+            self._states.engine.finish_update()  # the update in flight counts its step when it ends
+            return torch.tensor(float(self._states.engine.steps[self._index]))
+        if key in STATE_KEYS:
+            return self._states.param_state(self._index, key)
+        raise KeyError(key)
+
+    def __iter__(self):
+        return iter(("step", *STATE_KEYS))
+
+    def __len__(self) -> int:
+        return 1 + len(STATE_KEYS)
+
+
+def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`t` (the local part of a state tensor of `p`) shaped as `p`: a DTensor sharded like `p` when
+    `p` is one."""
+    if not isinstance(p, DTensor):
+        return t
+    # Built as FSDP2 builds its CPU-offloaded params: DTensor.from_local would copy `t` to the mesh's
+    # device (all FP32 state onto the GPU); the local part stays where it is.
+    spec = DTensorSpec(p.device_mesh, p.placements, tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
+    return DTensor(t.view(local_data(p).shape), spec, requires_grad=False)

@@ -1,0 +1,355 @@
+"""The step: grads in, the norm and scale, each subgroup updated in order, new params back to the model.
+
+`StepEngine` runs one optimizer step in named phases, as OffloadAdamW's face calls them:
+- `stage_grad`: backward's hooks hand in each grad (with overlap="backward" the update starts at the
+  first and takes each subgroup as soon as its grads are in);
+- `begin`: grads that no hook took, the FP32 grad path's writes, the global norm and the factor every
+  grad is scaled by (None: an fp16 overflow, the step skipped);
+- `run`: the store walks the subgroups in the order order.py gives; each is updated by the kernel on
+  the CPU (or the GPU for its GPU share), its new low-precision params copied back into the model;
+- `finish`: step counts, metrics, the grads cleared.
+With an FSDP2 model `run` goes on a worker thread (`UpdateInFlight`) while the next forward waits per
+unit for its params. A failed step keeps what it finished; the next call finishes the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from .config import OffloadConfig
+from .fsdp import CopyStream, local_data
+from .gpu_share import grow_gpu_share
+from .grads import StepGrads
+from .metrics import StepMetrics, step_metrics
+from .order import update_order
+from .overlap import UpdateInFlight
+from .store import SubgroupStore
+from .subgroups import SubgroupLayout
+
+
+class StepEngine:
+    """One rank's step over its subgroups; built once by OffloadAdamW from what it wired."""
+
+    def __init__(
+        self, cfg: OffloadConfig, param_groups: list[dict[str, Any]], params: list[torch.Tensor], layout: SubgroupLayout,
+        forward: list[int], store: SubgroupStore, grads: StepGrads, copies: CopyStream, kernels: tuple[Callable, Callable | None],
+        inflight: UpdateInFlight | None, during_backward: bool, root, size_gpu_share: bool,
+    ) -> None:  # fmt: skip
+        self.cfg, self.param_groups, self.params, self.layout = cfg, param_groups, params, layout
+        self.device = local_data(params[0]).device
+        self.group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+        self.forward, self.forward_rank = forward, {sg: k for k, sg in enumerate(forward)}
+        self.store, self.grads, self.copies = store, grads, copies
+        self.cpu_kernel, self.gpu_kernel = kernels
+        self.inflight, self.during_backward, self.root = inflight, during_backward, root
+        self.size_gpu_share = size_gpu_share  # gpu_fraction="auto" without a plan: sized after the first step
+        self.subgroups_of = [sorted({sg for sg, _ in segs}) for segs in layout.param_segments]
+        # overlap="backward": per subgroup, how many of its params that take grads have yet to hand them in
+        self.grads_expected = [0] * len(layout)
+        for p, sgs in zip(params, self.subgroups_of):
+            for sg in sgs:
+                self.grads_expected[sg] += p.requires_grad
+        self._grads_missing: list[int] = []
+        self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
+        self.steps = [0] * len(params)  # AdamW step count of each param
+        self.step_count = 0  # optimizer steps taken: picks the update order
+        self.pending: list[int] | None = None  # subgroups left of a step begun and not finished
+        self.unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
+        self._scale = 1.0
+        self._hyper: list[dict[str, float]] = []  # each group's hyperparameters, taken when the step began
+        self._after_backward = None  # CUDA event after the work queued before step(): the update's copies follow it
+        self._begin_s = 0.0  # time step() took before the update could start
+        self._norm_s = 0.0  # time this step took to take the grad norm (metrics.norm_s)
+        self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
+        self.last_metrics: StepMetrics | None = None  # the last finished update's
+        self.untaken: deque[StepMetrics] = deque(maxlen=1024)  # finished steps' metrics, for take_metrics()
+        self.skipped_steps = 0  # fp16 steps skipped for inf/nan grads
+
+    # -- grads in ---------------------------------------------------------------------------------
+
+    def stage_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.during_backward:
+            self._stage_grad_during_update(index, grad)
+            return
+        self.ready_for_grads()
+        self.grads.stage(index, grad)
+
+    def stage_param_grads(self) -> None:
+        """Stages the `.grad` of params that no hook handed over (params without model=)."""
+        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self.params], self.copies)
+
+    def ready_for_grads(self) -> None:
+        """Before a backward's grads go into the staging buffer: the last update has ended (it writes
+        the new params there) and did not stop part-way (its buffers are still its own)."""
+        self.finish_update()
+        if self.pending is not None:
+            raise RuntimeError(
+                f"step {self.step_count} stopped part-way ({len(self.pending)} subgroups left to update) and "
+                "its buffers are still in use: call step() again to finish it before the next backward"
+            )
+
+    def _stage_grad_during_update(self, index: int, grad: torch.Tensor) -> None:
+        """overlap="backward": the step's first grad starts its update; a subgroup whose grads are all in
+        is handed to it at once."""
+        if not self.inflight.awaiting_grads:
+            self._start_update_in_backward()
+        elif index in self._grads_taken:
+            raise RuntimeError(
+                f"param {index} (shape {tuple(grad.shape)}) got a second grad before step(): with "
+                "offload.overlap='backward' a subgroup is updated as soon as its grads are in, so grads cannot "
+                "accumulate over several backwards; call step() after each backward, or use "
+                "offload.overlap='next_forward' for gradient accumulation"
+            )
+        self.grads.stage(index, grad)
+        self._grads_taken.add(index)
+        for sg in self.subgroups_of[index]:
+            self._grads_missing[sg] -= 1
+            if self._grads_missing[sg] == 0:
+                self.inflight.grads_in(sg, self.copies.record_current())  # the hook's copies, on FSDP2's stream
+
+    def _start_update_in_backward(self) -> None:
+        self.ready_for_grads()
+        start = time.perf_counter()
+        self.store.require_loaded()
+        self._maybe_grow_gpu_share()
+        self._plan(1.0)  # no clipping, bf16: the factor is known before the grads
+        self._grads_missing, self._grads_taken = list(self.grads_expected), set()
+        self._after_backward = self.copies.mark_current()
+        self.inflight.start(lambda: self.run(start), before_grads=True)
+
+    def hand_in_last_grads(self) -> None:
+        """overlap="backward": the update started during backward; the rest of the subgroups may go now."""
+        start = time.perf_counter()
+        self.stage_param_grads()
+        self.inflight.all_grads_in()
+        self._begin_s = time.perf_counter() - start
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Begins the step (or the rest of a failed one) and runs its update, here or in flight."""
+        self.finish_update()
+        start = time.perf_counter()
+        self.store.require_loaded()
+        if self.pending is None:
+            self._maybe_grow_gpu_share()
+            if not self._begin(start):
+                return  # fp16 overflow: no state was touched
+        self._begin_s = time.perf_counter() - start
+        if self.inflight is None:
+            self.run(start)
+            self._publish(0.0)
+            return
+        self._after_backward = self.copies.mark_current()
+        everything = range(len(self.layout))  # a retry: what the failed try finished is in the model
+        done = set(everything) - set(self.pending) - self.unwritten
+        self.inflight.start(lambda: self.run(start), in_model=done)
+
+    def _maybe_grow_gpu_share(self) -> None:
+        if self.size_gpu_share and self.last_metrics is not None:
+            self.size_gpu_share = False  # once, between the first two updates
+            if grow_gpu_share(self.cfg, self.layout, self.store, self.grads.staging, self.copies, self.device):
+                self.gpu_kernel = self.gpu_kernel or triton_kernel()
+
+    def _begin(self, start: float) -> bool:
+        """Stages what backward left, writes the FP32 grads (that path only) and takes the grad scale;
+        False when fp16 grads overflowed and the step is skipped."""
+        self.stage_param_grads()
+        if not any(self.grads.staged):
+            raise RuntimeError("step() called before any backward: no param has a grad")
+        # first: if it fails, the step has changed nothing yet
+        self.store.record_io(self.grads.before_update(self.store.host_subgroups))
+        taken = time.perf_counter()
+        scale = self.grads.grad_scale()
+        self._norm_s = time.perf_counter() - taken
+        if scale is None:
+            self.skipped_steps += 1
+            self.grads.clear()
+            transfers, _ = self.store.take_io()  # the FP32 grads written before the overflow was seen
+            m = step_metrics(self.step_count, time.perf_counter() - start, 0, len(self.layout), 0, transfers, {})
+            m.skipped, m.exposed_update_s = True, m.update_s
+            m.norm_s, self._norm_s = self._norm_s, 0.0
+            self._keep(m)
+            return False
+        self._plan(scale)
+        return True
+
+    def _plan(self, grad_scale: float) -> None:
+        """The grad factor, each group's hyperparameters, and the order of the subgroups."""
+        self._scale = grad_scale
+        self._hyper = hyperparameters(self.param_groups)  # taken now: a scheduler may change them while the update runs
+        self.pending = update_order(self.forward, self.step_count, self.cfg.update_order, self.store.resident())
+
+    @torch.no_grad()  # grad mode is per thread: this may run on the update's own
+    def run(self, start: float) -> None:
+        """Updates the subgroups of `pending` and copies their params back into the model."""
+        params = [local_data(p) for p in self.params]
+        updated: set[int] = set()
+
+        def update(sg: int, state: torch.Tensor) -> None:
+            if self.inflight is not None:
+                self.inflight.wait_grads(sg)
+            with interrupts_between_subgroups():  # the kernel writes params over the grads: no retry may see half
+                self.update_subgroup(sg, state, self._scale)
+                updated.add(sg)  # its state is new now: a retry must not update it again
+                self.unwritten.add(sg)
+            self._copy_back(sg, params)
+
+        with self.copies.after(self._after_backward) if self.inflight is not None else contextlib.nullcontext():
+            try:
+                for sg in sorted(self.unwritten):  # params a failed try updated but did not copy back
+                    self._copy_back(sg, params)
+                if self.during_backward:
+                    self._update_as_grads_arrive(update)
+                self.store.run_update([sg for sg in self.pending if sg not in updated], update)
+            finally:
+                # [] until _finish: every subgroup is new, the step is not closed (a retry closes it)
+                self.pending = [sg for sg in self.pending if sg not in updated]
+                if self.inflight is None:
+                    self.params_written()
+            self._finish(start)
+
+    def _update_as_grads_arrive(self, update: Callable[[int, torch.Tensor], None]) -> None:
+        """overlap="backward": the subgroups in memory, each as soon as its grads are in; of those whose
+        grads are in, the one the next forward needs first (backward hands in the root unit's grads,
+        which the forward needs first, last of all)."""
+        resident = self.store.resident()
+        left = [sg for sg in self.pending if sg in resident]
+        while left:
+            sg = self.inflight.next_with_grads(left, self.forward_rank.__getitem__)
+            left.remove(sg)
+            self.store.run_update([sg], update)
+
+    def update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
+        subgroup = self.layout.subgroups[sg]
+        p, m, v = subgroup.parts(state)
+        staging = self.grads.staging
+        # the kernel writes the new low-precision params over the staged grads
+        out = staging.view(sg) if state.is_cuda else staging.for_cpu_update(sg)
+        g, transfer = self.grads.for_update(sg, out, state.is_cuda)
+        if transfer is not None:
+            self.store.record_io([transfer])
+        kernel = self.gpu_kernel if state.is_cuda else self.cpu_kernel
+        staged = self.grads.staged
+        # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are
+        # updated by one kernel call (the update is elementwise, so this changes no bit).
+        runs: list[list] = []  # [start, stop, (group, step)]
+        for seg in subgroup.segments:
+            if not staged[seg.param]:
+                continue
+            key = (self.group_of[seg.param], self.steps[seg.param] + 1)  # the step this update takes
+            if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
+                runs[-1][1] = seg.offset + seg.numel
+            else:
+                runs.append([seg.offset, seg.offset + seg.numel, key])
+        for lo, hi, (group, step) in runs:
+            piece = slice(lo, hi)
+            kernel(p[piece], m[piece], v[piece], g[piece], out[piece], **self._hyper[group], step=step, grad_scale=grad_scale)
+        if not state.is_cuda:
+            staging.after_cpu_update(sg, out)
+
+    def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
+        with self.copies.after_current():
+            self.grads.staging.copy_params_to_model(sg, params)
+        self.unwritten.discard(sg)
+        if self.inflight is not None:
+            self.inflight.params_ready(sg, self.copies.record())
+
+    def params_written(self) -> None:
+        """Makes the next forward wait for the params copied back so far."""
+        event = self.copies.record()
+        if event is None:
+            return
+        if self.root is not None:
+            self.root.set_post_optim_event(event)
+        else:
+            torch.cuda.current_stream().wait_event(event)
+
+    def _finish(self, start: float) -> None:
+        transfers, hits = self.store.take_io()
+        updated = sum(n for n, has in zip(self.layout.numels, self.grads.staged) if has)
+        m = step_metrics(self.step_count, time.perf_counter() - start, updated, len(self.layout), hits, transfers,
+                         self.store.stored_locations())  # fmt: skip
+        m.subgroups_on_gpu = len(self.store.gpu_state)
+        m.norm_s, self._norm_s = self._norm_s, 0.0
+        self._finished = m
+        for i, has in enumerate(self.grads.staged):
+            self.steps[i] += has
+        self.step_count += 1
+        self.grads.clear()
+        self.pending = None
+
+    # -- waiting for it, and its metrics ------------------------------------------------------------
+
+    def finish_update(self) -> None:
+        """Waits until the update of the last step has finished and its params are in the model;
+        raises its error, if it had one."""
+        if self.inflight is None or not self.inflight.busy:
+            return
+        if self.inflight.awaiting_grads:
+            raise RuntimeError(
+                "backward has started this step's update (offload.overlap='backward') and step() has not been "
+                "called: call step() first, then save, load or read the params"
+            )
+        try:
+            self.inflight.finish()
+        finally:
+            self.copies.current_waits()  # the params copied so far (all, or a failed try's), for what reads them next
+            self._publish(self.inflight.waited_s)
+
+    def _publish(self, waited_s: float) -> None:
+        m, self._finished = self._finished, None
+        if m is None:
+            return  # the update raised before it ended
+        m.exposed_update_s = m.update_s if self.inflight is None else self._begin_s + waited_s
+        m.lock_wait_s = self.store.lock_waits()
+        self._keep(m)
+        m.log()
+
+    def _keep(self, m: StepMetrics) -> None:
+        self.last_metrics = m
+        self.untaken.append(m)
+
+
+def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each group's AdamW hyperparameters as the kernels take them."""
+    return [
+        {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+         "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
+        for g in param_groups
+    ]  # fmt: skip
+
+
+def triton_kernel() -> Callable:
+    from .kernels.triton_adamw import triton_adamw_step
+
+    return triton_adamw_step
+
+
+@contextlib.contextmanager
+def interrupts_between_subgroups():
+    """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raises
+    it: a subgroup's update, which overwrites its grads with the new params run by run, is then done
+    whole or not at all, and a retried step() never takes params for grads. Off the main thread (the
+    overlapped update's worker) no signal is delivered, so there is nothing to hold."""
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None:  # a worker thread, or a handler not set from Python: leave it be
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])  # the default handler raises KeyboardInterrupt here, between subgroups
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
