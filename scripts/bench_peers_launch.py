@@ -83,7 +83,8 @@ def failure_reason(log_path: str) -> str:
     """The worker's ERROR_TAG line, train.py's 'error:' line, or the last exception line of the log
     that is not torchrun's own summary of a failed rank."""
     try:
-        lines = [l.strip() for l in Path(log_path).read_text(errors="replace").splitlines() if l.strip()]
+        text = Path(log_path).read_text(errors="replace")
+        lines = [re.sub(r"^\[rank\d+\]:\s*", "", l.strip()) for l in text.splitlines() if l.strip()]  # torchrun's prefix
     except OSError:
         return "no log"
     for line in lines:

@@ -190,7 +190,8 @@ def run_worker(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     info: dict = {"params": num_params(margs), "torch": torch.__version__, "world_size": world, "cpu_threads": torch.get_num_threads()}
     if system.runner == "fsdp":
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # gloo beside NCCL: clip_grad_norm_ reduces the norms of the CPU-resident shards on the CPU
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         peer = FsdpPeer(args, device, max_grad_norm, info)
     else:
         deepspeed.init_distributed(dist_backend="nccl")  # torchrun's environment

@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
+from bench_peers_launch import failure_reason  # noqa: E402
 from bench_peers_report import against_gpu_only, median_round, round_ratios, turn  # noqa: E402
 
 ROW_KEYS = {  # issue #33's result keys, on every system that ran
@@ -25,7 +26,7 @@ ROW_KEYS = {  # issue #33's result keys, on every system that ran
 }  # fmt: skip
 IO_KEYS = {"effective_io_gbps", "raw_mixed_io_gbps", "physical_limit_s", "update_s"}
 POSITIVE = ("iteration_s", "forward_s", "backward_s", "update_s", "exposed_update_s", "host_peak_gib", "tokens_per_s",
-            "share_of_gpu_only", "compute_limit_s", "model_tflops")  # fmt: skip
+            "compute_limit_s", "model_tflops")  # fmt: skip
 
 
 def bench(tmp_path: Path, *flags: str) -> tuple[dict, str]:
@@ -41,7 +42,8 @@ def bench(tmp_path: Path, *flags: str) -> tuple[dict, str]:
     return json.loads(path.read_text()), out.stdout
 
 
-def check_row(run: dict, steps: int, ranks: int) -> None:
+def check_row(run: dict, steps: int, ranks: int, gpu_only: dict | None) -> None:
+    """Issue #33's keys with sane values; share and compute limit against `gpu_only`'s row if it ran."""
     assert "error" not in run, run
     assert ROW_KEYS | IO_KEYS <= set(run), (ROW_KEYS | IO_KEYS) - set(run)
     assert all(run[k] > 0 for k in POSITIVE), {k: run[k] for k in POSITIVE}
@@ -51,12 +53,18 @@ def check_row(run: dict, steps: int, ranks: int) -> None:
     assert run["tokens_per_s"] == run["tokens_per_step"] / run["iteration_s"]
     assert len(run["host_peak_gib_per_rank"]) == ranks and run["host_peak_gib"] == sum(run["host_peak_gib_per_rank"])
     assert run["gpu_peak_gib"] is None  # no GPU here
-    assert "gpu_only" in run["compute_limit_from"]
+    if gpu_only is None:  # no share, and the system's own forward + backward as its compute limit
+        assert run["share_of_gpu_only"] is None and "not selected" in run["share_of_gpu_only_note"]
+        assert run["compute_limit_s"] == run["forward_s"] + run["backward_s"] and "own" in run["compute_limit_from"]
+    else:
+        assert run["share_of_gpu_only"] == run["tokens_per_s"] / gpu_only["tokens_per_s"] > 0
+        assert run["compute_limit_s"] == gpu_only["forward_s"] + gpu_only["backward_s"]
+    assert run["iteration_over_compute_limit"] == run["iteration_s"] / run["compute_limit_s"]
     assert run["exposed_update_note"]
 
 
 def test_tiny_model_on_cpu_reports_every_system(tmp_path):
-    systems = ("gpu_only", "host", "disk", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")
+    systems = ("host", "disk", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")  # gpu_only: see the next test
     result, stdout = bench(
         tmp_path, "--steps", "3", "--systems", ",".join(systems), "--raw-io-gib", "0.0625", "--raw-io-samples", "1",
         # a host cache of a few 16Ki-param subgroups, so the tiny model's state really streams through the disk
@@ -67,16 +75,10 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     runs = result["runs"]
     assert set(runs) == set(systems)
 
-    gpu = runs["gpu_only"]
-    for name in ("gpu_only", "host", "disk"):  # through scripts/train.py
-        check_row(runs[name], steps=3, ranks=1)
+    for name in ("host", "disk"):  # through scripts/train.py
+        check_row(runs[name], steps=3, ranks=1, gpu_only=None)
         assert runs[name]["steps_averaged"] == [2, 3]
-        assert runs[name]["share_of_gpu_only"] == runs[name]["tokens_per_s"] / gpu["tokens_per_s"]
-        assert runs[name]["compute_limit_s"] == gpu["forward_s"] + gpu["backward_s"]
-    assert gpu["share_of_gpu_only"] == 1.0 and gpu["grad_accumulation"] is None
-    for name in ("host", "disk"):  # on CPU the FP32 sums can only be on the host
-        assert runs[name]["grad_accumulation"] == "host", runs[name]["grad_accumulation_from"]
-    assert abs(runs["host"]["loss_first"] - gpu["loss_first"]) < 0.05
+        assert runs[name]["grad_accumulation"] == "host", runs[name]["grad_accumulation_from"]  # on CPU: the host
     disk = runs["disk"]
     assert disk["effective_io_gbps"] > 0 and disk["disk_bytes_per_step"] > 0
     assert disk["raw_mixed_io_gbps"] == disk["raw_io"]["mixed_gbps"] > 0
@@ -90,7 +92,7 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
         assert fsdp["error"].strip()
         assert result["ratio_vs_fsdp_cpu_offload_clip"] is None
     else:
-        check_row(fsdp, steps=3, ranks=1)
+        check_row(fsdp, steps=3, ranks=1, gpu_only=None)
         assert fsdp["grad_accumulation"] is None
         assert abs(fsdp["loss_first"] - runs["host"]["loss_first"]) < 0.05
         assert result["ratio_vs_fsdp_cpu_offload_clip"] == fsdp["iteration_s"] / runs["host"]["iteration_s"]
@@ -111,10 +113,14 @@ def test_two_ranks_under_torchrun(tmp_path):
     result, stdout = bench(tmp_path, "--nproc", "2", "--steps", "2", "--systems", "gpu_only,host,zero_offload", "--raw-io-gib", "0")
     runs = result["runs"]
     assert result["model"]["nproc"] == 2 and result["model"]["tokens_per_step"] == 2 * 2 * 64
+    gpu = runs["gpu_only"]
     for name in ("gpu_only", "host"):
-        check_row(runs[name], steps=2, ranks=2)
+        check_row(runs[name], steps=2, ranks=2, gpu_only=gpu)
         assert "torch.distributed.run" in runs[name]["command"] and "--nproc-per-node=2" in runs[name]["command"]
+    assert gpu["share_of_gpu_only"] == 1.0 and gpu["grad_accumulation"] is None
     assert runs["host"]["grad_accumulation"] == "host"
+    assert abs(runs["host"]["loss_first"] - gpu["loss_first"]) < 0.05  # the same model and tokens
+    assert "share gpu_only" in stdout[stdout.index("\nsystem ") :]
     assert "deepspeed" in runs["zero_offload"]["error"].lower()
 
 
@@ -148,3 +154,17 @@ def test_rounds_take_turns_and_report_medians():
     assert values["ratio_vs_fsdp_cpu_offload"] == 1.0  # the median of ratios taken within one round
     assert "median over 3 rounds" in basis["ratio_vs_fsdp_cpu_offload"]
     assert values["ratio_vs_zero_infinity"] is None and "not selected" in basis["ratio_vs_zero_infinity"]
+
+
+def test_failure_reason_is_the_ranks_not_torchruns(tmp_path):
+    log = tmp_path / "system.log"
+    log.write_text(
+        "[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 1, in <module>\n"
+        "[rank1]: RuntimeError: No backend type associated with device type cpu\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "============================================================\nscripts/bench_peers.py FAILED\n"
+        "  error_file: <N/A>\n============================================================\n"
+    )  # fmt: skip
+    assert failure_reason(str(log)) == "RuntimeError: No backend type associated with device type cpu"
+    log.write_text("BENCH_ERROR: import deepspeed failed\n" + log.read_text())
+    assert failure_reason(str(log)) == "import deepspeed failed"
