@@ -6,11 +6,28 @@ line naming the path, the option that chose it and the fix."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
+from typing import Any, Callable
 
 
 class JobError(ValueError):
     """A fault that every rank of the job raises alike; one line naming the path, option and fix."""
+
+
+def job_wide(read: Callable) -> Callable:
+    """Makes the ValueErrors of `read` (reading the job's options, the same on every rank) JobErrors."""
+
+    @functools.wraps(read)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return read(*args, **kwargs)
+        except JobError:
+            raise
+        except ValueError as exc:
+            raise JobError(str(exc)) from exc
+
+    return wrapper
 
 
 def printed_by_another_rank(exc: BaseException) -> bool:
@@ -48,3 +65,47 @@ def _owning_option(path: str, options: dict[str, str | None]) -> str | None:
         if directory and os.path.commonpath([where, os.path.abspath(directory)]) == os.path.abspath(directory):
             return option
     return None
+
+
+def error_line(exc: BaseException, cfg: Any) -> str | None:
+    """The one line train.py prints for `exc`: its message, or for an OSError on a dir the options
+    chose (train.out_dir, Hydra's run dir, checkpoint.dir) the path, the option and the fix; None for
+    an OSError elsewhere (its traceback says more)."""
+    if not isinstance(exc, OSError) or isinstance(exc, FileNotFoundError) and exc.filename is None:
+        return str(exc)
+    options = _dir_options(cfg)
+    if exc.filename is not None:
+        line = os_error_line(exc, options)
+        return line if _owning_option(os.fsdecode(exc.filename), options) else (str(exc) if isinstance(exc, FileNotFoundError) else None)
+    # a write to an open file (the metrics, a log) names no path: the dir whose file system is full or read-only
+    for option, directory in options.items():
+        if directory and _cannot_write(directory, exc.errno):
+            fix = _FIXES.get(exc.errno, "").format(option=option, uid=os.getuid())
+            return f"{option}={directory}: writing the run's files there failed ({exc.strerror}): {fix}"
+    return None
+
+
+def _dir_options(cfg: Any) -> dict[str, str | None]:
+    train, checkpoint = cfg.get("train") or {}, cfg.get("checkpoint") or {}
+    out_dir = train.get("out_dir")
+    if out_dir is None:
+        try:
+            import hydra
+
+            out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+        except Exception:  # noqa: BLE001 - no Hydra run: no run dir to name
+            out_dir = None
+    return {"train.out_dir": None if out_dir is None else str(out_dir), "checkpoint.dir": checkpoint.get("dir")}
+
+
+def _cannot_write(directory: str, code: int | None) -> bool:
+    """Whether the file system of `directory` is full (ENOSPC/EDQUOT) or read-only (EROFS) now."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return False
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return fs.f_bavail == 0 or fs.f_favail == 0
+    if code == errno.EROFS:
+        return bool(fs.f_flag & os.ST_RDONLY)
+    return False

@@ -4,13 +4,15 @@ and what the planner plans, read by one function so that both see the same run."
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CheckpointConfig
-from .config import OffloadConfig, dataclass_from, is_number, is_whole, path_option
+from .config import OffloadConfig, dataclass_from, format_bytes, is_number, is_whole, path_option
 from .data import DataConfig
+from .job_errors import job_wide
 from .models import LlamaArgs
 
 log = logging.getLogger("train")  # the training run's logger: Hydra sends it to the console and train.log
@@ -34,6 +36,8 @@ class TrainConfig:
     tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
     progress: bool = True
     kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+    collective_timeout_s: float = 1800  # a collective that waits longer fails (gloo/NCCL name it); ends a hung job
+    watchdog_s: float | None = 60  # a rank silent this long is named in the log by the others; null or 0: no watchdog
 
     def __post_init__(self) -> None:  # a bad recipe fails here, before a process group or a model exists
         if self.device not in ("auto", "cpu", "cuda"):
@@ -51,6 +55,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (is_number(value) and value >= 0):
                 raise ValueError(f"train.{name}={value!r} must be a number >= 0")
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: the cosine decays to lr * min_lr_ratio, which must "
+                             "be in [0, 1] (1: a constant lr after warm-up)")  # fmt: skip
+        if not (is_number(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ValueError(f"train.collective_timeout_s={self.collective_timeout_s!r} must be a number of seconds > 0")
+        if self.watchdog_s is not None and not (is_number(self.watchdog_s) and self.watchdog_s >= 0):
+            raise ValueError(f"train.watchdog_s={self.watchdog_s!r} must be a number of seconds >= 0 (0 or null: no watchdog)")
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
@@ -69,6 +80,7 @@ def to_dataclass(cls, node: DictConfig | dict, option: str):
     return dataclass_from(cls, OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, option)
 
 
+@job_wide
 def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
     """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
     tcfg = to_dataclass(TrainConfig, cfg.train, "train")
@@ -85,8 +97,24 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
             "optimizer plans its grad sums for the backwards train.py runs per step; drop offload.micro_batches (the "
             "recipes set it from train.micro_batches)"
         )
-    if dcfg.seq_len > margs.max_seq_len:  # the rotary table grows to the sequence; the cost is the sequence's
-        log.info("data.seq_len=%d is above model.max_seq_len=%d: the model takes sequences of %d", dcfg.seq_len,
-                 margs.max_seq_len, dcfg.seq_len)  # fmt: skip
-        margs.max_seq_len = dcfg.seq_len
+    if dcfg.seq_len > margs.max_seq_len:
+        raise ValueError(
+            f"data.seq_len={dcfg.seq_len} is above model.max_seq_len={margs.max_seq_len}: the model is not built for such "
+            f"sequences (and attention's memory grows with their square); lower data.seq_len, or raise model.max_seq_len "
+            "if the model is meant to take them"
+        )
+    if recipe.optimizer == "offload":
+        warn_above_machine_memory(recipe.config)
     return tcfg, margs, dcfg, recipe, ckcfg
+
+
+def warn_above_machine_memory(config: OffloadConfig) -> None:
+    """A host budget above the machine's memory cannot be met (the cache would swap or be killed):
+    said once, naming both."""
+    if config.host_budget_gb in (None, "auto") or os.environ.get("RANK", "0") != "0":
+        return
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if config.host_budget_bytes > total:
+        log.warning("offload.host_budget_gb=%s (%s) is above this machine's memory (%s): the state held in host memory would "
+                    "swap or be killed; give at most what the machine has, or offload.host_budget_gb=auto",
+                    config.host_budget_gb, format_bytes(config.host_budget_bytes), format_bytes(total))  # fmt: skip

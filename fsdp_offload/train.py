@@ -34,9 +34,10 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
-from .checkpoint import check_checkpoint, load_checkpoint, resume_point, save_checkpoint
+from .checkpoint import check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
+from .job_errors import error_line, printed_by_another_rank
 from .models import num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
@@ -48,6 +49,7 @@ from .plan import plan_summary
 from .recipe import TrainConfig, read_config
 from .storage import TierError
 from .threads import cpu_threads_per_rank, use_cpu_threads
+from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
@@ -62,7 +64,7 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def init_distributed(device: str) -> torch.device:
+def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -74,7 +76,7 @@ def init_distributed(device: str) -> torch.device:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if dist.is_initialized():  # the caller's group (run() from a notebook or a test)
         return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
@@ -163,6 +165,8 @@ def run(cfg: DictConfig) -> list[dict]:
     try:
         return _run(cfg)
     finally:
+        release_checkpoint_dir()
+        stop_watchdog()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -173,7 +177,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         if path is not None:
             check_writable_dir(path, option)
 
-    device = init_distributed(tcfg.device)
+    device = init_distributed(tcfg.device, tcfg.collective_timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD if world > 1 else None
     local = node_ranks(group)  # by host name: srun and mp.spawn set no LOCAL_WORLD_SIZE
@@ -182,6 +186,8 @@ def _run(cfg: DictConfig) -> list[dict]:
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
                "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
+    hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time
+    start_watchdog(tcfg.watchdog_s)
     resume_from, resume_line = resume_point(ckcfg)
     if resume_from:
         check_checkpoint(resume_from, run_key)
@@ -385,8 +391,12 @@ def main(cfg: DictConfig) -> None:
     """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line."""
     try:
         run(cfg)
-    except (ValueError, FileNotFoundError, TierError) as exc:  # bad input: one line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, OSError, TierError) as exc:  # bad input, a full or read-only dir: one line, once a job
+        line = error_line(exc, cfg)
+        if line is None:  # an OSError of no dir the options chose: its traceback says more
+            raise
+        if not printed_by_another_rank(exc):
+            print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -16,7 +16,7 @@ checkpoints holds `<dir>/.lock` (dir_lock.py). DCP's .metadata is read through a
 """
 
 from .config import CheckpointConfig
-from .dir_lock import CheckpointDirBusy, CheckpointDirLock
+from .dir_lock import CheckpointDirBusy, CheckpointDirLock, hold_checkpoint_dir, release_checkpoint_dir
 from .files import FileOps
 from .manifest import MANIFEST
 from .run import (
@@ -26,5 +26,6 @@ from .run import (
 
 __all__ = [
     "CheckpointConfig", "CheckpointDirBusy", "CheckpointDirLock", "FileOps", "MANIFEST", "RUN_FILE", "check_checkpoint",
-    "is_checkpoint", "latest_checkpoint", "load_checkpoint", "resume_point", "save_checkpoint",
+    "hold_checkpoint_dir", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "release_checkpoint_dir", "resume_point",
+    "save_checkpoint",
 ]  # fmt: skip

@@ -206,8 +206,8 @@ def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
     is raised on every rank)."""
     shutil.rmtree(tmp, ignore_errors=True)
     oserrors = [e for e, _ in exc.failures.values() if isinstance(e, OSError)]
-    if oserrors:
-        raise oserrors[0]
+    if oserrors:  # a write to an open file names none: the dir being written is the one
+        raise oserrors[0] if oserrors[0].filename else OSError(oserrors[0].errno, oserrors[0].strerror, tmp)
 
 
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:

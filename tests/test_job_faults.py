@@ -1,0 +1,111 @@
+"""Faults of the job's dirs and options, said in one line once a job (not once a rank): a checkpoint
+dir held by another run, a full checkpoint dir or run dir (a real 1 MiB tmpfs where the machine lets
+us mount one), options that cannot be meant; the OSError of a dir the options chose names the path,
+the option and the fix."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from test_faults import fill_up, small_tmpfs  # noqa: F401 - the fixture
+from test_train import train
+
+from fsdp_offload.job_errors import os_error_line
+
+
+def errors(out: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in out.stderr.splitlines() if line.startswith("error:")]
+
+
+def our_traceback(out: subprocess.CompletedProcess) -> bool:
+    """Whether a traceback through the product was printed (torchrun prints its own when a rank exits 2)."""
+    return any("fsdp_offload/" in line and ", line " in line for line in out.stderr.splitlines())
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.seq_len=100000", "data.seq_len=100000 is above model.max_seq_len=256: the model is not built for such sequences"),
+        ("train.min_lr_ratio=5", "train.min_lr_ratio=5: the cosine decays to lr * min_lr_ratio, which must be in [0, 1]"),
+        ("train.collective_timeout_s=0", "train.collective_timeout_s=0 must be a number of seconds > 0"),
+        ("train.watchdog_s=-1", "train.watchdog_s=-1 must be a number of seconds >= 0"),
+    ],
+)
+def test_what_cannot_be_meant_is_refused_once_a_job(tmp_path, override, message):
+    out = train(tmp_path / "run", override, ranks=2, check=False)
+    assert out.returncode != 0 and len(errors(out)) == 1 and message in errors(out)[0], out.stderr[-2000:]
+    assert not our_traceback(out)
+
+
+def test_a_host_budget_above_the_machine_is_said(tmp_path):
+    out = train(tmp_path / "run", "offload.host_budget_gb=1000000", "train.steps=1")
+    said = out.stdout + out.stderr
+    assert "offload.host_budget_gb=1000000 (" in said and "is above this machine's memory (" in said, said[-2000:]
+
+
+HOLD = """
+import sys, time
+from fsdp_offload.checkpoint import CheckpointDirLock
+CheckpointDirLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.bad_input
+def test_a_second_run_on_one_checkpoint_dir_is_refused_at_start_naming_the_first(tmp_path):
+    ck = tmp_path / "ck"
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(ck)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        out = train(tmp_path / "run", f"checkpoint.dir={ck}", ranks=2, check=False)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert out.returncode != 0 and len(errors(out)) == 1, out.stderr[-3000:]
+    assert f"checkpoint.dir={ck} is being written by another run (host " in errors(out)[0] and f"pid {first.pid}," in errors(out)[0]
+    assert not [d for d in os.listdir(ck) if d.startswith("step_")]  # refused before anything was written
+    # the holder is dead: its lock goes with it, and the next run writes the dir
+    train(tmp_path / "run2", f"checkpoint.dir={ck}", "train.steps=2")
+    assert os.path.isdir(ck / "step_00000002")
+
+
+@pytest.mark.bad_input
+def test_a_full_checkpoint_dir_is_one_line_once_a_job(tmp_path, small_tmpfs):  # noqa: F811
+    out = train(tmp_path / "run", f"checkpoint.dir={small_tmpfs}", "train.steps=2", ranks=2, check=False)
+    assert out.returncode != 0 and len(errors(out)) == 1 and not our_traceback(out), out.stderr[-3000:]
+    line = errors(out)[0]
+    assert f"checkpoint.dir={small_tmpfs}: cannot write {small_tmpfs}/" in line and "No space left on device" in line, line
+    assert "free space on that file system, or point checkpoint.dir at one with room" in line
+    assert not [d for d in os.listdir(small_tmpfs) if d.startswith("step_")]  # the half-written one is gone, freeing its room
+
+
+@pytest.mark.bad_input
+def test_a_full_run_dir_is_one_line_naming_train_out_dir(tmp_path, small_tmpfs):  # noqa: F811
+    filler = fill_up(small_tmpfs)
+    out = train(tmp_path / "run", f"train.out_dir={small_tmpfs}", "train.steps=2", check=False)
+    os.remove(filler)
+    assert out.returncode != 0 and len(errors(out)) == 1 and not our_traceback(out), out.stderr[-3000:]
+    line = errors(out)[0]
+    assert f"train.out_dir={small_tmpfs}" in line and "No space left on device" in line and "free space" in line, line
+
+
+@pytest.mark.parametrize(
+    "code, fix",
+    [
+        (errno.ENOSPC, "free space on that file system, or point checkpoint.dir at one with room"),
+        (errno.EROFS, "the file system is read-only: point checkpoint.dir at a writable one"),
+        (errno.EACCES, f"uid {os.getuid()} may not write there: fix the dir's mode or owner, or point checkpoint.dir elsewhere"),
+        (errno.ELOOP, "a symlink is in the way, and files are never written through links: remove it or point checkpoint.dir elsewhere"),
+    ],
+)
+def test_an_os_error_names_the_path_the_option_and_the_fix(tmp_path, code, fix):
+    path = tmp_path / "ck" / "step_00000002.tmp" / "run.json"
+    line = os_error_line(OSError(code, os.strerror(code), str(path)), {"train.out_dir": "/elsewhere", "checkpoint.dir": str(tmp_path / "ck")})
+    assert line == f"checkpoint.dir={tmp_path / 'ck'}: cannot write {path} ({os.strerror(code)}): {fix}"
