@@ -13,14 +13,14 @@ are plain synchronous ones.
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+from .held_grad import held_like
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -118,45 +118,12 @@ def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
             raise ValueError(f"param {i} lives on a {p.device_mesh.ndim}-D mesh: OffloadAdamW supports 1-D FSDP meshes")
 
 
-# Params whose grads a hook moves out of `p.grad` (id -> weak reference): torch's clipping would see none.
-_GRADS_TAKEN: dict[int, weakref.ref] = {}
-
-
-def _takes_grads(p: torch.Tensor) -> bool:
-    ref = _GRADS_TAKEN.get(id(p))
-    return ref is not None and ref() is p
-
-
-def _refusing_taken_grads(clip: Callable) -> Callable:
-    """`clip` (torch.nn.utils.clip_grad_norm_ or clip_grad_value_), refusing params whose grads the
-    hooks took: it would find no grad, clip nothing and (the norm) return 0, silently."""
-
-    @functools.wraps(clip)
-    def guarded(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if any(_takes_grads(p) for p in params):
-            raise RuntimeError(
-                f"torch.nn.utils.{clip.__name__} was given params whose grads OffloadAdamW moved to its host "
-                "staging during backward (p.grad is None there), so it would clip nothing and report 0: call "
-                "opt.clip_grad_norm_(max_norm) instead (it returns the global norm as a tensor and clips this "
-                "step), or set offload.max_grad_norm"
-            )
-        return clip(params, *args, **kwargs)
-
-    guarded._fsdp_offload_guard = True
-    return guarded
-
-
-def _guard_torch_clipping() -> None:
-    utils = torch.nn.utils
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        if not getattr(getattr(utils, name), "_fsdp_offload_guard", False):
-            setattr(utils, name, _refusing_taken_grads(getattr(utils, name)))
-
-
-def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None]) -> list:
-    """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it; torch's
-    clip_grad_norm_ / clip_grad_value_ then refuse these params, which they would silently skip.
+def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None], final: Callable[[int], bool],
+                       micro_batches: int) -> list:  # fmt: skip
+    """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it. Where it
+    was the step's last (`final(index)`), `p.grad` then holds a HeldGrad, which refuses every read with
+    an error naming the optimizer's own clip (torch's clip_grad_norm_ would see no grad and clip
+    nothing); else None, so FSDP2 sets the next backward's grad afresh.
 
     FSDP2 runs these hooks on its post-reduce stream, right after the reduction that made the grad, so
     `stage` queues its copies there: they wait for nothing else, backward's compute never waits for
@@ -172,13 +139,10 @@ def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.T
             stage(index, local)
             if local.is_cuda:  # where the grad was allocated on another stream (HSDP's all-reduce)
                 local.record_stream(torch.cuda.current_stream(local.device))
-            param.grad = None
+            param.grad = held_like(grad, micro_batches) if final(index) else None
 
         return hook
 
-    for p in params:
-        _GRADS_TAKEN[id(p)] = weakref.ref(p, lambda _, key=id(p): _GRADS_TAKEN.pop(key, None))
-    _guard_torch_clipping()
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
 
 

@@ -120,6 +120,8 @@ class StepGrads:
     ) -> None:
         self.staging = staging
         self.sums = sums
+        self.micro_batches = cfg.micro_batches
+        self.backwards = [0] * len(local_shapes)  # grads each param took this step
         self.dtype = staging.dtype
         self.max_grad_norm = cfg.max_grad_norm
         self._local_shapes = local_shapes
@@ -165,6 +167,7 @@ class StepGrads:
                 f"{tuple(self._local_shapes[index])}"
             )
         self._total = None  # a norm taken before this grad is stale
+        self.backwards[index] += 1
         if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
             self.sums.add(index, grad)
             return
@@ -245,7 +248,12 @@ class StepGrads:
             return self.sums.for_update(sg, on_gpu), None
         return lowp, None
 
+    def is_final(self, index: int) -> bool:
+        """Whether param `index` has taken the step's last planned grad (offload.micro_batches of them)."""
+        return self.backwards[index] >= self.micro_batches
+
     def clear(self) -> None:
+        self.backwards = [0] * len(self.backwards)
         self.sums.clear()
         self.staging.clear()
         self._accumulated.clear()

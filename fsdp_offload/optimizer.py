@@ -25,6 +25,7 @@ from .fsdp import (
     root_fsdp_module,
 )  # fmt: skip
 from .grads import LowpGrads, StepGrads, TierFP32Grads
+from .held_grad import is_held
 from .kernels import get_adamw_kernel
 from .levels import build_levels
 from .metrics import StepMetrics
@@ -147,7 +148,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype)
             setattr(model, CAST_MARK, True)
-            self._hooks = install_grad_hooks(self._params, self.stage_grad)
+            self._hooks = install_grad_hooks(self._params, self.stage_grad, self.grads.is_final, cfg.micro_batches)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
         else:
@@ -227,6 +228,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
                 "updated subgroups with these grads; call step() first"
             )
+        self._release_held_grads()
         super().zero_grad(set_to_none)
         if self.engine.pending is None and not (inflight is not None and inflight.busy):
             self.grads.clear()  # (an update in flight clears them when it ends)
@@ -280,7 +282,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.engine.hand_in_last_grads()
         else:
             self.engine.step()
+        self._release_held_grads()  # the step has the grads: p.grad is None again, as after torch's zero_grad()
         return loss
+
+    def _release_held_grads(self) -> None:
+        for p in self._params:
+            if p.grad is not None and is_held(p.grad):
+                p.grad = None
 
     def finish_update(self) -> None:
         """Waits until the update of the last step has finished and its params are in the model;

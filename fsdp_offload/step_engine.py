@@ -27,6 +27,7 @@ from .config import OffloadConfig
 from .fsdp import CopyStream, local_data
 from .gpu_share import grow_gpu_share
 from .grads import StepGrads
+from .held_grad import is_held
 from .metrics import StepMetrics, step_metrics
 from .order import update_order
 from .overlap import UpdateInFlight
@@ -83,7 +84,8 @@ class StepEngine:
 
     def stage_param_grads(self) -> None:
         """Stages the `.grad` of params that no hook handed over (params without model=)."""
-        self.grads.stage_param_grads([None if p.grad is None else local_data(p.grad) for p in self.params], self.copies)
+        grads = [None if p.grad is None or is_held(p.grad) else local_data(p.grad) for p in self.params]
+        self.grads.stage_param_grads(grads, self.copies)
 
     def ready_for_grads(self) -> None:
         """Before a backward's grads go into the staging buffer: the last update has ended (it writes

@@ -1,7 +1,9 @@
 """`opt.clip_grad_norm_(max_norm)`, the call users write after backward, does what
 `offload.max_grad_norm` does, bit for bit, on 2 gloo ranks (with grad accumulation and state on disk),
-and returns the global norm torch would; torch's own clip_grad_norm_, which would silently clip nothing,
-refuses the params whose grads the hooks took."""
+and returns the global norm torch would. Whatever else reads or writes the grads the hooks took (torch's
+clip_grad_norm_ from any import path, get_total_norm, clip_grad_value_, a NaN check, an in-place
+scale) raises an error naming opt.clip_grad_norm_, where it would otherwise see no grads and clip
+nothing, silently; and a backward beyond offload.micro_batches says to raise it."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import os
 import pytest
 import torch
 from dist_utils import optimizer_tensors, run_ranks
+from torch.nn.utils import clip_grad_norm_  # bound at import time: no patch of torch.nn.utils could reach it
+from torch.nn.utils.clip_grad import clip_grad_norm_ as clip_grad_norm_of_module
 from test_fsdp import SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -21,8 +25,8 @@ MAX_NORM = 0.5
 def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[float], list[torch.Tensor]]:
     os.makedirs(tier, exist_ok=True)
     model = build_model(rank)
-    budget = (2 * 40 * SG + 4 * 3 * SG * 4) / 2**30
-    cfg = OffloadConfig(tiers=[f"posix:{tier}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch",
+    budget = (2 * 40 * SG + 6 * 40 * SG + 4 * 3 * SG * 4) / 2**30  # staging, grad sums, 4 slots
+    cfg = OffloadConfig(tiers=[f"posix:{tier}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch", micro_batches=2,
                         max_grad_norm=MAX_NORM if configured else None)  # fmt: skip
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
     losses, norms = [], []
@@ -33,10 +37,9 @@ def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[flo
             part.backward()
             loss += part.item()
         if not configured:
-            # torch's own call would find no p.grad, clip nothing and return 0: it refuses, naming ours
-            for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
-                with pytest.raises(RuntimeError, match=r"call opt.clip_grad_norm_\(max_norm\) instead"):
-                    clip(model.parameters(), MAX_NORM)
+            for read in GRAD_READERS:  # each would find no grad and clip nothing: each raises, naming ours
+                with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_\(max_norm\)"):
+                    read(model)
             norm = opt.clip_grad_norm_(MAX_NORM)
             assert isinstance(norm, torch.Tensor) and norm.dim() == 0
             norms.append(float(norm))
@@ -50,6 +53,17 @@ def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[flo
         opt.clip_grad_norm_(1.0, norm_type=1.0)
     opt.close()
     return losses, norms, out
+
+
+GRAD_READERS = [
+    lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+    lambda model: clip_grad_norm_(model.parameters(), MAX_NORM),
+    lambda model: clip_grad_norm_of_module(model.parameters(), MAX_NORM),
+    lambda model: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]),
+    lambda model: torch.nn.utils.clip_grad_value_(model.parameters(), MAX_NORM),
+    lambda model: any(bool(torch.isnan(p.grad).any()) for p in model.parameters()),
+    lambda model: [p.grad.mul_(0.5) for p in model.parameters()],
+]
 
 
 def worker(rank: int, world: int, tmp: str) -> None:
@@ -70,6 +84,19 @@ def _tmp() -> str:
     import tempfile
 
     return tempfile.mkdtemp(prefix="clip-call-")
+
+
+def beyond_micro_batches(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
+    loss_of(model, batch(rank, 0)).backward()
+    with pytest.raises(RuntimeError, match="set offload.micro_batches to the backward calls per step"):
+        loss_of(model, batch(rank, 1)).backward()  # FSDP2 would add this grad to the one the hooks took
+    opt.close()
+
+
+def test_a_backward_beyond_micro_batches_is_refused_naming_the_option():
+    run_ranks(2, beyond_micro_batches, _tmp())
 
 
 def test_clip_call_before_backward_is_an_error():

@@ -21,6 +21,7 @@ from dist_utils import run_ranks
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.grads import square_sum
+from fsdp_offload.held_grad import is_held
 from fsdp_offload.fsdp import cast_params, local_data
 from fsdp_offload.models import LlamaArgs, Transformer
 from fsdp_offload.parallelize import build_fsdp_model
@@ -164,7 +165,10 @@ def bad_input_worker(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(RuntimeError, match="cannot be added later"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     loss_of(model, batch(rank, 0)).backward()
-    assert all(p.grad is None for p in model.parameters())  # the hooks took the grads to host
+    # the hooks took the grads to host: what p.grad holds now refuses every read, naming the optimizer's clip
+    assert all(is_held(p.grad) for p in model.parameters())
+    with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.close()
     with pytest.raises(ValueError, match="mixed device types"):
