@@ -344,6 +344,7 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     row["loss"] = loss_sum.item() / dist.get_world_size()
     if isinstance(optimizer, OffloadAdamW):
         row["grad_norm"] = optimizer.last_grad_norm
+        row["grad_accumulation"] = optimizer.grad_accumulation  # where several micro-batches' grads were summed
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale
     else:
