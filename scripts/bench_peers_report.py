@@ -18,8 +18,8 @@ RATIOS = {
     "ratio_disk_grads_on_gpu_vs_zero_infinity": ("zero_infinity", "disk_grads_on_gpu"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
-    "ratio_host_auto_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_auto"),
-    "ratio_disk_auto_vs_zero_infinity": ("zero_infinity", "disk_auto"),
+    "ratio_host_gpu0_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_gpu0"),
+    "ratio_disk_gpu0_vs_zero_infinity": ("zero_infinity", "disk_gpu0"),
 }
 MODEL_TFLOPS_FORMULA = "(6 * params + 12 * n_layers * dim * seq) * tokens_per_step / iteration_s / 1e12"
 

@@ -25,7 +25,7 @@ ERROR_TAG = "BENCH_ERROR:"  # a worker's one-line reason for not running, read b
 ZERO_INFINITY_BYTES_PER_PARAM = 32
 # Disk space a system needs per param on --tier-dir (checked before it starts): FP32 p, m, v (this
 # product); plus the FP32 grad (ZeRO-Infinity).
-DISK_BYTES_PER_PARAM = {"disk": 12, "disk_grads_on_gpu": 12, "disk_sync": 12, "disk_auto": 12, "zero_infinity": 16}
+DISK_BYTES_PER_PARAM = {"disk": 12, "disk_grads_on_gpu": 12, "disk_sync": 12, "disk_gpu0": 12, "zero_infinity": 16}
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,10 @@ SYSTEMS = {
                clip=False, offload="host", overrides=("++offload.overlap=none",)),  # fmt: skip
         System("disk_sync", "this product, offload=disk, the update not overlapped", "train.py", offload="disk",
                disk=True, overrides=("++offload.overlap=none",)),  # fmt: skip
-        System("host_auto", "this product, offload=host, spare GPU memory used for state (offload.gpu_fraction=auto)",
-               "train.py", offload="host", overrides=("++offload.gpu_fraction=auto",)),  # fmt: skip
-        System("disk_auto", "this product, offload=disk, spare GPU memory used for state (offload.gpu_fraction=auto)",
-               "train.py", offload="disk", disk=True, overrides=("++offload.gpu_fraction=auto",)),  # fmt: skip
+        System("host_gpu0", "this product, offload=host, no state on the GPU (offload.gpu_fraction=0; the recipe's is auto)",
+               "train.py", offload="host", overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
+        System("disk_gpu0", "this product, offload=disk, no state on the GPU (offload.gpu_fraction=0): every byte of state "
+               "streams through the disk", "train.py", offload="disk", disk=True, overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
         System("fsdp_cpu_offload", "FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU, no clipping", "fsdp", clip=False),
         System("zero_offload", "DeepSpeed ZeRO-3, offload_optimizer cpu, DeepSpeedCPUAdam", "deepspeed", offload="cpu"),
         System("multipath", "this product, scripts/train.py offload=multipath (tier dir + shm dir, host budget)", "train.py",

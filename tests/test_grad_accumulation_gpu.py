@@ -68,6 +68,7 @@ def test_sums_equal_torch_adamw_on_fp32_sums(mode, tmp_path):
 def test_gpu_and_host_sums_agree_with_state_on_the_gpu(tmp_path):
     runs = {}
     for mode in ("gpu", "host"):
+        (tmp_path / mode).mkdir()
         opt, params = train(mode, 0.5, tmp_path / mode)
         runs[mode] = ([p.detach().cpu() for p in params], opt.state_dict()["state"])
         opt.close()
