@@ -109,3 +109,12 @@ def _cannot_write(directory: str, code: int | None) -> bool:
     if code == errno.EROFS:
         return bool(fs.f_flag & os.ST_RDONLY)
     return False
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited", "NCCL communicator was aborted")
+
+
+def a_peer_stopped(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that failed because another rank of the job ended (gloo's closed
+    connection, NCCL's aborted communicator): that rank's own error says why."""
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE)

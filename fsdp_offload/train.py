@@ -37,7 +37,7 @@ from tqdm import tqdm
 from .checkpoint import check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
-from .job_errors import error_line, printed_by_another_rank
+from .job_errors import a_peer_stopped, error_line, printed_by_another_rank
 from .models import num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
@@ -398,6 +398,11 @@ def main(cfg: DictConfig) -> None:
             raise
         if not printed_by_another_rank(exc):
             print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+    except RuntimeError as exc:  # a collective broken by another rank's end: that rank says why
+        if not a_peer_stopped(exc):
+            raise
+        print(f"rank {os.environ.get('RANK', '0')} stops: another rank of the job ended first (its error above, or the launcher's report of its exit, says why)", file=sys.stderr)
         sys.exit(2)
 
 

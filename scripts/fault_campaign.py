@@ -18,6 +18,10 @@ loop that catches the error would). Kills are scripts/crash_harness.py's. Each t
   undetected_error an error that names neither the subgroup nor the file: must never happen
 
     python scripts/fault_campaign.py --trials 600 --seed 0 --doc docs/reliability.md
+
+With --run-trials N it also runs N whole training runs faced with faults of the checkpoint and run
+dirs (kills during a save and a load, a damaged trainer state, a part of another step, two writers,
+full dirs: scripts/run_faults.py), each refused with a named cause or resumed bit for bit.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+import run_faults
+
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.dcp_reader import SafeFileSystemReader
 from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
-from fsdp_offload.results import record
+from fsdp_offload.results import git_commit, record
 from fsdp_offload.storage import TierError
 from fsdp_offload.storage.faults import Fault, FaultyTier
 
@@ -253,10 +259,12 @@ def main() -> None:
     ap.add_argument("--step-timeout-s", type=float, default=60.0)
     ap.add_argument("--device-kind", default="cpu")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--run-trials", type=int, default=0, help="whole training runs faced with checkpoint and run dir faults (run_faults.py)")
     ap.add_argument("--doc", default=None, help="a markdown file whose fault_campaign section gets this run's table (docs/reliability.md)")
     args = ap.parse_args()
-    if args.trials < 1 or args.steps < 3:
-        ap.error("--trials must be >= 1 and --steps >= 3 (damage lands after the first step; a checkpoint after the second)")
+    if args.trials < 0 or args.run_trials < 0 or args.trials + args.run_trials < 1 or args.steps < 3:
+        ap.error("--trials and --run-trials must be >= 0, one of them >= 1, and --steps >= 3 (damage lands after the first "
+                 "step; a checkpoint after the second)")
 
     started = time.perf_counter()
     cells = [("update", k) for k in KINDS] + [(p, k) for p in PLACES[1:] for k in CHECKPOINT_KINDS[p]]
@@ -273,8 +281,11 @@ def main() -> None:
     bad = sum(c[o] for c in counts.values() for o in ("silent_corruption", "hang", "undetected_error"))
     injected = sum(r["injected"] + (r["damage"] is not None) for r in results)
     recovered = sum(r["injected"] + (r["damage"] is not None) for r in results if r["outcome"] in ("exact", "detected"))
-    table = doc_table(counts)
-    path = record("fault_campaign", args.device_kind, args.out, {
+    table = doc_table(counts) if results else ""
+    runs = run_faults.campaign(args.run_trials, args.seed, args.dir) if args.run_trials else {}
+    if runs:
+        bad += runs["run_bad"]
+    path = record("fault_campaign", args.device_kind, args.out, {**runs,
         "trials": len(results), "steps": args.steps, "seed": args.seed, "wall_s": time.perf_counter() - started,
         "faults_injected": injected, "faults_recovered": recovered, "bad": bad,
         "outcomes": {f"{p}/{k}": dict(c) for (p, k), c in counts.items()}, "table": table,
@@ -282,10 +293,20 @@ def main() -> None:
                      for p, k in cells},
         "trials_detail": results,
     })  # fmt: skip
-    print(table)
+    print(table + ("\n\n" + run_table(runs["run_outcomes"]) if runs else ""))
     print(f"{len(results)} trials, {injected} faults injected, {recovered} ended exact or with a named error; {bad} bad; wrote {path}")
-    if args.doc:
+    if args.doc and results:
         write_doc_section(args.doc, table, path, len(results), injected, recovered, bad)
+    if args.doc and runs:
+        write_run_section(args.doc, run_table(runs["run_outcomes"]), path, runs)
+
+
+def run_table(counts: dict[str, dict[str, int]]) -> str:
+    """The run-level cases as a markdown table."""
+    cols = ["resumed_bit_exact", "refused_named", "missed", "skipped", "bad"]
+    rows = ["| run case | trials | " + " | ".join(c.replace("_", " ") for c in cols) + " |", "| --- " * (len(cols) + 2) + "|"]
+    rows += [f"| {case} | {sum(c.values())} | " + " | ".join(str(c.get(col, 0)) for col in cols) + " |" for case, c in counts.items()]
+    return "\n".join(rows)
 
 
 def write_doc_section(doc: str, table: str, json_path: str, trials: int, injected: int, recovered: int, bad: int) -> None:
@@ -297,6 +318,23 @@ def write_doc_section(doc: str, table: str, json_path: str, trials: int, injecte
     section = (f"{begin}\n`{os.path.basename(json_path)}`: {trials} trials, {injected} faults injected, {recovered} of them "
                f"ended bit-exact or with an error naming the file; {bad} trials lost state silently, hung or failed "
                f"without saying where.\n\n{table}\n{end}")  # fmt: skip
+    Path(doc).write_text(text[: text.index(begin)] + section + text[text.index(end) + len(end):])
+    print(f"updated {doc}")
+
+
+def write_run_section(doc: str, table: str, json_path: str, runs: dict) -> None:
+    """Replaces the text between the run_faults markers of `doc` with this run's table."""
+    begin, end = "<!-- run_faults: begin -->", "<!-- run_faults: end -->"
+    text = Path(doc).read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"error: --doc {doc} has no '{begin}' ... '{end}' section to fill")
+    counts: collections.Counter = collections.Counter()
+    for case_counts in runs["run_outcomes"].values():
+        counts.update(case_counts)
+    section = (f"{begin}\n`{os.path.basename(json_path)}` (commit {git_commit()}): {runs['run_trials']} runs, "
+               f"{counts['resumed_bit_exact']} resumed bit for bit, {counts['refused_named']} refused in one named line, "
+               f"{counts['missed']} kills that came too late (still bit for bit), {counts['skipped']} skipped, "
+               f"{runs['run_bad']} bad.\n\n{table}\n{end}")  # fmt: skip
     Path(doc).write_text(text[: text.index(begin)] + section + text[text.index(end) + len(end):])
     print(f"updated {doc}")
 
