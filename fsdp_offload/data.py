@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .job_errors import job_wide
+
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 # Successors per token in the synthetic Markov chain: the best loss it allows is ln(4) = 1.386 nats.
 SYNTHETIC_BRANCHING = 4
@@ -107,6 +109,7 @@ class TokenBatches(Iterator[torch.Tensor]):
     holds the same state. `vocab_size` is the model's: token ids must be below it.
     """
 
+    @job_wide  # the same data on every rank: rank 0 says what is wrong with it
     def __init__(self, cfg: DataConfig, vocab_size: int, rank: int = 0, world_size: int = 1):
         if cfg.kind not in ("synthetic", "memmap"):
             raise ValueError(f"unknown data.kind={cfg.kind!r}; use 'synthetic' or 'memmap'")
@@ -243,6 +246,7 @@ class TokenBatches(Iterator[torch.Tensor]):
             "num_tokens": self.num_tokens,
         }
 
+    @job_wide
     def load_state_dict(self, state: dict) -> None:
         for key in ("kind", "seed", "seq_len", "num_tokens"):
             mine = self.num_tokens if key == "num_tokens" else getattr(self.cfg, key)
@@ -252,7 +256,10 @@ class TokenBatches(Iterator[torch.Tensor]):
                     f"checkpoint was taken with {key}={state[key]} but {where} is now {mine}; "
                     "resume with the same data settings (the stream would differ)"
                 )
-        self.position = int(state["position"])
+        position = state["position"]
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"checkpoint's data position {position!r} is not a whole number >= 0: the checkpoint is damaged; resume from an older one")
+        self.position = position
 
 
 def _check_ids(tokens: np.ndarray, offset: int, vocab_size: int, path: Path) -> None:

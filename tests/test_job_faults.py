@@ -109,3 +109,15 @@ def test_an_os_error_names_the_path_the_option_and_the_fix(tmp_path, code, fix):
     path = tmp_path / "ck" / "step_00000002.tmp" / "run.json"
     line = os_error_line(OSError(code, os.strerror(code), str(path)), {"train.out_dir": "/elsewhere", "checkpoint.dir": str(tmp_path / "ck")})
     assert line == f"checkpoint.dir={tmp_path / 'ck'}: cannot write {path} ({os.strerror(code)}): {fix}"
+
+
+@pytest.mark.bad_input
+@pytest.mark.parametrize("position", [-1, 2.5, "7", True])
+def test_a_data_position_that_cannot_be_is_refused(position):
+    from fsdp_offload.data import DataConfig, TokenBatches
+    from fsdp_offload.job_errors import JobError
+
+    batches = TokenBatches(DataConfig(), vocab_size=256)
+    state = {**batches.state_dict(), "position": position}
+    with pytest.raises(JobError, match=rf"checkpoint's data position {position!r} is not a whole number >= 0"):
+        batches.load_state_dict(state)
