@@ -47,7 +47,7 @@ share_of_gpu_only and compute_limit_s taken within that round, and each peer rat
 rounds' ratios, a ratio taken within one round (`ratio_rounds`).
 
 Just before each disk system, the disk under --tier-dir is measured as the pipeline uses it
-(`fsdp_offload.calibrate.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
+(`fsdp_offload.rawio.measure_raw_io`: a pre-sized O_DIRECT file, the tier's request size and
 threads; write, read, and both at once with half the threads each; median of 3):
 `raw_mixed_io_gbps`, against which `physical_limit_s` = disk bytes per step (all ranks) / that rate.
 It is measured again right after the system (`raw_mixed_io_after_gbps`, `physical_limit_after_s`): a

@@ -129,7 +129,7 @@ def measure_disk(args: argparse.Namespace) -> dict:
     again just after it (the machines' disks drift by tens of percent within minutes)."""
     if args.raw_io_gib <= 0:
         return {"skipped": "--raw-io-gib 0"}
-    from fsdp_offload.calibrate import measure_raw_io
+    from fsdp_offload.rawio import measure_raw_io
     from fsdp_offload.storage.base import TierError
     from fsdp_offload.storage.spec import TierSpec, io_settings
 
