@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import json
 import os
 import random
 import shutil
@@ -45,7 +46,7 @@ import run_faults
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.dcp_reader import SafeFileSystemReader
 from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
-from fsdp_offload.results import git_commit, record
+from fsdp_offload.results import record
 from fsdp_offload.storage import TierError
 from fsdp_offload.storage.faults import Fault, FaultyTier
 
@@ -331,7 +332,8 @@ def write_run_section(doc: str, table: str, json_path: str, runs: dict) -> None:
     counts: collections.Counter = collections.Counter()
     for case_counts in runs["run_outcomes"].values():
         counts.update(case_counts)
-    section = (f"{begin}\n`{os.path.basename(json_path)}` (commit {git_commit()}): {runs['run_trials']} runs, "
+    commit = json.loads(Path(json_path).read_text())["commit"][:7]
+    section = (f"{begin}\n`{os.path.basename(json_path)}` (commit {commit}): {runs['run_trials']} runs, "
                f"{counts['resumed_bit_exact']} resumed bit for bit, {counts['refused_named']} refused in one named line, "
                f"{counts['missed']} kills that came too late (still bit for bit), {counts['skipped']} skipped, "
                f"{runs['run_bad']} bad.\n\n{table}\n{end}")  # fmt: skip
