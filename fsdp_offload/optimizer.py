@@ -33,7 +33,7 @@ from .optimizer_args import CAST_MARK, TORCH_OPTIONS, check_hyperparameters, che
 from .order import forward_order
 from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates, ParamState
-from .step_engine import StepEngine, triton_kernel
+from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,6 +135,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later)  # fmt: skip
+        if self.store.gpu_state:  # the GPU share reads FP32 sums where micro-batches are summed, else the staged grads
+            warm_up_gpu_kernel(kernels[1], device, torch.float32 if cfg.micro_batches > 1 else self.param_dtype, self.param_dtype)
         self._states = OptimizerStates(self.engine, self.param_groups, self._copies, self._settle)
         if masters is None:  # the FP32 params are the masters
             flat = [t.detach().reshape(-1) for t in locals_]

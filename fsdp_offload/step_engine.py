@@ -335,6 +335,15 @@ def triton_kernel() -> Callable:
     return triton_adamw_step
 
 
+def warm_up_gpu_kernel(kernel: Callable, device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Compiles the GPU kernel for the grads it will read (Triton compiles at its first call): at
+    start-up, not in the first steps, which would otherwise carry it."""
+    p, m, v = (torch.zeros(4096, device=device) for _ in range(3))
+    out = torch.empty(4096, dtype=out_dtype, device=device)
+    kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
+           weight_decay=0.0, step=1)  # fmt: skip
+
+
 @contextlib.contextmanager
 def interrupts_between_subgroups():
     """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raises
