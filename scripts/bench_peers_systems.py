@@ -23,9 +23,10 @@ ERROR_TAG = "BENCH_ERROR:"  # a worker's one-line reason for not running, read b
 # What ZeRO-Infinity moves per param and step (DEVICE.md): FP32 param, exp_avg, exp_avg_sq and grad
 # read in the update, the first three written back, and the FP32 grad written during backward.
 ZERO_INFINITY_BYTES_PER_PARAM = 32
-# Disk space a system needs per param on --tier-dir (checked before it starts): FP32 p, m, v (this
-# product); plus the FP32 grad (ZeRO-Infinity).
-DISK_BYTES_PER_PARAM = {"disk": 12, "disk_grads_on_gpu": 12, "disk_sync": 12, "disk_gpu0": 12, "zero_infinity": 16}
+# Disk space a peer needs per param on --tier-dir (checked before it starts): ZeRO-Infinity's FP32 p, m, v
+# and grad. This product's train.py plans its own (what the GPU and the host cache leave to the tier) and
+# refuses, naming the shortfall, before it builds anything.
+DISK_BYTES_PER_PARAM = {"zero_infinity": 16}
 
 
 @dataclass(frozen=True)
