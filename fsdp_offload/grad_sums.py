@@ -6,8 +6,9 @@ as torch sums FP32 grads: each add is one IEEE rounding of the upcast grad onto 
 the CPU give the same bits. Where the sums live (`offload.grad_accumulation`, resolved once):
 - "gpu": an FP32 buffer on the params' GPU, laid out by subgroup. Backward's hook adds each grad to it
   on FSDP2's post-reduce stream and frees the grad; nothing crosses PCIe during backward. At the
-  step a CPU-updated subgroup's sums come down through a page-locked FP32 window just before its
-  update (4 bytes a param, once a step); a GPU-resident subgroup's kernel reads them in place.
+  step a CPU-updated subgroup's sums come down through one of two page-locked FP32 windows while the
+  subgroup before it is updated (4 bytes a param, once a step); a GPU-resident subgroup's kernel
+  reads them in place.
 - "host": a subgroup's sums live where its staged grads do (host memory, or the GPU for GPU-resident
   subgroups and grad_path="gpu_bf16"). The first grad is staged as with one backward; each later
   one is copied into a page-locked landing buffer, and a worker thread adds it to the host sums while
@@ -36,14 +37,14 @@ def sums_bytes(layout: SubgroupLayout, subgroups: list[int]) -> int:
 def grad_accumulation_memory(layout: SubgroupLayout, mode: str, micro_batches: int, host_subgroups: list[int]) -> tuple[int, int]:
     """(GPU bytes, host bytes) that accumulating over `micro_batches` takes in `mode` ("gpu"/"host"),
     `host_subgroups` being those whose state (and staged grads) are off the GPU: none with one
-    micro-batch; "gpu": every subgroup's FP32 sums on the GPU and one subgroup's page-locked FP32
-    window; "host": FP32 sums and a bf16 landing buffer (6 bytes a param) for the host subgroups, and
+    micro-batch; "gpu": every subgroup's FP32 sums on the GPU and two subgroups' page-locked FP32
+    windows; "host": FP32 sums and a bf16 landing buffer (6 bytes a param) for the host subgroups, and
     FP32 sums for the others on the GPU."""
     if micro_batches <= 1:
         return 0, 0
     everything = list(range(len(layout)))
     if mode == "gpu":
-        return sums_bytes(layout, everything), 4 * max(sg.padded for sg in layout.subgroups)
+        return sums_bytes(layout, everything), 2 * 4 * max(sg.padded for sg in layout.subgroups)
     on_gpu = [sg for sg in everything if sg not in set(host_subgroups)]
     return sums_bytes(layout, on_gpu), sums_bytes(layout, host_subgroups) * 6 // 4
 
@@ -84,7 +85,7 @@ class GradSums:
         self._pieces: list[list[tuple[torch.Tensor, int, Segment, torch.Tensor | None]]] | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._taken: list[Future | None] = [None] * n  # the worker's last add of param i
-        self._window: torch.Tensor | None = None  # page-locked FP32, one subgroup: device sums of a CPU update
+        self._windows: SumsWindows | None = None  # where CPU updates read sums kept on the GPU
         self._raw: list[torch.Tensor] = []  # buffers to unpin at close
         self._planned = planned
         if planned:
@@ -117,9 +118,7 @@ class GradSums:
         if host_sgs:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-grad-sums")
         if self.device.type == "cuda" and any(sg not in self.gpu_resident for sg in device_sgs):  # CPU updates read them
-            raw = host_buffer(4 * max(sg.padded for sg in self.layout.subgroups), self._pin)
-            self._raw.append(raw)
-            self._window = raw.view(torch.float32)
+            self._windows = SumsWindows(max(sg.padded for sg in self.layout.subgroups), self._device_sums)
 
     def _land(self, sg: int, seg: Segment) -> torch.Tensor | None:
         landing = self._views[sg][1]
@@ -186,31 +185,111 @@ class GradSums:
         """Subgroup `sg`'s FP32 grads for its update, on the GPU (`on_gpu`) or in host memory: its
         params' sums, and the upcast staged grads of those with one grad this step. A CPU update of
         sums kept on the GPU reads them through the window (valid until the next call)."""
+        sums = self._device_sums(sg)
+        if on_gpu:  # (host sums of a subgroup that gpu_fraction="auto" moved to the GPU go up)
+            return sums if sums.is_cuda else sums.to(self.device)
+        return self._windows.take(sg) if sums.is_cuda else sums
+
+    def _device_sums(self, sg: int) -> torch.Tensor:
+        """Subgroup `sg`'s sums, completed with the upcast staged grads of its params that took one grad."""
         sums, _ = self._views[sg]
         for seg in self.layout.subgroups[sg].segments:
             if self.staging.staged[seg.param] and not self.summed[seg.param]:
                 sums[seg.in_subgroup].copy_(self._staged(sg, seg))
-        if on_gpu:  # (host sums of a subgroup that gpu_fraction="auto" moved to the GPU go up)
-            return sums if sums.is_cuda else sums.to(self.device)
-        if not sums.is_cuda:
-            return sums
-        window = self._window[: sums.numel()]
-        window.copy_(sums, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
-        done.record()
-        done.synchronize()
-        return window
+        return sums
+
+    def plan_cpu_updates(self, order: list[int]) -> None:
+        """The subgroups the CPU will update, in order: those whose sums are on the GPU start down now."""
+        if self._windows is not None:
+            self._windows.plan([sg for sg in order if self._sums_on_device[sg] and self.subgroup_summed(sg)])
+
+    def after_update(self, sg: int) -> None:
+        """Subgroup `sg`'s CPU update has read its grads: its window takes the next subgroup's."""
+        if self._windows is not None:
+            self._windows.release(sg)
 
     def clear(self) -> None:
         self.drain()
+        if self._windows is not None:
+            self._windows.reset()
         self.summed = [False] * len(self.summed)
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self._windows is not None:
+            self._windows.close()
         for raw in self._raw:
             if self._pin and raw.numel():
                 unpin(raw)
+        self._raw = []
+
+
+class SumsWindows:
+    """Two page-locked FP32 windows through which CPU updates read sums kept on the GPU: while one
+    subgroup is updated from one window, the next subgroup's sums come down into the other (on the
+    update's stream, so after backward's adds). A subgroup taken out of the planned order is copied
+    when it is asked for, the newest prefetch giving its window back."""
+
+    def __init__(self, numel: int, sums_of, count: int = 2) -> None:
+        self._raw = [host_buffer(4 * numel, pin=True) for _ in range(count)]
+        self._free = [raw.view(torch.float32) for raw in self._raw]
+        self._sums_of = sums_of
+        self._queue: list[int] = []
+        self._coming: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # in insertion order
+        self._in_use: dict[int, torch.Tensor] = {}  # a window and the part of it the update reads
+
+    def plan(self, order: list[int]) -> None:
+        self.reset()
+        self._queue = list(order)
+        self._fill()
+
+    def _start(self, sg: int) -> None:
+        window, sums = self._free.pop(), self._sums_of(sg)
+        part = window[: sums.numel()]
+        part.copy_(sums, non_blocking=True)
+        landed = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
+        landed.record()
+        self._coming[sg] = (window, part, landed)
+
+    def _fill(self) -> None:
+        while self._free and self._queue:
+            self._start(self._queue.pop(0))
+
+    def take(self, sg: int) -> torch.Tensor:
+        if sg not in self._coming:
+            if sg in self._queue:
+                self._queue.remove(sg)
+            if not self._free:
+                newest = next(reversed(self._coming))
+                window, _, landed = self._coming.pop(newest)
+                landed.synchronize()
+                self._free.append(window)
+                self._queue.insert(0, newest)
+            self._start(sg)
+        window, part, landed = self._coming.pop(sg)
+        landed.synchronize()
+        self._in_use[sg] = window
+        return part
+
+    def release(self, sg: int) -> None:
+        window = self._in_use.pop(sg, None)
+        if window is not None:
+            self._free.append(window)
+            self._fill()
+
+    def reset(self) -> None:
+        """Every window free (after a step, or before a retry plans again)."""
+        for window, _, landed in self._coming.values():
+            landed.synchronize()
+            self._free.append(window)
+        self._free += self._in_use.values()
+        self._coming, self._in_use, self._queue = {}, {}, []
+
+    def close(self) -> None:
+        self.reset()
+        for raw in self._raw:
+            unpin(raw)
         self._raw = []
 
 

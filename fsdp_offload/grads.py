@@ -252,6 +252,14 @@ class StepGrads:
         """Whether param `index` has taken the step's last planned grad (offload.micro_batches of them)."""
         return self.backwards[index] >= self.micro_batches
 
+    def plan_cpu_updates(self, order: list[int]) -> None:
+        """The subgroups the CPU is about to update, in order (their grads can start towards it)."""
+        self.sums.plan_cpu_updates(order)
+
+    def after_update(self, sg: int) -> None:
+        """Subgroup `sg`'s update has read its grads."""
+        self.sums.after_update(sg)
+
     def clear(self) -> None:
         self.backwards = [0] * len(self.backwards)
         self.sums.clear()

@@ -210,7 +210,9 @@ class StepEngine:
                     self._copy_back(sg, params)
                 if self.during_backward:
                     self._update_as_grads_arrive(update)
-                self.store.run_update([sg for sg in self.pending if sg not in updated], update)
+                left = [sg for sg in self.pending if sg not in updated]
+                self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state])
+                self.store.run_update(left, update)
             finally:
                 # [] until _finish: every subgroup is new, the step is not closed (a retry closes it)
                 self.pending = [sg for sg in self.pending if sg not in updated]
@@ -255,6 +257,7 @@ class StepEngine:
             piece = slice(lo, hi)
             kernel(p[piece], m[piece], v[piece], g[piece], out[piece], **self._hyper[group], step=step, grad_scale=grad_scale)
         if not state.is_cuda:
+            self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
 
     def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:

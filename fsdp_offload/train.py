@@ -329,6 +329,7 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
         (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
         sync()
         row["forward_s"] += t1 - t0
+        row.setdefault("first_forward_s", t1 - t0)  # the one forward that waits for the last update
         row["backward_s"] += time.perf_counter() - t1
         row["loss"] += loss.item()
     t2 = time.perf_counter()
