@@ -87,14 +87,18 @@ class CopyStream:
         return event
 
 
-def cast_params(model: nn.Module, dtype: torch.dtype) -> None:
-    """Casts the model's params to `dtype` and keeps its buffers as they were (as FSDP2's mixed
-    precision does: a bf16 RoPE table loses phase). `model.to()` is what casts, because on an FSDP2
-    model it also re-points the sharded storage (FSDPModule._apply); the buffers it made are put back."""
-    buffers = [(m, name, b) for m in model.modules() for name, b in m._buffers.items() if b is not None]
-    model.to(dtype)
-    for m, name, b in buffers:
-        m._buffers[name] = b
+def cast_params(model: nn.Module, dtype: torch.dtype, params: list[torch.Tensor] | None = None) -> None:
+    """Casts `params` (by default every param of the model) to `dtype` and leaves the model's other
+    params and its buffers as they were (as FSDP2's mixed precision does: a bf16 RoPE table loses
+    phase; a frozen param keeps its values). `model._apply` is what casts, because on an FSDP2 model
+    it also re-points the sharded storage (FSDPModule._apply)."""
+    chosen = None if params is None else {id(p) for p in params}
+    owned = {id(p) for p in model.parameters()}
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if id(t) in owned and (chosen is None or id(t) in chosen) else t
+
+    model._apply(cast)
 
 
 def root_fsdp_module(model: nn.Module) -> FSDPModule:

@@ -58,6 +58,13 @@ def is_held(grad: torch.Tensor | None) -> bool:
     return isinstance(local, HeldGrad)
 
 
+def release_held_grads(params: list[torch.Tensor]) -> None:
+    """Sets the HeldGrads of `params` back to None: the step consumed (or zero_grad() dropped) the grads."""
+    for p in params:
+        if p.grad is not None and is_held(p.grad):
+            p.grad = None
+
+
 def _flat(args: tuple, kwargs: dict | None):
     for a in list(args) + list((kwargs or {}).values()):
         if isinstance(a, (list, tuple)):

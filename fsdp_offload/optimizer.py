@@ -25,16 +25,19 @@ from .fsdp import (
     root_fsdp_module,
 )  # fmt: skip
 from .grads import LowpGrads, StepGrads, TierFP32Grads
-from .held_grad import is_held
+from .held_grad import release_held_grads
 from .kernels import get_adamw_kernel
 from .levels import build_levels
 from .metrics import StepMetrics
-from .optimizer_args import CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, offload_config, refuse_torch_options
+from .optimizer_args import (
+    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, offload_config, refuse_torch_options, resolve_overlap,
+)  # fmt: skip
 from .order import forward_order
 from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates, ParamState
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
+from .torch_idioms import NoGradSteps, has_step_post_hooks, install_state_dict_waits, refuse_copy, step_has_grads
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -43,13 +46,20 @@ log = logging.getLogger(__name__)
 class OffloadAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with out-of-core FP32 state.
 
-    Build it on the model's FP32 params: it takes their values as master weights and then casts the
-    params to `offload.param_dtype`, so the model (and the GPU) hold no FP32 copy. Grads must then
-    arrive in that dtype. For an FSDP2 model, the one line is
+    Build it on the model's FP32 params: it takes their values as master weights and then casts those
+    params (only those: frozen params keep their dtype and values) to `offload.param_dtype`, so the
+    model (and the GPU) hold no FP32 copy of them. Grads must then arrive in that dtype. For an FSDP2
+    model, the one line is
 
         optimizer = OffloadAdamW(model.parameters(), lr=3e-4, model=model, offload=OffloadConfig(...))
 
     which also hooks each sharded param so its grad shard goes to host memory as soon as it is reduced.
+
+    `step()` consumes the grads, as `zero_grad()` would: with model=, p.grad is None after it, so a
+    loop that skips `zero_grad()` does not sum one step's grads into the next one's as torch would
+    (sum micro-batches within a step with `offload.micro_batches`). A step with no grads does nothing.
+    The update runs after `step()` returns; what reads the params waits for it (a forward per FSDP
+    unit, `model.state_dict()`, step post-hooks); code reading params directly calls `finish_update()`.
 
     `masters`: for a model already built in `offload.param_dtype` (never whole in FP32), the source of
     its FP32 master weights: `masters(p)` gives param p's local FP32 values (flat); it is asked in
@@ -106,12 +116,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             root = root_fsdp_module(model)
             check_sharded_params(model, self._params)
             units = fsdp_units(model)
+            check_unit_dtypes(model, units, self._params, self.param_dtype, cfg.param_dtype)
         elif any(hasattr(p, "device_mesh") for p in self._params):
             raise ValueError(
                 "the params are FSDP2-sharded DTensors: pass model=model so OffloadAdamW can cast the model "
                 "and hook its grad shards: OffloadAdamW(model.parameters(), ..., model=model)"
             )
-        overlap = self._overlap(cfg, bool(units))  # checked before anything is allocated
+        overlap = resolve_overlap(cfg, bool(units))  # checked before anything is allocated
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
@@ -146,11 +157,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                             then=self._states.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
         self._hooks: list = []  # removed at close(): a closed optimizer takes no grads
+        self._no_grad_steps = NoGradSteps()
         if model is not None:
             if masters is None:
-                cast_params(model, self.param_dtype)
+                cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self.stage_grad, self.grads.is_final, cfg.micro_batches)
+            self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
         else:
@@ -162,20 +175,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         # distributed state-dict API that the state exists (it would otherwise run a zero-lr step)
         for i, p in enumerate(self._params):
             self.state[p] = ParamState(self._states, i)
-
-    @staticmethod
-    def _overlap(cfg: OffloadConfig, hooked: bool) -> str:
-        overlap = cfg.resolved_overlap()
-        if overlap == "backward" and not hooked:
-            if cfg.overlap == "backward":
-                raise ValueError(
-                    "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
-                    "model=model, or use offload.overlap='next_forward'"
-                )
-            overlap = "next_forward"  # auto without a model: nothing to hook
-        if cfg.overlap == "auto":
-            log.info("offload.overlap='auto': %s", overlap)
-        return overlap
 
     def placement(self) -> dict[str, Any]:
         """Where this rank's subgroups live now: on the GPU, in host cache slots, and by tier (the one
@@ -230,7 +229,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
                 "updated subgroups with these grads; call step() first"
             )
-        self._release_held_grads()
+        release_held_grads(self._params)
         super().zero_grad(set_to_none)
         if self.engine.pending is None and not (inflight is not None and inflight.busy):
             self.grads.clear()  # (an update in flight clears them when it ends)
@@ -282,15 +281,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                 loss = closure()
         if self.engine.inflight is not None and self.engine.inflight.awaiting_grads:
             self.engine.hand_in_last_grads()
-        else:
+        elif step_has_grads(self.engine):
             self.engine.step()
-        self._release_held_grads()  # the step has the grads: p.grad is None again, as after torch's zero_grad()
+        else:
+            self._no_grad_steps.skip()
+        if has_step_post_hooks(self):  # they read params as torch leaves them: updated
+            self.engine.finish_update()
+        release_held_grads(self._params)  # the step has the grads: p.grad is None again, as after torch's zero_grad()
         return loss
-
-    def _release_held_grads(self) -> None:
-        for p in self._params:
-            if p.grad is not None and is_held(p.grad):
-                p.grad = None
 
     def finish_update(self) -> None:
         """Waits until the update of the last step has finished and its params are in the model;
@@ -322,9 +320,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._states.load_state_dict(state_dict)
 
     def full_fp32_state_dict(self, model: torch.nn.Module | None = None, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The FP32 master weights as whole tensors keyed by parameter name (`model`'s, by default the
-        one given at construction), in host memory: for `model.load_state_dict` of an FP32 copy of the
-        model, `torch.save`, or `save_pretrained`. Collective under FSDP2: every rank calls it, and with
+        """`model`'s state dict (by default the model given at construction) whole, in host memory, with
+        the FP32 masters for this optimizer's params and the model's own values elsewhere (frozen params,
+        buffers; a tied weight under each name): for `load_state_dict(strict=True)` of an FP32 copy,
+        `torch.save`, or `save_pretrained`. Collective under FSDP2: every rank calls it, and with
         `rank0_only` only rank 0 gets the tensors (one whole param at a time crosses the others)."""
         model = model if model is not None else (self._models[0] if self._models else None)
         if model is None:
@@ -351,6 +350,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_params_from_master(self, sg: int, master: torch.Tensor) -> None:
         """The model's params in subgroup `sg` from its new FP32 masters (after a streamed load)."""
         self._states.load_params_from_master(sg, master)
+
+    __reduce_ex__ = __deepcopy__ = refuse_copy  # copy.copy, copy.deepcopy, pickle: a clear error
 
     def close(self) -> None:
         """Waits for the update in flight, then deletes this rank's tier files and releases pinned memory."""

@@ -3,6 +3,7 @@ refuses (each with why), the `offload=` config in any of its forms, and the para
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from .config import OffloadConfig, dataclass_from
 from .fsdp import local_data
 
+log = logging.getLogger(__name__)
 CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
 TORCH_OPTIONS = {
     "amsgrad": "it keeps a fourth FP32 state tensor (the running max of exp_avg_sq) that the out-of-core layout has no room for",
@@ -75,6 +77,12 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
     if len(devices) > 1:
         raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
     for i, p in enumerate(params):
+        if not p.requires_grad:  # refused before anything is cast: a corrected retry finds the model as it was
+            raise ValueError(
+                f"param {i} (shape {tuple(p.shape)}) does not require grad: a frozen param takes no step. Leave it "
+                "out of the optimizer (OffloadAdamW([p for p in model.parameters() if p.requires_grad], ...)); "
+                "it then keeps its dtype and values, and full_fp32_state_dict() still exports it"
+            )
         if streamed:
             if p.dtype != param_dtype:
                 raise ValueError(
@@ -97,3 +105,39 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
             )
         if not local_data(p).is_contiguous():
             raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
+
+
+def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],
+                      params: list[torch.Tensor], param_dtype: torch.dtype, dtype_name: str) -> None:  # fmt: skip
+    """FSDP2 needs the params of one unit that take grads to share a dtype (it reduce-scatters their
+    grads together): a param that requires grad but is not this optimizer's stays as it is, so it must
+    not share a unit with params this optimizer casts to another dtype. (Frozen params may: FSDP2
+    all-gathers a unit of mixed dtypes as bytes.)"""
+    mine = {id(p) for p in params}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for modules, unit_params in units:
+        if not any(id(p) in mine for p in unit_params):
+            continue
+        for p in unit_params:
+            if id(p) not in mine and p.requires_grad and p.dtype != param_dtype:
+                raise ValueError(
+                    f"param {names.get(id(p), tuple(p.shape))!r} ({p.dtype}) requires grad but is not in this optimizer, "
+                    f"and shares an FSDP unit ({type(modules[0]).__name__}) with params it casts to {dtype_name}: FSDP2 "
+                    "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
+                    "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
+                )
+
+
+def resolve_overlap(cfg: OffloadConfig, hooked: bool) -> str:
+    """offload.overlap as this optimizer runs it: `hooked`, whether it has an FSDP2 model's grad hooks."""
+    overlap = cfg.resolved_overlap()
+    if overlap == "backward" and not hooked:
+        if cfg.overlap == "backward":
+            raise ValueError(
+                "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
+                "model=model, or use offload.overlap='next_forward'"
+            )
+        overlap = "next_forward"  # auto without a model: nothing to hook
+    if cfg.overlap == "auto":
+        log.info("offload.overlap='auto': %s", overlap)
+    return overlap

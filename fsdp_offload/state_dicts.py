@@ -14,11 +14,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .fsdp import CopyStream, local_data
 from .order import order_ending_with
+from .read_only import ReadOnlyState
 from .step_engine import StepEngine
 from .store import STATE_KEYS
 
@@ -52,7 +54,7 @@ class OptimizerStates:
         out: list[dict[str, torch.Tensor]] = [{} for _ in self.params]
         out[index][key] = torch.empty(local_data(p).shape, dtype=torch.float32)
         self.store.gather(list(self.engine.subgroups_of[index]), out)  # (a pass reorders its list)
-        return like_param(out[index][key], p)
+        return like_param(ReadOnlyState(out[index][key], key), p)
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
@@ -73,21 +75,33 @@ class OptimizerStates:
 
     @torch.no_grad()
     def full_fp32_state_dict(self, model: torch.nn.Module, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """Every param of `model` by each of its names (a tied weight under each name, as
+        `model.state_dict()` has it), whole, in host memory: this optimizer's FP32 masters, the model's
+        own values (and dtype) for the params it does not own; then the persistent buffers, as they are."""
         self.settle()
-        names = {id(p): name for name, p in model.named_parameters()}
-        missing = [i for i, p in enumerate(self.params) if id(p) not in names]
+        for m in model.modules():  # after a forward without backward (eval) FSDP2 leaves the root unsharded
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        index = {id(p): i for i, p in enumerate(self.params)}
+        named = list(model.named_parameters(remove_duplicate=False))
+        missing = sorted(set(index.values()) - {index[id(p)] for _, p in named if id(p) in index})
         if missing:
             raise ValueError(f"params {missing[:5]} of this optimizer are not parameters of the model given")
         out = [{"master_param": torch.empty(local_data(p).shape, dtype=torch.float32)} for p in self.params]
         self.store.gather(self.pass_order(), out)
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
         full: dict[str, torch.Tensor] = {}
-        for p, o in zip(self.params, out):
-            t = o["master_param"]
-            if isinstance(p, DTensor):  # the local shard goes where the mesh's collectives run
-                t = like_param(t.to(local_data(p).device), p).full_tensor().cpu()
+        whole: dict[int, torch.Tensor] = {}  # a tied param is gathered once
+        for name, p in named:
+            if id(p) not in whole:
+                t = out[index[id(p)]]["master_param"] if id(p) in index else local_data(p).detach()
+                if isinstance(p, DTensor):  # the local shard goes where the mesh's collectives run
+                    t = like_param(t.to(local_data(p).device), p).full_tensor()
+                whole[id(p)] = t.cpu() if id(p) in index else t.cpu().clone()
             if keep:
-                full[names[id(p)]] = t
+                full[name] = whole[id(p)]
+        if keep:
+            full.update({k: v.detach().cpu() for k, v in model.state_dict().items() if k not in full})
         return full
 
     @torch.no_grad()
@@ -174,8 +188,8 @@ class OptimizerStates:
 
 class ParamState(Mapping):
     """`opt.state[p]` of an OffloadAdamW: 'step' (a tensor, as torch's AdamW), and 'exp_avg',
-    'exp_avg_sq' and 'master_param' read from the store on access (each a copy: writing to it changes
-    nothing; load_state_dict does)."""
+    'exp_avg_sq' and 'master_param' read from the store on access. Each is a read-only copy
+    (read_only.ReadOnlyState): a write to it raises, naming load_state_dict, instead of being lost."""
 
     def __init__(self, states: OptimizerStates, index: int) -> None:
         self._states, self._index = states, index
@@ -183,10 +197,16 @@ class ParamState(Mapping):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key == "step":
             self._states.engine.finish_update()  # the update in flight counts its step when it ends
-            return torch.tensor(float(self._states.engine.steps[self._index]))
+            return ReadOnlyState(torch.tensor(float(self._states.engine.steps[self._index])), key)
         if key in STATE_KEYS:
             return self._states.param_state(self._index, key)
         raise KeyError(key)
+
+    def __setitem__(self, key: str, value: object) -> None:
+        raise TypeError(
+            f"opt.state[p][{key!r}] = ...: OffloadAdamW's state lives out of core and opt.state[p] is read-only. "
+            "To change the state, edit opt.state_dict() and load it back with opt.load_state_dict(state_dict)"
+        )
 
     def __iter__(self):
         return iter(("step", *STATE_KEYS))

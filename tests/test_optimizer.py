@@ -284,8 +284,8 @@ def test_bad_inputs_fail_clearly(tmp_path):
 
     params = p()
     opt = OffloadAdamW(params, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
-    with pytest.raises(RuntimeError, match="before any backward"):
-        opt.step()
+    opt.step()  # no grads: nothing to do, as torch's optimizers (tests/test_torch_idioms.py)
+    assert opt.step_count == 0
     # torch itself refuses a .grad of another dtype or shape; hooks hand grads over through stage_grad
     with pytest.raises(TypeError, match="expects torch.bfloat16 grads"):
         opt.stage_grad(0, torch.zeros(SHAPES[0]))

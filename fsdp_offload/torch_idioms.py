@@ -1,0 +1,76 @@
+"""Where OffloadAdamW meets torch idioms that would otherwise see something torch never shows: the
+update in flight (a model state dict or a step post-hook reading half-updated params), a step with
+no grads, a copied optimizer.
+
+The update runs on a worker thread after `step()` returns. A forward waits per FSDP unit (fsdp.py's
+forward pre-hooks); what else reads the params waits here, and only when it reads: a state-dict
+pre-hook on each module of the model, and `step()` itself when step post-hooks are registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Callable
+
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks
+
+log = logging.getLogger(__name__)
+
+
+def install_state_dict_waits(model: torch.nn.Module, finish_update: Callable[[], None]) -> list:
+    """State-dict pre-hooks on every module of `model` (so `model.state_dict()`, a submodule's, and
+    torch's `get_model_state_dict` / DCP saves, which call it) that wait for the update in flight.
+    Loads wait too: the update would write its params over the loaded ones. The hooks hold the
+    optimizer weakly; once it is gone they do nothing."""
+    finish = weakref.WeakMethod(finish_update)
+
+    def wait(*_args, **_kwargs) -> None:
+        if (method := finish()) is not None:
+            method()
+
+    handles = []
+    for module in model.modules():
+        handles.append(module.register_state_dict_pre_hook(wait))
+        handles.append(module.register_load_state_dict_pre_hook(wait))
+    return handles
+
+
+def has_step_post_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether hooks run after this optimizer's `step()` (its own or torch's global ones): they read
+    the params as torch leaves them, updated, so the step must wait for its update."""
+    return bool(optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks)
+
+
+def step_has_grads(engine) -> bool:
+    """Whether the step about to begin has grads: staged by the hooks or in p.grad (a retried step
+    that stopped part-way has them staged still)."""
+    if engine.pending is not None:
+        return True
+    engine.finish_update()
+    engine.stage_param_grads()
+    return any(engine.grads.staged)
+
+
+class NoGradSteps:
+    """`step()` without any grad (a skipped batch) does nothing, as torch's optimizers do; said once."""
+
+    def __init__(self) -> None:
+        self.logged = False
+
+    def skip(self) -> None:
+        if not self.logged:
+            self.logged = True
+            log.warning("OffloadAdamW.step() with no grads (no backward since the last step): nothing updated, "
+                        "as torch's optimizers do (said once)")  # fmt: skip
+
+
+def refuse_copy(optimizer: object, *_: object) -> None:
+    """copy.deepcopy / pickle of an OffloadAdamW: its state is out of core (tier files, pinned buffers,
+    a worker thread), which a copy cannot share or duplicate."""
+    raise TypeError(
+        f"{type(optimizer).__name__} cannot be copied or pickled: its state lives in tier files, pinned host "
+        "memory and a worker thread of this process. To copy the optimizer, save opt.state_dict() (or a DCP "
+        "checkpoint) and load it into a new OffloadAdamW built on the copied model"
+    )

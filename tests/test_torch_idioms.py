@@ -1,0 +1,196 @@
+"""torch idioms in a user's own loop give torch's answer or a clear error (issue #30).
+
+On 2 gloo ranks, with the update in flight on a slow (throttled) tier: `model.state_dict()`, torch's
+`get_model_state_dict`, a step post-hook (the optimizer's own and torch's global one) and an eval
+forward all see the updated params, as with torch's AdamW, while a loop that reads nothing is not
+made to wait; `full_fp32_state_dict()` works after an eval forward; step() consumes the grads. A
+frozen param passed in is refused before anything is cast, a trainable one left out beside cast params
+is refused by name. On plain params: a step with no grads does nothing (said once), `opt.state[p]`
+refuses writes, copy/pickle refuse clearly.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from test_fsdp import SG, batch, build_model, loss_of
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.fsdp import local_data
+
+
+def slow_optimizer(model: torch.nn.Module, tier: str) -> OffloadAdamW:
+    os.makedirs(tier, exist_ok=True)
+    budget = (2 * 40 * SG + 3 * 3 * SG * 4) / 2**30  # most state on the tier, whose I/O is slowed down
+    cfg = OffloadConfig(tiers=[f"throttle:posix:{tier}?read=8MB/s&write=8MB/s"], host_budget_gb=budget, subgroup_numel=SG,
+                        kernel="torch")  # fmt: skip
+    return OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
+
+
+def raw_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The local shards as they are now, read without waiting for anything."""
+    return [local_data(p).detach().clone() for p in model.parameters()]
+
+
+def step_on(model, opt, rank: int, step: int) -> list[torch.Tensor]:
+    """A backward and step(); the params before the step."""
+    loss_of(model, batch(rank, step)).backward()
+    before = raw_params(model)
+    opt.step()
+    return before
+
+
+def updated(before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
+    assert sum(not torch.equal(a, b) for a, b in zip(before, after)) > len(after) // 2, "the step changed nothing"
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
+    stale = [i for i, (g, w) in enumerate(zip(got, want)) if not torch.equal(g, w)]
+    assert not stale, f"{what}: {len(stale)} of {len(want)} params are not the updated ones"
+
+
+def reads_after_step(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    opt = slow_optimizer(model, f"{tmp}/tier{rank}")
+    step_on(model, opt, rank, 0)
+    # nothing reads: step() returns with the update in flight (no extra wait in the training loop)
+    assert opt.engine.inflight.busy
+    assert all(p.grad is None for p in model.parameters())  # consumed: no zero_grad() needed, nothing summed
+    # model.state_dict()
+    before = step_on(model, opt, rank, 1)
+    sd = [local_data(t).clone() for t in model.state_dict().values() if t.is_floating_point() and t.dtype == torch.bfloat16]
+    opt.finish_update()
+    updated(before, raw_params(model))
+    same(sd, raw_params(model), "model.state_dict() right after step()")
+    # torch's distributed state-dict API
+    step_on(model, opt, rank, 2)
+    msd = get_model_state_dict(model)
+    got = [local_data(msd[name]).clone() for name, _ in model.named_parameters()]
+    opt.finish_update()
+    same(got, raw_params(model), "get_model_state_dict right after step()")
+    # step post-hooks, the optimizer's and torch's global ones, run after the update
+    seen: list[list[torch.Tensor]] = []
+    for register in (opt.register_step_post_hook, register_optimizer_step_post_hook):
+        handle = register(lambda o, args, kwargs: seen.append(raw_params(model)))
+        before = step_on(model, opt, rank, 3)
+        assert not opt.engine.inflight.busy  # the step waited, for the hook's sake
+        updated(before, seen[-1])
+        same(seen[-1], raw_params(model), f"a {register.__name__} hook")
+        handle.remove()
+    # an eval forward waits per FSDP unit for its params
+    step_on(model, opt, rank, 4)
+    model.eval()
+    tokens = batch(rank, 9)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+    opt.finish_update()
+    with torch.no_grad():
+        assert torch.equal(logits, model(tokens[:, :-1])), "the eval forward saw params of before the step"
+    # the FP32 export after an eval forward (FSDP2 left the root unsharded)
+    full = opt.full_fp32_state_dict()
+    masters = {n: s["master_param"].full_tensor() for n, s in zip(dict(model.named_parameters()), opt.state_dict()["state"].values())}
+    if rank == 0:
+        assert set(full) == set(model.state_dict())
+        for name, t in masters.items():
+            assert torch.equal(full[name], t), name
+    model.train()
+    opt.close()
+
+
+def frozen_params(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    frozen = model.layers[0].attention.wq.weight
+    frozen.requires_grad_(False)
+    values = local_data(frozen).clone()
+    with pytest.raises(ValueError, match=r"param \d+ \(shape \(64, 64\)\) does not require grad"):
+        OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before anything was cast
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = OffloadAdamW(trainable, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    assert frozen.dtype == torch.float32 and torch.equal(local_data(frozen), values)  # left as it was
+    assert all(p.dtype == torch.bfloat16 for p in trainable)
+    full = opt.full_fp32_state_dict(rank0_only=False)
+    assert torch.equal(full["layers.0.attention.wq.weight"], frozen.full_tensor())  # exported with the rest
+    opt.close()
+
+    model = build_model(rank)
+    left_out = model.layers[1].feed_forward.w1.weight  # requires grad, not the optimizer's, in a unit it casts
+    with pytest.raises(ValueError, match=r"'layers.1.feed_forward.w1.weight' .* requires grad but is not in this optimizer"):
+        OffloadAdamW([p for p in model.parameters() if p is not left_out], model=model,
+                     offload=OffloadConfig(kernel="torch", subgroup_numel=SG))  # fmt: skip
+    dist.barrier()
+
+
+def test_reads_right_after_step_see_the_updated_params(tmp_path):
+    run_ranks(2, reads_after_step, str(tmp_path))
+
+
+def test_frozen_params_are_left_as_they_are_and_exported(tmp_path):
+    run_ranks(2, frozen_params, str(tmp_path))
+
+
+def plain_optimizer() -> tuple[list[torch.nn.Parameter], OffloadAdamW]:
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in ((300, 7), (513,))]
+    return params, OffloadAdamW(params, lr=1e-2, offload=OffloadConfig(kernel="torch", subgroup_numel=1024))
+
+
+def backward(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+
+
+def test_step_without_grads_does_nothing_and_says_so_once(caplog):
+    params, opt = plain_optimizer()
+    before = [p.detach().clone() for p in params]
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.torch_idioms"):
+        opt.step()
+        opt.step()
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "no grads" in caplog.records[0].message
+    assert opt.step_count == 0 and all(torch.equal(p, b) for p, b in zip(params, before))
+    backward(params)
+    opt.step()  # and a step with grads after it updates
+    assert opt.step_count == 1 and not torch.equal(params[0], before[0])
+    opt.close()
+
+
+def test_opt_state_is_read_only():
+    params, opt = plain_optimizer()
+    backward(params)
+    opt.step()
+    state = opt.state[params[0]]
+    exp_avg = state["exp_avg"]
+    assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"]) and float(state["step"]) == 1.0
+    for write in (lambda: exp_avg.zero_(), lambda: exp_avg.view(-1).add_(1), lambda: exp_avg.detach().copy_(exp_avg + 1),
+                  lambda: exp_avg.mul_(0.5), lambda: torch.add(exp_avg, 1, out=exp_avg)):  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"writes into opt.state\[p\]\['exp_avg'\].*opt.load_state_dict"):
+            write()
+    with pytest.raises(RuntimeError, match=r"opt.state\[p\]\['step'\]"):
+        state["step"] += 1
+    with pytest.raises(TypeError, match="read-only"):
+        state["exp_avg"] = torch.zeros_like(exp_avg)
+    assert torch.equal(opt.state[params[0]]["exp_avg"], exp_avg) and float(opt.state[params[0]]["step"]) == 1.0
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)  # saves plain tensors
+    buffer.seek(0)
+    assert type(torch.load(buffer)["exp_avg"]) is torch.Tensor
+    opt.close()
+
+
+def test_copy_and_pickle_refused_clearly():
+    _, opt = plain_optimizer()
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled: .* load it into a new OffloadAdamW"):
+            copier(opt)
+    opt.close()
