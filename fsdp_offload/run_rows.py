@@ -1,0 +1,73 @@
+"""The rows a training run writes: one JSON line a step (metrics.jsonl), TensorBoard scalars beside
+them, the process's memory and file descriptors, and the rows a resumed run drops."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+
+
+def tensorboard_writer(path: str):
+    """A TensorBoard SummaryWriter at `path` (train.tensorboard=true)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ValueError(
+            "train.tensorboard=true needs the tensorboard package: pip install tensorboard (or pip install -e '.[tensorboard]' in the checkout)"
+        ) from exc
+    return SummaryWriter(path)
+
+
+def add_scalars(board, row: dict) -> None:
+    """A JSONL row as TensorBoard scalars: its numbers, and the bytes it moved summed over tiers."""
+    for key, value in row.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            board.add_scalar(f"train/{key}", value, row["step"])
+    for key in ("bytes_read", "bytes_written"):
+        if isinstance(row.get(key), dict):
+            board.add_scalar(f"train/{key}", sum(row[key].values()), row["step"])
+
+
+def host_peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def process_now() -> dict:
+    """This process's resident memory (GiB) and open file descriptors now: what a leak would grow."""
+    with open("/proc/self/statm") as f:
+        rss_pages = int(f.read().split()[1])
+    return {"host_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "open_fds": len(os.listdir("/proc/self/fd"))}
+
+
+def drop_rows_from(path: str, step: int) -> None:
+    """Drops the rows of steps `step` and after from the metrics file at `path` (an earlier run's, past
+    the checkpoint this one resumes from), so each step has one row."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = [line for line in lines if _row_step(line) < step]
+    if len(kept) < len(lines):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+def _row_step(line: str) -> float:
+    """The step of a metrics row; infinity for a line that is not one (torn by a kill: it goes)."""
+    try:
+        return json.loads(line)["step"] if line.endswith("\n") else math.inf
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def add_update_metrics(row: dict, m) -> None:
+    """Adds the metrics of the row's own update (an OffloadAdamW's StepMetrics) to it."""
+    row.update(update_s=m.update_s, exposed_update_s=m.exposed_update_s, overlap_s=m.overlap_s,
+               update_mparams_per_s=m.update_mparams_per_s, effective_io_gbps=m.effective_io_gbps,
+               bytes_read=m.bytes_read, bytes_written=m.bytes_written, cache_hits=m.cache_hits,
+               subgroups_per_tier=m.subgroups_per_tier, subgroups_on_gpu=m.subgroups_on_gpu, skipped=m.skipped,
+               lock_wait_s=m.lock_wait_s, norm_s=m.norm_s)  # fmt: skip
