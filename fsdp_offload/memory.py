@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .config import GIB, OffloadConfig
 from .node import cgroup_dirs, node_ranks
+from .units import readable_size
 
 
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2**63 less a page)
@@ -95,7 +96,7 @@ def resolve_host_budget(
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
     budget = int(mine.item())
     what = (
-        f"offload.host_budget_gb=auto ({budget / GIB:.2f} GiB per rank: {available / GIB:.2f} GiB available less "
+        f"offload.host_budget_gb=auto ({readable_size(budget)} per rank: {readable_size(available)} available less "
         f"host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s))"
     )
     if budget <= 0:

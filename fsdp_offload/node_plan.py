@@ -29,7 +29,7 @@ from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
 from .store import host_cache_slots
 from .subgroups import SubgroupLayout
 from .tier_speeds import placement_measures, starting_speeds
-from .units import GIB
+from .units import GIB, readable_size
 
 
 class PlanError(ValueError):
@@ -296,10 +296,10 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         for r in plan.ranks:
             if r.gpu_startup_bytes > plan.gpu_bytes:
                 raise PlanError(
-                    f"GPU memory, rank {r.rank}: the model and its resident state need {r.gpu_startup_bytes / GIB:.1f} "
-                    f"GiB (params {r.gpu_params_bytes / GIB:.1f}, resident state {r.gpu_state_bytes / GIB:.1f}, the "
-                    f"largest module drawn in FP32) of {plan.gpu_bytes / GIB:.1f} GiB: short by "
-                    f"{(r.gpu_startup_bytes - plan.gpu_bytes) / GIB:.1f} GiB; lower offload.gpu_fraction, or shard "
+                    f"GPU memory, rank {r.rank}: the model and its resident state need {readable_size(r.gpu_startup_bytes)} "
+                    f"(params {readable_size(r.gpu_params_bytes)}, resident state {readable_size(r.gpu_state_bytes)}, the "
+                    f"largest module drawn in FP32) of {readable_size(plan.gpu_bytes)}: short by "
+                    f"{readable_size(r.gpu_startup_bytes - plan.gpu_bytes)}; lower offload.gpu_fraction, or shard "
                     "over more GPUs (machine.ranks_per_node)"
                 )
     by_device: dict[int, list[int]] = {}  # tiers on one file system share its free space
@@ -311,8 +311,8 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         if total and free is not None and total > free:
             where = f"tier {cfg.tiers[same_fs[0]]}" if len(same_fs) == 1 else f"tiers {' and '.join(cfg.tiers[i] for i in same_fs)}"
             raise PlanError(
-                f"{where}: the node's ranks write up to {total / GIB:.1f} GiB there but its file system has "
-                f"{free / GIB:.1f} GiB free: short by {(total - free) / GIB:.1f} GiB; free space, add a tier on "
+                f"{where}: the node's ranks write up to {readable_size(total)} there but its file system has "
+                f"{readable_size(free)} free: short by {readable_size(total - free)}; free space, add a tier on "
                 "another file system, or raise offload.host_budget_gb or offload.gpu_fraction"
             )
 

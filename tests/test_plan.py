@@ -208,7 +208,7 @@ def test_training_on_the_cpu_counts_the_model_s_step_against_host_memory():
 
 def test_gpu_too_small_names_the_shortfall():
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
-    with pytest.raises(PlanError, match=r"GPU memory, rank 0: .* of 10\.0 GiB: short by \d+\.\d GiB"):
+    with pytest.raises(PlanError, match=r"GPU memory, rank 0: .* of 10\.00 GiB: short by \d+\.\d\d [KMG]iB"):
         make_plan("7b", MODEL_PRESETS["7b"], cfg, MachineConfig(gpu_gib=10, host_gib=512), 2048, 1, "cuda")
 
 
