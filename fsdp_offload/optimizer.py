@@ -37,7 +37,9 @@ from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates, ParamState
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
-from .torch_idioms import NoGradSteps, has_step_post_hooks, install_state_dict_waits, refuse_copy, step_has_grads
+from .torch_idioms import (
+    NoGradSteps, check_params_unswapped, has_step_post_hooks, install_state_dict_waits, refuse_copy, step_has_grads,
+)  # fmt: skip
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -275,6 +277,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         If the update raises (an I/O error, say), nothing is lost: the error surfaces where it is
         waited for, and the next call finishes the same step from the subgroup where it stopped."""
         self._check_open()
+        check_params_unswapped(self.param_groups, self._params)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -12,6 +12,7 @@ import torch
 
 from .config import OffloadConfig, dataclass_from
 from .fsdp import local_data
+from .torch_idioms import refuse_accelerate_fsdp2
 
 log = logging.getLogger(__name__)
 CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
@@ -73,6 +74,7 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
     param_dtype with masters= giving the FP32 values), and not cast by an earlier OffloadAdamW."""
     if not params:
         raise ValueError("OffloadAdamW got an empty parameter list")
+    refuse_accelerate_fsdp2(params, models)
     devices = {local_data(p).device.type for p in params}
     if len(devices) > 1:
         raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")

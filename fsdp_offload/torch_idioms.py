@@ -10,6 +10,7 @@ pre-hook on each module of the model, and `step()` itself when step post-hooks a
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from typing import Callable
 
@@ -74,3 +75,35 @@ def refuse_copy(optimizer: object, *_: object) -> None:
         "memory and a worker thread of this process. To copy the optimizer, save opt.state_dict() (or a DCP "
         "checkpoint) and load it into a new OffloadAdamW built on the copied model"
     )
+
+
+ACCELERATE_FSDP2 = (
+    "accelerate's FSDP2 flow (accelerator.prepare(model, optimizer)) builds the optimizer on the unsharded model, "
+    "then shards the model and swaps the optimizer's params for the shards (upcasting them to FP32 under mixed "
+    "precision); OffloadAdamW lays out its FP32 state on the shards it is built on and casts them itself. Shard "
+    "the model with fully_shard first and build OffloadAdamW(model.parameters(), model=model) on it, outside "
+    "accelerate's FSDP plugin"
+)
+
+
+def refuse_accelerate_fsdp2(params: list[torch.Tensor], models: list[torch.nn.Module]) -> None:
+    """At construction: plain params while accelerate's FSDP2 plugin is active mean accelerate will shard
+    the model and swap the params later (accelerate is only looked at when the process imported it)."""
+    state = sys.modules.get("accelerate.state")
+    if state is None or models or any(hasattr(p, "device_mesh") for p in params):
+        return
+    shared = state.AcceleratorState._shared_state
+    plugin = shared.get("fsdp_plugin")
+    if getattr(shared.get("distributed_type"), "value", None) == "FSDP" and getattr(plugin, "fsdp_version", 1) == 2:
+        raise ValueError(f"OffloadAdamW cannot be built for {ACCELERATE_FSDP2}")
+
+
+def check_params_unswapped(param_groups: list[dict], params: list[torch.Tensor]) -> None:
+    """At each step: the param groups still hold the params the optimizer was built on (accelerate's
+    FSDP2 prepare, or any code that swaps them, would leave the state updating tensors no longer in use)."""
+    now = [p for g in param_groups for p in g["params"]]
+    if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+        raise RuntimeError(
+            "the optimizer's param_groups hold other params than those OffloadAdamW was built on: its state "
+            f"belongs to those. If this is {ACCELERATE_FSDP2}"
+        )

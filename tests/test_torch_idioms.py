@@ -194,3 +194,19 @@ def test_copy_and_pickle_refused_clearly():
         with pytest.raises(TypeError, match="cannot be copied or pickled: .* load it into a new OffloadAdamW"):
             copier(opt)
     opt.close()
+
+
+def test_params_swapped_as_accelerate_fsdp2_does_are_refused():
+    """accelerate's FSDP2 prepare() swaps the optimizer's params for the shards it made (its own function,
+    run here as prepare runs it): the step refuses, naming the flow and the fix. (accelerate's FSDP2 flow
+    itself does not run on CPU: accelerate 1.15 enables FSDP only on GPU-like devices; building
+    OffloadAdamW under its active FSDP2 plugin is refused at construction, refuse_accelerate_fsdp2.)"""
+    fsdp_utils = pytest.importorskip("accelerate.utils.fsdp_utils", reason="pip install accelerate")
+    params, opt = plain_optimizer()
+    shards = [torch.nn.Parameter(p.detach().float()) for p in params]
+    fsdp_utils.fsdp2_switch_optimizer_parameters(opt, {p.data_ptr: s for p, s in zip(params, shards)})
+    for s in shards:
+        s.grad = torch.ones_like(s)
+    with pytest.raises(RuntimeError, match="other params than those OffloadAdamW was built on.*accelerate's FSDP2 flow.*fully_shard first"):
+        opt.step()
+    opt.close()
