@@ -20,6 +20,7 @@ from .bandwidth import expected_step_seconds, spills, steady_traffic
 from .calibrate import TierSpeed
 from .config import OffloadConfig, format_bytes, in_unit
 from .grads import TierFP32Grads
+from .job_errors import JobError
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes, planned_gpu_bytes, planned_host_bytes
 from .memory import auto_host_budget
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
@@ -32,8 +33,9 @@ from .tier_speeds import placement_measures, starting_speeds
 from .units import GIB, readable_size
 
 
-class PlanError(ValueError):
-    """The state does not fit: the message names the level, the shortfall and what to change."""
+class PlanError(JobError):
+    """The state does not fit: the message names the level, the shortfall and what to change. Every rank
+    plans the whole node alike, so train.py says it once for the job (a JobError)."""
 
 
 @dataclass

@@ -244,3 +244,13 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert "machine.gpu=3: unknown machine option; known: ['cpu_mparams_per_s', 'gpu_gib'" in capsys.readouterr().err
     assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_is_said_once_for_the_job(tmp_path):
+    """Every rank plans the node alike: with 2 ranks the refusal is one line, not one a rank."""
+    from test_train import train
+
+    out = train(tmp_path / "run", "offload.host_budget_gb=0.0001", ranks=2, check=False)
+    assert out.returncode != 0
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if "error: host memory" in line]
+    assert len(lines) == 1 and "offload.host_budget_gb=0.0001" in lines[0], lines
