@@ -160,8 +160,8 @@ def bad_input_worker(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(ValueError, match="pass model=model"):
         OffloadAdamW(model.parameters())
     opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG))
-    with pytest.raises(RuntimeError, match="before any backward"):
-        opt.step()
+    opt.step()  # no grads: nothing to do, as torch's optimizers (tests/test_torch_idioms.py)
+    assert opt.step_count == 0
     with pytest.raises(RuntimeError, match="cannot be added later"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
     loss_of(model, batch(rank, 0)).backward()
