@@ -79,12 +79,6 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
     if len(devices) > 1:
         raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
     for i, p in enumerate(params):
-        if not p.requires_grad:  # refused before anything is cast: a corrected retry finds the model as it was
-            raise ValueError(
-                f"param {i} (shape {tuple(p.shape)}) does not require grad: a frozen param takes no step. Leave it "
-                "out of the optimizer (OffloadAdamW([p for p in model.parameters() if p.requires_grad], ...)); "
-                "it then keeps its dtype and values, and full_fp32_state_dict() still exports it"
-            )
         if streamed:
             if p.dtype != param_dtype:
                 raise ValueError(
@@ -104,6 +98,12 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
                 f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
                 "master weights from the model's FP32 params and casts the model to "
                 f"{cfg.param_dtype} itself; build it before casting the model"
+            )
+        if not p.requires_grad:  # refused before anything is cast: a corrected retry finds the model as it was
+            raise ValueError(
+                f"param {i} (shape {tuple(p.shape)}) does not require grad: a frozen param takes no step. Leave it "
+                "out of the optimizer (OffloadAdamW([p for p in model.parameters() if p.requires_grad], ...)); "
+                "it then keeps its dtype and values, and full_fp32_state_dict() still exports it"
             )
         if not local_data(p).is_contiguous():
             raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
