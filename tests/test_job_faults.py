@@ -37,8 +37,20 @@ def our_traceback(out: subprocess.CompletedProcess) -> bool:
         ("train.watchdog_s=-1", "train.watchdog_s=-1 must be a number of seconds >= 0"),
     ],
 )
-def test_what_cannot_be_meant_is_refused_once_a_job(tmp_path, override, message):
-    out = train(tmp_path / "run", override, ranks=2, check=False)
+def test_what_cannot_be_meant_is_refused(override, message):
+    from fsdp_offload.job_errors import JobError
+    from fsdp_offload.recipe import read_config
+    from test_recipes import composed
+
+    with pytest.raises(JobError) as refused:  # read the same way on every rank: said once for the job
+        read_config(composed(override))
+    assert message in str(refused.value)
+
+
+@pytest.mark.bad_input
+def test_what_cannot_be_meant_is_refused_once_a_job(tmp_path):
+    out = train(tmp_path / "run", "train.min_lr_ratio=5", ranks=2, check=False)
+    message = "train.min_lr_ratio=5: the cosine decays to lr * min_lr_ratio, which must be in [0, 1]"
     assert out.returncode != 0 and len(errors(out)) == 1 and message in errors(out)[0], out.stderr[-2000:]
     assert not our_traceback(out)
 

@@ -125,7 +125,7 @@ def buffered_tier(tmp_path, monkeypatch, after_pwrite, before_failing_sync):
     monkeypatch.setattr(posix, "_try_direct", lambda fd: False)
     tier = make_tier(f"posix:{tmp_path}?threads=2")
     tier.attach(tier_file_tag("rank0"), [16384, 16384])
-    real_pwrite, real_sync, syncs = posix._pwrite_all, os.fdatasync, []
+    real_pwrite, real_sync, syncs = posix.pwrite_all, os.fdatasync, []
 
     def pwrite(fd, view, offset):
         real_pwrite(fd, view, offset)
@@ -138,7 +138,7 @@ def buffered_tier(tmp_path, monkeypatch, after_pwrite, before_failing_sync):
             raise OSError(errno.EIO, "Input/output error")
         real_sync(fd)
 
-    monkeypatch.setattr(posix, "_pwrite_all", pwrite)
+    monkeypatch.setattr(posix, "pwrite_all", pwrite)
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     return tier
 
