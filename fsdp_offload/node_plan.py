@@ -160,7 +160,9 @@ def plan_rank(
         on_gpu = frozenset()
     elif cfg.gpu_fraction == "auto":  # placed at start-up (train.py hands the count in), beside the training peak estimated here
         room -= sums_on_gpu_need if accumulation == "gpu" else 0
-        count, _ = last_that_fit(layout, list(range(len(layout))), room, moving)
+        # with the sums on the host, a GPU-resident subgroup's own FP32 sums still live beside its state
+        beside = 4 if accumulation == "host" and cfg.micro_batches > 1 else 0
+        count, _ = last_that_fit(layout, list(range(len(layout))), room, moving + beside)
         on_gpu = frozenset(range(len(layout) - count, len(layout)))
     else:  # checked as the optimizer checks it, against the memory free once the model is built
         try:
