@@ -11,18 +11,10 @@ class FileOps:
     """fsync, write and rename as a commit uses them; a test's subclass records the calls."""
 
     def fsync_file(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path, os.O_RDONLY | os.O_NOFOLLOW)
 
     def fsync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
     def write_file(self, path: str, data: bytes) -> None:
         """A new file holding `data`, on disk when this returns (0600, never through a symlink)."""
@@ -53,3 +45,11 @@ def commit_dir(tmp: str, final: str, ops: FileOps) -> None:
     sync_tree(tmp, ops)
     ops.replace(tmp, final)
     ops.fsync_dir(os.path.dirname(final) or ".")
+
+
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
