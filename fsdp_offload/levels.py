@@ -29,6 +29,30 @@ from .tier_speeds import placement_measures, starting_speeds
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's memory, decided once, and what the optimizer builds: the planner makes it for
+    train.py, with the step's activations in view (node_plan.RankPlan.memory_plan); an optimizer built
+    without one makes its own from the config and what it measures now (`plan_memory`)."""
+
+    host_budget: int | None  # bytes the optimizer keeps in host memory; None: no limit
+    budget_name: str  # how errors name the budget
+    grad_accumulation: str  # where several micro-batches' grads are summed: "gpu" | "host"
+    gpu_subgroups: int | None  # the last subgroups on the GPU from the start; None: gpu_fraction decides now (or "auto" after the first step)
+
+
+def plan_memory(cfg: OffloadConfig, layout: SubgroupLayout, device: torch.device, group: dist.ProcessGroup | None) -> MemoryPlan:
+    """The memory plan of an optimizer built without one: the host budget (host_budget_gb="auto" measured
+    now, a collective over `group`) and where grad sums go ("auto": the GPU where its free memory, less
+    gpu_headroom_gb, holds them)."""
+    budget, budget_name = resolve_host_budget(cfg, group, device)
+    free = torch.cuda.mem_get_info(device)[0] - int(cfg.gpu_headroom_gb * GIB) if device.type == "cuda" else None
+    every = list(range(len(layout)))
+    accumulation = resolve_grad_accumulation(cfg.grad_accumulation, cfg.micro_batches, device.type, free,
+                                             grad_accumulation_memory(layout, "gpu", cfg.micro_batches, every)[0])  # fmt: skip
+    return MemoryPlan(budget, budget_name, accumulation, None)
+
+
 @dataclass
 class Levels:
     staging: LowpStaging
@@ -45,9 +69,9 @@ def gpu_resident(cfg: OffloadConfig, layout: SubgroupLayout, device: torch.devic
     m = len(layout)
     if planned is not None:
         if not 0 <= planned <= m:
-            raise ValueError(f"gpu_subgroups={planned}: this rank has {m} subgroups; give 0..{m}")
+            raise ValueError(f"a memory plan with {planned} subgroups on the GPU: this rank has {m}")
         if planned and device.type != "cuda":
-            raise ValueError(f"gpu_subgroups={planned} keeps state on the GPU, but the params are on {device}: use 0")
+            raise ValueError(f"a memory plan with {planned} subgroups on the GPU, but the params are on {device}")
         return frozenset(range(m - planned, m))
     if cfg.gpu_fraction in ("auto", 0.0):
         return frozenset()
@@ -58,15 +82,16 @@ def gpu_resident(cfg: OffloadConfig, layout: SubgroupLayout, device: torch.devic
 
 def build_levels(
     cfg: OffloadConfig, layout: SubgroupLayout, forward: list[int], device: torch.device, param_dtype: torch.dtype,
-    group: dist.ProcessGroup | None, gpu_subgroups: int | None, tier_speeds: list[TierSpeed] | None,
+    group: dist.ProcessGroup | None, memory: MemoryPlan, tier_speeds: list[TierSpeed] | None,
 ) -> Levels:  # fmt: skip
-    on_gpu = gpu_resident(cfg, layout, device, gpu_subgroups)
-    later = cfg.gpu_fraction == "auto" and gpu_subgroups is None
+    on_gpu = gpu_resident(cfg, layout, device, memory.gpu_subgroups)
+    later = cfg.gpu_fraction == "auto" and memory.gpu_subgroups is None
     if later and device.type != "cuda":
         log.info("offload.gpu_fraction=auto: the params are on %s, so all state stays off the GPU", device)
         later = False
-    # sized before the staging buffer takes its share of the host memory that "auto" measures
-    budget, budget_name = resolve_host_budget(cfg, group, device)
+    budget, budget_name, accumulation = memory.host_budget, memory.budget_name, memory.grad_accumulation
+    if accumulation == "gpu" and device.type != "cuda":
+        raise ValueError(f"a memory plan with the grad sums on the GPU, but the params are on {device.type}")
     grads_on_gpu = cfg.grad_path == "gpu_bf16"
     if grads_on_gpu and device.type != "cuda":
         raise ValueError(
@@ -75,11 +100,6 @@ def build_levels(
         )
     staged_on_gpu = frozenset(range(len(layout))) if grads_on_gpu else on_gpu
     off_gpu = [sg for sg in range(len(layout)) if sg not in on_gpu]
-    accumulation = resolve_grad_accumulation(
-        cfg.grad_accumulation, cfg.micro_batches, device.type,
-        torch.cuda.mem_get_info(device)[0] - int(cfg.gpu_headroom_gb * GIB) if device.type == "cuda" else None,
-        grad_accumulation_memory(layout, "gpu", cfg.micro_batches, off_gpu)[0],
-    )  # fmt: skip
     # The node's tier speeds, once a node: a collective, so its condition is the same on every rank
     # (a rank's own layout may leave it nothing to stream)
     if tier_speeds is None and group is not None:

@@ -21,6 +21,7 @@ from .calibrate import TierSpeed
 from .config import OffloadConfig, format_bytes, in_unit
 from .grads import TierFP32Grads
 from .job_errors import JobError
+from .levels import MemoryPlan
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes, planned_gpu_bytes, planned_host_bytes
 from .memory import auto_host_budget
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
@@ -68,6 +69,14 @@ class RankPlan:
     grad_accumulation: str = "host"  # where the FP32 sums of several micro-batches live ("gpu" | "host")
     grad_sums_gpu_bytes: int = 0  # those sums in GPU memory (in gpu_train_bytes)
     grad_sums_host_bytes: int = 0  # those sums and their landing buffer in host memory (in host_bytes)
+    host_budget_bytes: int | None = None  # the budget it was planned under (None: no limit)
+    budget_name: str = ""  # how errors name that budget
+
+    def memory_plan(self, cfg: OffloadConfig) -> MemoryPlan:
+        """What this rank's optimizer builds: the plan's host budget, grad sums and, for
+        gpu_fraction="auto", GPU share (a fixed fraction is checked again against the GPU's free memory)."""
+        return MemoryPlan(self.host_budget_bytes, self.budget_name, self.grad_accumulation,
+                          self.gpu_subgroups if cfg.gpu_fraction == "auto" else None)  # fmt: skip
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
     cpu_s: float | None = None  # CPU update (None: no CPU speed given)
@@ -193,6 +202,7 @@ def plan_rank(
         fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + sums_host + slots * layout.slot_bytes,
         gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state + sums_gpu,
         grad_accumulation=accumulation, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
+        host_budget_bytes=host_budget, budget_name=budget_name,
     )  # fmt: skip
     streamed = len(host_sgs)
     sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
@@ -239,7 +249,8 @@ def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierS
 
 
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
-              device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None) -> Plan:  # fmt: skip
+              device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None,
+              host_budget: tuple[int | None, str] | None = None) -> Plan:  # fmt: skip
     """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the
     host (budget or memory), and each file system's free space (shared by the node's ranks and by the
     tiers on it). Raises PlanError naming the level that is short, ValueError for options the target
@@ -248,9 +259,11 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     them once for every rank's placement."""
     gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
     host = planned_host_bytes(machine)
-    if cfg.host_budget_gb == "auto":
+    if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
+        host_budget, budget_name = host_budget
+    elif cfg.host_budget_gb == "auto":
         host_budget = auto_host_budget(host, cfg.host_headroom_gb, machine.ranks_per_node)
-        budget_name = f"offload.host_budget_gb=auto ({host_budget / GIB:.2f} GiB per rank)"
+        budget_name = f"offload.host_budget_gb=auto ({readable_size(host_budget)} per rank)"
         if host_budget <= 0:
             raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
     else:

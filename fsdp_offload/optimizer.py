@@ -27,7 +27,7 @@ from .fsdp import (
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .held_grad import release_held_grads
 from .kernels import get_adamw_kernel
-from .levels import build_levels
+from .levels import MemoryPlan, build_levels, plan_memory
 from .metrics import StepMetrics
 from .optimizer_args import (
     CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, offload_config, refuse_torch_options, resolve_overlap,
@@ -68,13 +68,10 @@ class OffloadAdamW(torch.optim.Optimizer):
     param order, a param once per subgroup it spans, and the model's params are set from what it gives
     (parallelize.StreamedMasters draws the init one module at a time).
 
-    `tier_speeds`: one per `offload.tiers`, the speeds a bandwidth placement starts from (the plan's),
-    so the tiers are not measured a second time; without them the profile gives them, or each node's
-    first rank measures them for the node's ranks (tier_speeds.starting_speeds).
-
-    `gpu_subgroups`: how many subgroups (the last ones) keep their state on the GPU from the start, as
-    the planner placed them for offload.gpu_fraction="auto" (train.py passes its plan's). Without it,
-    "auto" sizes the GPU share from the measured peak after the first step.
+    `tier_speeds` and `memory_plan` (levels.MemoryPlan: host budget, where grad sums go, the GPU share
+    for gpu_fraction="auto"): the plan's, as train.py passes them, so nothing is measured twice; without
+    them the tiers' speeds come from the profile or a measurement (tier_speeds.starting_speeds), the
+    memory plan from the config and what is free now, and "auto" sizes the GPU share after step one.
     """
 
     def __init__(
@@ -95,7 +92,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         masters: Callable[[torch.Tensor], torch.Tensor] | None = None,
         tier_speeds: list[TierSpeed] | None = None,
-        gpu_subgroups: int | None = None,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         refuse_torch_options(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                              differentiable=differentiable, fused=fused)  # fmt: skip
@@ -136,7 +133,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         forward = forward_order(unit_subgroups, len(self.layout))
         self.kernel_name, kernel = get_adamw_kernel(cfg.kernel)
         group = mesh_group(self._params)
-        levels = build_levels(cfg, self.layout, forward, device, self.param_dtype, group, gpu_subgroups, tier_speeds)
+        memory = memory_plan or plan_memory(cfg, self.layout, device, group)
+        levels = build_levels(cfg, self.layout, forward, device, self.param_dtype, group, memory, tier_speeds)
         self.store, self.grad_accumulation = levels.store, levels.grad_accumulation
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None

@@ -163,28 +163,24 @@ def _run(cfg: DictConfig) -> list[dict]:
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
-        if recipe.config.host_budget_gb == "auto":
-            # Sized once, now, for the plan and the optimizer alike: what this process takes from here on
-            # (the CUDA context, the model's build) is the headroom's share, not the optimizer's.
-            budget, what = resolve_host_budget(recipe.config, group, device)
-            if rank == 0:
-                log.info("%s", what)
-            recipe.config = dataclasses.replace(recipe.config, host_budget_gb=f"{budget // 1024}KiB")
+        # The host budget is sized once, now, for the plan and the optimizer alike: what this process
+        # takes from here on (the CUDA context, the model's build) is the headroom's share.
+        budget = resolve_host_budget(recipe.config, group, device)
+        if rank == 0 and recipe.config.host_budget_gb == "auto":
+            log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
-                         dcfg.seq_len, dcfg.micro_batch, device.type, speeds=speeds)  # fmt: skip
+                         dcfg.seq_len, dcfg.micro_batch, device.type, speeds=speeds, host_budget=budget)  # fmt: skip
         mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
-        # The plan's choices, made with the step's activations in view, are the run's: where the grad
-        # sums live, and the GPU's share of the state, placed now so that the first steps run at speed.
-        recipe.config = dataclasses.replace(recipe.config, grad_accumulation=mine.grad_accumulation)
-        gpu_subgroups = mine.gpu_subgroups if recipe.config.gpu_fraction == "auto" else None
-        # The FP32 init goes to the optimizer one module at a time (none at all when a checkpoint follows).
-        # The plan's tier speeds spare the tiers a second measurement; the profile, if set, keeps what the run learns.
+        # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
+        # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
+        # run at speed), from the plan's tier speeds (the profile, if set, keeps what the run learns);
+        # the FP32 init goes to it one module at a time (none at all when a checkpoint follows).
         model, optimizer = build_offloaded_model(margs, device, seed=tcfg.seed, init=not resume_from, lr=tcfg.lr,
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
-                                                 tier_speeds=speeds, gpu_subgroups=gpu_subgroups)  # fmt: skip
+                                                 tier_speeds=speeds, memory_plan=mine.memory_plan(recipe.config))  # fmt: skip
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
