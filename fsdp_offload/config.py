@@ -108,8 +108,9 @@ class OffloadConfig:
     grad_path: str = "host_bf16"
     # backward() calls per step() (gradient accumulation). With 1, each grad is staged to host memory as
     # backward makes it; with more, one param's grads are summed in FP32, in micro-batch order, where
-    # grad_accumulation says (train.py sets it from train.micro_batches). A second backward before
-    # step() with 1 is still summed exactly, in memory that was not planned (logged once).
+    # grad_accumulation says (the recipes set it from train.micro_batches). Under FSDP2 a backward beyond
+    # it before step() is refused; grads handed to stage_grad() beyond it are summed exactly, in memory
+    # that was not planned (logged once).
     micro_batches: int = 1
     # Where those FP32 sums live (grad_sums.py): "gpu" (4 bytes a param of GPU memory; nothing leaves the
     # GPU until step()), "host" (6 bytes a param of host memory; each later grad is added by a worker
@@ -176,6 +177,11 @@ class OffloadConfig:
             )
         if not is_whole(self.micro_batches) or self.micro_batches < 1:
             raise ValueError(f"offload.micro_batches={self.micro_batches!r} must be a whole number >= 1 (backward calls per step)")
+        if self.grad_accumulation == "gpu" and self.micro_batches == 1:
+            raise ValueError(
+                "offload.grad_accumulation='gpu' sums several micro-batches' grads, but offload.micro_batches=1: set "
+                "micro_batches to the backward calls per step (train.micro_batches with the recipes), or use 'auto'"
+            )
         if not is_whole(self.prefetch) or self.prefetch < 0:
             raise ValueError(f"offload.prefetch={self.prefetch!r} must be >= 0, a whole number of subgroups read ahead (e.g. 2)")
         if self.gpu_fraction != "auto" and not (is_number(self.gpu_fraction) and 0.0 <= self.gpu_fraction <= 1.0):

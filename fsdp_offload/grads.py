@@ -177,10 +177,16 @@ class StepGrads:
 
     def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
+        taken = [i for i, g in enumerate(local) if g is not None and not self.staged[i]]
+        if taken and self.micro_batches > 1:
+            raise RuntimeError(
+                f"params {taken[:5]} hold grads in p.grad, which autograd summed over the micro-batches in their dtype "
+                f"({self.dtype}), not in FP32 as offload.micro_batches={self.micro_batches} promises: pass model= (an "
+                "FSDP2 model, whose hooks hand each grad in), or hand each micro-batch's grads to opt.stage_grad()"
+            )
         with copies.after_current():
-            for i, g in enumerate(local):
-                if g is not None and not self.staged[i]:
-                    self.stage(i, g)
+            for i in taken:
+                self.stage(i, local[i])
         copies.wait_host()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -236,7 +242,7 @@ class StepGrads:
         return self.path.before_update(host_subgroups, self._fp32_source)
 
     def _fp32_source(self, sg: int) -> torch.Tensor:
-        return self.sums.for_update(sg, on_gpu=False) if self.sums.subgroup_summed(sg) else self.staging.view(sg)
+        return self.sums.completed(sg) if self.sums.subgroup_summed(sg) else self.staging.view(sg)
 
     def for_update(self, sg: int, lowp: torch.Tensor, on_gpu: bool) -> tuple[torch.Tensor, Transfer | None]:
         """The grads subgroup `sg`'s update reads (on the GPU or the CPU, as `on_gpu` says), given its
@@ -247,6 +253,14 @@ class StepGrads:
         if self.sums.subgroup_summed(sg):
             return self.sums.for_update(sg, on_gpu), None
         return lowp, None
+
+    def forget(self, index: int) -> None:
+        """Drops param `index`'s grads of this step (its p.grad was cleared before the next backward)."""
+        self.staging.staged[index] = False
+        self.sums.summed[index] = False
+        self.backwards[index] = 0
+        self._accumulated.discard(index)
+        self._total = None
 
     def is_final(self, index: int) -> bool:
         """Whether param `index` has taken the step's last planned grad (offload.micro_batches of them)."""

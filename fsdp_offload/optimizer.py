@@ -162,7 +162,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
-            self._hooks = install_grad_hooks(self._params, self.stage_grad, self.grads.is_final, cfg.micro_batches)
+            self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.grads.is_final, cfg.micro_batches)
             self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
@@ -216,6 +216,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # -- grads ----------------------------------------------------------------------------------
+
+    def _hooked_grad(self, index: int, grad: torch.Tensor) -> None:
+        """A grad from the FSDP2 hook. One that comes after the step's last planned grad found p.grad
+        cleared (model.zero_grad(), p.grad = None): as torch, the param's earlier grads are dropped."""
+        if self.grads.is_final(index):
+            self.engine.ready_for_grads()
+            self.grads.forget(index)
+        self.stage_grad(index, grad)
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the step (the hooks call this)."""
@@ -371,6 +379,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             for hook in self._hooks:
                 hook.remove()
             self._hooks = []
+            release_held_grads(self._params)  # the model may go on with another optimizer
             self._closer()
 
     def _check_open(self) -> None:

@@ -43,3 +43,17 @@ def ram_dir(tmp_path):
         yield Path(d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# The longest tests (each tens of seconds on 2 cores: several process launches) go first, so that
+# `pytest -n 2` does not end on one of them while the other worker idles.
+LONGEST_FIRST = (
+    "test_train.py::test_killed_run_resumes_bit_for_bit", "test_notebook.py::", "test_fsdp.py::test_fsdp_offload_matches",
+    "test_bench_peers.py::", "test_package.py::", "test_bench_local_ranks.py::", "test_lock.py::test_four_processes",
+    "test_hf_clients.py::", "test_job_faults.py::test_a_second_run", "test_train.py::test_a_run_resumed_into_its_own_dir",
+    "test_hf_llama.py::", "test_overlap.py::test_overlapped_update_is_bit_exact",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))  # stable: the rest keep their order

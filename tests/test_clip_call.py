@@ -25,7 +25,7 @@ MAX_NORM = 0.5
 def train(rank: int, tier: str, configured: bool) -> tuple[list[float], list[float], list[torch.Tensor]]:
     os.makedirs(tier, exist_ok=True)
     model = build_model(rank)
-    budget = (2 * 40 * SG + 6 * 40 * SG + 4 * 3 * SG * 4) / 2**30  # staging, grad sums, 4 slots
+    budget = (2 * 40 * SG + (6 * 40 + 4) * SG + 4 * 3 * SG * 4) / 2**30  # staging, grad sums and scratch, 4 slots
     cfg = OffloadConfig(tiers=[f"posix:{tier}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch", micro_batches=2,
                         max_grad_norm=MAX_NORM if configured else None)  # fmt: skip
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)

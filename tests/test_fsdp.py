@@ -129,7 +129,7 @@ def worker(rank: int, world: int, tmp: str) -> None:
     for name, variant in VARIANTS.items():
         # bf16 staging for up to 40 subgroups plus 3 cache slots: most state lives on disk
         # (and, accumulating, 6 bytes a param of FP32 grad sums and their landing buffer)
-        sums = 6 * 40 * SG if variant.get("micro_batches", 1) > 1 else 0
+        sums = (6 * 40 + 4) * SG if variant.get("micro_batches", 1) > 1 else 0
         disk_budget = (2 * 40 * SG + 3 * 3 * SG * 4 + sums) / 2**30
         disk = train_offload(rank, variant, [f"posix:{tmp}"], disk_budget)
         mem = train_offload(rank, variant, [], None)

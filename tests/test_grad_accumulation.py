@@ -58,7 +58,7 @@ def run_accumulating(cfg: OffloadConfig, micro: int, max_norm: float | None, ski
 def test_accumulation_equals_torch_adamw_on_fp32_sums(tmp_path, micro):
     """State on disk behind a small host cache, clipping that bites: bit for bit."""
     cfg = OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=micro, tiers=[f"posix:{tmp_path}"],
-                        host_budget_gb=budget_for(3) + 6 * 11 * SG / 2**30, max_grad_norm=0.5)  # fmt: skip
+                        host_budget_gb=budget_for(3) + (6 * 11 + 4) * SG / 2**30, max_grad_norm=0.5)  # fmt: skip
     opt, ref_opt, mine, ref = run_accumulating(cfg, micro, max_norm=0.5)
     assert opt.grad_accumulation == "host"  # the params are on the CPU
     assert opt.last_grad_norm > 0.5  # the clip bit
@@ -102,3 +102,49 @@ def test_overlap_backward_refuses_accumulation():
     with pytest.raises(ValueError, match="micro_batches=2"):
         OffloadConfig(overlap="backward", micro_batches=2)
     assert OffloadConfig(overlap="auto", micro_batches=2).resolved_overlap() == "next_forward"
+
+
+def test_grads_summed_in_bf16_by_autograd_are_refused():
+    """Without model= no hook hands each micro-batch's grad in: autograd sums them in p.grad in bf16, which
+    a step promising FP32 sums refuses (before it changes anything), naming the fix."""
+    p = torch.nn.Parameter(torch.ones(8))
+    opt = OffloadAdamW([p], offload=OffloadConfig(kernel="torch", micro_batches=2))
+    for _ in range(2):
+        (p * 2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"summed over the micro-batches in their dtype.*pass model="):
+        opt.step()
+    assert torch.equal(opt.state_dict()["state"][0]["master_param"], torch.ones(8))
+    opt.close()
+
+
+def test_gpu_sums_need_several_micro_batches():
+    with pytest.raises(ValueError, match=r"grad_accumulation='gpu'.*micro_batches=1"):
+        OffloadConfig(grad_accumulation="gpu")
+
+
+def cleared_between_backwards(rank: int, world: int, tmp: str) -> None:
+    """model.zero_grad() between two backwards drops the first one's grads, as torch does; close() leaves
+    no held grad behind."""
+    from test_fsdp import batch, build_model, loss_of
+
+    def trained(clear_first: bool) -> list[torch.Tensor]:
+        model = build_model(rank)
+        opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+        if clear_first:
+            loss_of(model, batch(rank, 0)).backward()  # a bad batch, dropped
+            model.zero_grad()
+        loss_of(model, batch(rank, 1)).backward()
+        opt.step()
+        masters = [t.clone() for t in opt.full_fp32_state_dict(rank0_only=False).values()]
+        loss_of(model, batch(rank, 2)).backward()
+        opt.close()
+        assert all(p.grad is None for p in model.parameters()), "close() left held grads"
+        return masters
+
+    assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False)))
+
+
+def test_a_cleared_grad_is_dropped_as_torch_drops_it(tmp_path):
+    from dist_utils import run_ranks
+
+    run_ranks(2, cleared_between_backwards, str(tmp_path))
