@@ -320,6 +320,9 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
 register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
 
 
+_LET_RANK0_SAY_S = 10.0  # seconds another rank waits before it exits on an error rank 0 prints
+
+
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line."""
@@ -329,7 +332,11 @@ def main(cfg: DictConfig) -> None:
         line = error_line(exc, cfg)
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise
-        if not printed_by_another_rank(exc):
+        if printed_by_another_rank(exc):
+            # Rank 0 says it. Leave it time to: under torchrun, the first rank to exit with an error has
+            # the launcher stop the others, rank 0 with its line unprinted (it lost that race on a busy machine).
+            time.sleep(_LET_RANK0_SAY_S)
+        else:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as exc:  # a collective broken by another rank's end: that rank says why
