@@ -11,7 +11,6 @@ and the FP32 export are state_dicts.py's.
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
@@ -220,10 +219,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _hooked_grad(self, index: int, grad: torch.Tensor) -> None:
         """A grad from the FSDP2 hook. One that comes after the step's last planned grad found p.grad
         cleared (model.zero_grad(), p.grad = None): as torch, the param's earlier grads are dropped."""
-        if self.grads.is_final(index):
-            self.engine.ready_for_grads()
-            self.grads.forget(index)
-        self.stage_grad(index, grad)
+        self._check_open()
+        self.engine.stage_hooked_grad(index, grad)
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
         """Hands param `index`'s low-precision grad to the step (the hooks call this)."""
@@ -251,24 +248,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         without `offload.max_grad_norm` sums the grads already staged; from then on the hooks take each
         grad's sum of squares where it is, as `max_grad_norm` does."""
         self._check_open()
-        if norm_type != 2.0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): OffloadAdamW clips by the L2 norm (2.0) only")
-        if not (max_norm > 0 and math.isfinite(max_norm)):
-            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): give a positive number")
-        if self.engine.inflight is not None and self.engine.inflight.awaiting_grads:
-            raise RuntimeError(
-                "clip_grad_norm_() with offload.overlap='backward': backward has already updated subgroups with "
-                "unclipped grads; use offload.overlap='next_forward' to clip"
-            )
-        self.engine.finish_update()
-        self.engine.stage_param_grads()
-        if not any(self.grads.staged):
-            raise RuntimeError("clip_grad_norm_() called before any backward: no param has a grad")
-        norm = self.grads.norm()
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"the total norm of the grads is {norm}: clip_grad_norm_(error_if_nonfinite=True)")
-        self.grads.step_max_norm = max_norm
-        return torch.tensor(norm, dtype=torch.float64, device=self.engine.device)  # the value the step clips by
+        return self.engine.clip(max_norm, norm_type, error_if_nonfinite)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""

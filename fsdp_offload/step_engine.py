@@ -15,6 +15,7 @@ unit for its params. A failed step keeps what it finished; the next call finishe
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import threading
 import time
@@ -81,6 +82,36 @@ class StepEngine:
             return
         self.ready_for_grads()
         self.grads.stage(index, grad)
+
+    def stage_hooked_grad(self, index: int, grad: torch.Tensor) -> None:
+        """A grad from the FSDP2 hook. One that comes after the step's last planned grad found p.grad
+        cleared (model.zero_grad(), p.grad = None): as torch, the param's earlier grads are dropped."""
+        if self.grads.is_final(index):
+            self.ready_for_grads()
+            self.grads.forget(index)
+        self.stage_grad(index, grad)
+
+    def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+        """opt.clip_grad_norm_: the global L2 norm of this step's grads, which the step then clips to
+        `max_norm` in flight."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): OffloadAdamW clips by the L2 norm (2.0) only")
+        if not (max_norm > 0 and math.isfinite(max_norm)):
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}): give a positive number")
+        if self.inflight is not None and self.inflight.awaiting_grads:
+            raise RuntimeError(
+                "clip_grad_norm_() with offload.overlap='backward': backward has already updated subgroups with "
+                "unclipped grads; use offload.overlap='next_forward' to clip"
+            )
+        self.finish_update()
+        self.stage_param_grads()
+        if not any(self.grads.staged):
+            raise RuntimeError("clip_grad_norm_() called before any backward: no param has a grad")
+        norm = self.grads.norm()
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"the total norm of the grads is {norm}: clip_grad_norm_(error_if_nonfinite=True)")
+        self.grads.step_max_norm = max_norm
+        return torch.tensor(norm, dtype=torch.float64, device=self.device)  # the value the step clips by
 
     def stage_param_grads(self) -> None:
         """Stages the `.grad` of params that no hook handed over (params without model=)."""
