@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .held_grad import held_like
+from .held_grad import held_like, is_held
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -122,28 +122,38 @@ def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
             raise ValueError(f"param {i} lives on a {p.device_mesh.ndim}-D mesh: OffloadAdamW supports 1-D FSDP meshes")
 
 
-def install_grad_hooks(params: list[torch.Tensor], stage: Callable[[int, torch.Tensor], None], final: Callable[[int], bool],
-                       micro_batches: int) -> list:  # fmt: skip
-    """Hooks that hand each param's reduced grad shard to `stage(index, local_grad)` and free it. Where it
-    was the step's last (`final(index)`), `p.grad` then holds a HeldGrad, which refuses every read with
-    an error naming the optimizer's own clip (torch's clip_grad_norm_ would see no grad and clip
-    nothing); else None, so FSDP2 sets the next backward's grad afresh.
+def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.Tensor], None],
+                       added: Callable[[int, torch.Tensor], None], micro_batches: int) -> list:  # fmt: skip
+    """Hooks that hand each param's reduced grad shard to the optimizer and free it, leaving a HeldGrad
+    in `p.grad`, which refuses every read with an error naming the optimizer's own clip (with None
+    there torch's clip_grad_norm_ would see no grad and clip nothing). A grad that finds `p.grad` empty
+    goes to `fresh(index, local_grad)` (the step's first, or the first after p.grad was cleared); the
+    next backward's, which FSDP2 adds to the HeldGrad, goes to `added(index, local_grad)`.
 
-    FSDP2 runs these hooks on its post-reduce stream, right after the reduction that made the grad, so
-    `stage` queues its copies there: they wait for nothing else, backward's compute never waits for
+    FSDP2 runs these on its post-reduce stream, right after the reduction that made the grad, so the
+    optimizer queues its copies there: they wait for nothing else, backward's compute never waits for
     them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
     A side stream of our own costs a stream switch, a cross-stream wait and a cross-stream free per
     grad: scripts/bench_hook_stream.py measures the two."""
 
+    def keep_until_used(local: torch.Tensor) -> None:
+        if local.is_cuda:  # where the grad was allocated on another stream (HSDP's all-reduce)
+            local.record_stream(torch.cuda.current_stream(local.device))
+
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
+        def take(local: torch.Tensor) -> None:
+            added(index, local)
+            keep_until_used(local)
+
         # Runs once per param in the middle of backward, so it is kept to a few calls.
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
+            if is_held(grad):
+                return  # FSDP2 added this backward's grad to the held one: `take` has handed it in
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            stage(index, local)
-            if local.is_cuda:  # where the grad was allocated on another stream (HSDP's all-reduce)
-                local.record_stream(torch.cuda.current_stream(local.device))
-            param.grad = held_like(grad, micro_batches) if final(index) else None
+            fresh(index, local)
+            keep_until_used(local)
+            param.grad = held_like(grad, micro_batches, take)
 
         return hook
 

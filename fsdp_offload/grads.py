@@ -262,10 +262,6 @@ class StepGrads:
         self._accumulated.discard(index)
         self._total = None
 
-    def is_final(self, index: int) -> bool:
-        """Whether param `index` has taken the step's last planned grad (offload.micro_batches of them)."""
-        return self.backwards[index] >= self.micro_batches
-
     def plan_cpu_updates(self, order: list[int]) -> None:
         """The subgroups the CPU is about to update, in order (their grads can start towards it)."""
         self.sums.plan_cpu_updates(order)

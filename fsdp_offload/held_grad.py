@@ -1,15 +1,23 @@
-"""What `p.grad` holds once OffloadAdamW has taken a param's grad for the step: a `HeldGrad`, a tensor
-of the grad's shape, dtype and device with no storage, on which every operation raises an error that
-says where the grad went and what to call instead.
+"""What `p.grad` holds once OffloadAdamW has taken a param's grad (after every backward, not only
+the step's last): a `HeldGrad`, a tensor of the grad's shape, dtype and device with no storage, on
+which every operation raises an error that says where the grad went and what to call instead.
 
 Without it `p.grad` would be None, and torch's clip_grad_norm_ (from any import path), get_total_norm,
 torchtitan's and HF's clipping, a NaN check or a user's own clip would see no grads, report a norm of 0
-and clip nothing, silently. A grad written in place would be lost the same way. FSDP2 adding a
-backward's grad to it (a backward beyond offload.micro_batches before step()) meets the same error.
-The optimizer sets `p.grad` back to None when the step consumes the grads (step() and zero_grad()).
+and clip nothing, silently (after the last micro-batch, or after fewer backwards than
+offload.micro_batches). A grad written in place would be lost the same way.
+
+One operation is taken rather than refused: adding a grad to it in place, which is what FSDP2 does
+with the next backward's grad while `p.grad` is set. The added grad goes to the optimizer (`take`),
+which sums it in FP32 as it sums every micro-batch. A `p.grad` cleared between backwards
+(model.zero_grad()) leaves None there, so the next backward's grad comes in fresh and the optimizer
+drops the earlier ones, as torch does. The optimizer sets `p.grad` back to None when the step
+consumes the grads (step() and zero_grad()).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,15 +25,17 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 # Metadata ops that DTensor and autograd run on a grad without reading its values
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 
 class HeldGrad(torch.Tensor):
     """A grad OffloadAdamW holds: the shape, dtype and device of the real one, no storage."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, micro_batches: int) -> HeldGrad:
+    def __new__(cls, like: torch.Tensor, micro_batches: int, take: Callable[[torch.Tensor], None]) -> HeldGrad:
         held = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device)
         held.micro_batches = micro_batches
+        held.take = take  # hands a grad added in place to the optimizer
         return held
 
     def __repr__(self) -> str:
@@ -35,22 +45,31 @@ class HeldGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         held = next(a for a in _flat(args, kwargs) if isinstance(a, HeldGrad))
         if func in _METADATA_OPS:
-            return HeldGrad(held, held.micro_batches)
+            return HeldGrad(held, held.micro_batches, held.take)
+        if func is _ADD_IN_PLACE and args[0] is held and _takeable(args[1], held, kwargs):
+            held.take(args[1])  # the next backward's grad (FSDP2 adds it to p.grad): summed by the optimizer
+            return held
         raise RuntimeError(
             f"{func.__name__} on a param's grad: OffloadAdamW took this step's grads during backward (summed in FP32 "
             f"over offload.micro_batches={held.micro_batches} backward call(s)), so p.grad cannot be read or changed "
             "here and torch's clip_grad_norm_/get_total_norm would see nothing. Clip with opt.clip_grad_norm_(max_norm) "
-            "(it returns the global norm) or offload.max_grad_norm, and read the last norm from opt.last_grad_norm. "
-            "If this is FSDP2 adding another backward's grad, set offload.micro_batches to the backward calls per step"
+            "(it returns the global norm) or offload.max_grad_norm, and read the last norm from opt.last_grad_norm"
         )
 
 
-def held_like(grad: torch.Tensor, micro_batches: int) -> torch.Tensor:
-    """A HeldGrad standing for `grad` (a DTensor stays a DTensor, its local part held)."""
+def _takeable(added: object, held: HeldGrad, kwargs: dict | None) -> bool:
+    """`held += added` with a real grad of its shape and dtype (no alpha): a grad to sum."""
+    return (isinstance(added, torch.Tensor) and not isinstance(added, HeldGrad) and added.shape == held.shape
+            and added.dtype == held.dtype and not kwargs)  # fmt: skip
+
+
+def held_like(grad: torch.Tensor, micro_batches: int, take: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """A HeldGrad standing for `grad` (a DTensor stays a DTensor, its local part held); a grad added to it
+    in place goes to `take` (its local part)."""
     if not isinstance(grad, DTensor):
-        return HeldGrad(grad, micro_batches)
+        return HeldGrad(grad, micro_batches, take)
     spec = DTensorSpec(grad.device_mesh, grad.placements, tensor_meta=TensorMeta(grad.shape, grad.stride(), grad.dtype))
-    return DTensor(HeldGrad(grad.to_local(), micro_batches), spec, requires_grad=False)
+    return DTensor(HeldGrad(grad.to_local(), micro_batches, take), spec, requires_grad=False)
 
 
 def is_held(grad: torch.Tensor | None) -> bool:

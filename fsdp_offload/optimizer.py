@@ -161,7 +161,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
-            self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.grads.is_final, cfg.micro_batches)
+            self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
             self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)

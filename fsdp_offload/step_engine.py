@@ -84,10 +84,11 @@ class StepEngine:
         self.grads.stage(index, grad)
 
     def stage_hooked_grad(self, index: int, grad: torch.Tensor) -> None:
-        """A grad from the FSDP2 hook. One that comes after the step's last planned grad found p.grad
-        cleared (model.zero_grad(), p.grad = None): as torch, the param's earlier grads are dropped."""
-        if self.grads.is_final(index):
-            self.ready_for_grads()
+        """A grad from the FSDP2 hook that found p.grad empty. Where the param took grads this step, p.grad
+        was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads are dropped."""
+        if self.grads.backwards[index]:
+            self.ready_for_grads()  # an update still in flight clears the last step's grads as it ends
+        if self.grads.backwards[index]:
             self.grads.forget(index)
         self.stage_grad(index, grad)
 

@@ -3,7 +3,8 @@
 and returns the global norm torch would. Whatever else reads or writes the grads the hooks took (torch's
 clip_grad_norm_ from any import path, get_total_norm, clip_grad_value_, a NaN check, an in-place
 scale) raises an error naming opt.clip_grad_norm_, where it would otherwise see no grads and clip
-nothing, silently; and a backward beyond offload.micro_batches says to raise it."""
+nothing, silently (after any backward, however many a step takes); and a step whose backwards are not the
+planned offload.micro_batches (one more, fewer, some dropped by a cleared p.grad) is exact all the same."""
 
 from __future__ import annotations
 
@@ -86,17 +87,47 @@ def _tmp() -> str:
     return tempfile.mkdtemp(prefix="clip-call-")
 
 
-def beyond_micro_batches(rank: int, world: int, tmp: str) -> None:
+def backwards_as_given(rank: int, micro_batches: int, batches: list[list[int]], clear_after: int | None = None):
+    """Two steps of FSDP2 backwards over `batches[step]` on an optimizer planned for `micro_batches`,
+    each clipped by opt.clip_grad_norm_ after torch's clip_grad_norm_ has refused to clip; `clear_after`:
+    model.zero_grad() after that many backwards of each step. The norms and the state."""
     model = build_model(rank)
-    opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
-    loss_of(model, batch(rank, 0)).backward()
-    with pytest.raises(RuntimeError, match="set offload.micro_batches to the backward calls per step"):
-        loss_of(model, batch(rank, 1)).backward()  # FSDP2 would add this grad to the one the hooks took
+    opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch",
+                                                                              micro_batches=micro_batches))  # fmt: skip
+    norms = []
+    for step_batches in batches:
+        for n, b in enumerate(step_batches):
+            if n == clear_after:
+                model.zero_grad()  # as torch: the grads of the backwards before are dropped
+            loss_of(model, batch(rank, b)).backward()
+            with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_\(max_norm\)"):
+                clip_grad_norm_(model.parameters(), MAX_NORM)  # after any backward, not only the planned last
+        norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    state = optimizer_tensors(opt)
     opt.close()
+    return norms, state
 
 
-def test_a_backward_beyond_micro_batches_is_refused_naming_the_option():
-    run_ranks(2, beyond_micro_batches, _tmp())
+def backwards_not_as_planned(rank: int, world: int, tmp: str) -> None:
+    planned = backwards_as_given(rank, 2, [[0, 1], [2, 3]])
+    assert all(n > MAX_NORM for n in planned[0])  # the clip bites
+    cases = {
+        "one more than planned (FSDP2 adds it to the held grad)": backwards_as_given(rank, 1, [[0, 1], [2, 3]]),
+        "fewer than planned": backwards_as_given(rank, 3, [[0, 1], [2, 3]]),
+        "p.grad cleared after the first": backwards_as_given(rank, 2, [[5, 0, 1], [6, 2, 3]], clear_after=1),
+    }
+    for name, (norms, state) in cases.items():
+        assert norms == planned[0], f"{name}: norms {norms} vs {planned[0]}"
+        assert all(torch.equal(a, b) for a, b in zip(state, planned[1])), f"{name}: the state differs"
+
+
+def test_backwards_not_as_planned_are_summed_in_fp32_and_clipped_as_torch_would():
+    """However many backwards a step takes (one beyond offload.micro_batches, fewer, or some dropped by
+    a cleared p.grad), the step equals the planned one on the same grads, bit for bit, and torch's clip
+    refuses after each of them rather than seeing no grad."""
+    run_ranks(2, backwards_not_as_planned, _tmp())
 
 
 def test_clip_call_before_backward_is_an_error():
