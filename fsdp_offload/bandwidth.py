@@ -1,5 +1,6 @@
 """The bandwidth model and the cost of a step: what each tier reads and writes, and how long it takes.
 
+- `TierSpeed`: what one tier costs a request (latency and bandwidth each way).
 - `BandwidthModel`: each tier's read and write bandwidth, learned from every transfer.
 - `StepTraffic` / `steady_traffic`: which subgroups each kind of step reads and writes in steady state.
 - `expected_step_seconds`: the busiest tier's I/O time of a step, the one cost model of the placement
@@ -8,14 +9,43 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
 
-from .calibrate import MIN_BPS, TierSpeed
 from .order import step_kinds
 from .storage.base import Transfer
+
+MIN_BPS = 1.0  # floor of any bandwidth the model uses: a stalled tier is very slow, never a division by zero
+
+
+@dataclass(frozen=True)
+class TierSpeed:
+    """What one tier costs: seconds = latency + bytes / bandwidth, per request."""
+
+    read_bps: float
+    write_bps: float
+    latency_s: float
+
+    def seconds(self, kind: str, nbytes: int) -> float:
+        rate = self.read_bps if kind == "read" else self.write_bps
+        return self.latency_s + nbytes / max(rate, MIN_BPS)
+
+    @property
+    def valid(self) -> bool:
+        numbers = (self.read_bps, self.write_bps, self.latency_s)
+        return all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers) and (
+            self.read_bps > 0 and self.write_bps > 0 and self.latency_s >= 0
+        )
+
+    def drifted_from(self, other: TierSpeed, tolerance: float) -> bool:
+        """Whether read or write bandwidth differs from `other`'s by more than `tolerance` (relative)."""
+        return any(
+            abs(math.log(max(a, MIN_BPS) / max(b, MIN_BPS))) > math.log1p(tolerance)
+            for a, b in ((self.read_bps, other.read_bps), (self.write_bps, other.write_bps))
+        )
 
 
 class BandwidthModel:
@@ -45,9 +75,6 @@ class BandwidthModel:
         self._claimed: list[list[list[float]]] = [[] for _ in seeds]  # per tier: disjoint [start, end], sorted
         self._lock = threading.Lock()
         self.observed = 0  # transfers learned from
-
-    def __len__(self) -> int:
-        return len(self._latency)
 
     def speeds(self) -> list[TierSpeed]:
         with self._lock:

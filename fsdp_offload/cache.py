@@ -1,5 +1,5 @@
-"""Host memory: page-aligned (and, for staging, pinned) buffers under a byte budget, and which
-subgroup is where.
+"""Host memory: page-aligned (and, for staging, pinned) buffers under a byte budget, how many cache
+slots the budget allows (`host_cache_slots`), and which subgroup is where.
 
 `HostCache` owns the slot buffers that hold subgroups' FP32 state and tracks residency: which
 subgroup is in which slot, whether its host copy is newer than its stored one (dirty), and the order
@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from .config import format_bytes
+from .units import format_bytes, in_unit
 from .storage.base import ALIGN
 
 
@@ -44,6 +44,37 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
                 "offload.host_budget_gb or raise the locked-memory limit (ulimit -l)"
             )
     return buf
+
+
+def host_cache_slots(
+    budget: int | None, budget_name: str, unit: str, streamed: int, slot_bytes: int, reserved_bytes: int, prefetch: int,
+    tiers: int,
+) -> int:  # fmt: skip
+    """Host cache slots for `streamed` subgroups that `budget` (named `budget_name` in errors, which
+    answer in `unit`) allows after `reserved_bytes` (the grad staging and buffers), or a clear error
+    when it is too small: below the pipeline's `prefetch` + 1, or short of all of them with no tier."""
+    if budget is None:
+        return streamed
+    slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
+    if slots == streamed:
+        return streamed
+    minimum = prefetch + 1
+    if slots < minimum:
+        raise ValueError(
+            f"{budget_name} is below the pipeline's minimum of "
+            f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "
+            f"({format_bytes(reserved_bytes + minimum * slot_bytes)}): {format_bytes(reserved_bytes)} of grad "
+            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={prefetch}; raise the "
+            "budget, or lower subgroup_numel or prefetch"
+        )
+    if not tiers:
+        raise ValueError(
+            f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
+            "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
+            f"{in_unit(reserved_bytes + streamed * slot_bytes, unit)} "
+            f"({format_bytes(reserved_bytes + streamed * slot_bytes)})"
+        )
+    return slots
 
 
 _MADV_DONTNEED = 4  # Linux: the pages go back to the OS; touched again, they read as zeros

@@ -17,7 +17,6 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -25,11 +24,11 @@ import sys
 import tempfile
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from .bandwidth import TierSpeed
 from .cache import aligned_host_buffer
 from .config import NULL
 from .storage import TierSpec, make_tier
@@ -41,34 +40,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "~/.cache/fsdp-offload/bandwidth.json"
 PROFILE_FORMAT = "fsdp-offload-bandwidth-profile/1"
-MIN_BPS = 1.0  # floor of any bandwidth the model uses: a stalled tier is very slow, never a division by zero
-
-
-@dataclass(frozen=True)
-class TierSpeed:
-    """What one tier costs: seconds = latency + bytes / bandwidth, per request."""
-
-    read_bps: float
-    write_bps: float
-    latency_s: float
-
-    def seconds(self, kind: str, nbytes: int) -> float:
-        rate = self.read_bps if kind == "read" else self.write_bps
-        return self.latency_s + nbytes / max(rate, MIN_BPS)
-
-    @property
-    def valid(self) -> bool:
-        numbers = (self.read_bps, self.write_bps, self.latency_s)
-        return all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers) and (
-            self.read_bps > 0 and self.write_bps > 0 and self.latency_s >= 0
-        )
-
-    def drifted_from(self, other: TierSpeed, tolerance: float) -> bool:
-        """Whether read or write bandwidth differs from `other`'s by more than `tolerance` (relative)."""
-        return any(
-            abs(math.log(max(a, MIN_BPS) / max(b, MIN_BPS))) > math.log1p(tolerance)
-            for a, b in ((self.read_bps, other.read_bps), (self.write_bps, other.write_bps))
-        )
 
 
 # -- measuring a tier -------------------------------------------------------------------------------
@@ -167,18 +138,8 @@ def measure_tier(
 
 
 def tier_profile_key(spec: TierSpec | str) -> str:
-    """A tier spec with its path resolved and its options sorted: one key per distinct tier.
-
-    Wrappers come first, then the dir; the options of every level go, merged, into one query
-    (`throttle:posix:/x?read=1GB/s&threads=2`), as the spec was written."""
-    spec = as_spec(spec)
-    schemes, opts = [spec.scheme], dict(spec.options)
-    while spec.inner is not None:
-        spec = spec.inner
-        schemes.append(spec.scheme)
-        opts.update(spec.options)
-    query = "&".join(f"{k}={v}" for k, v in sorted(opts.items()))
-    return ":".join([*schemes, os.path.realpath(spec.path)]) + (f"?{query}" if query else "")
+    """A tier spec with its path resolved and its options sorted: one key per distinct tier (TierSpec.key)."""
+    return as_spec(spec).key
 
 
 class BandwidthProfile:
@@ -331,9 +292,7 @@ def node_turn() -> Iterator[None]:
         os.close(fd)  # releases the flock
 
 
-def seed_speeds(
-    specs: list[TierSpec | str], profile: BandwidthProfile | None, nbytes: int, transfer_bytes: int
-) -> list[TierSpeed]:
+def seed_speeds(specs: list[TierSpec], profile: BandwidthProfile | None, nbytes: int, transfer_bytes: int) -> list[TierSpeed]:
     """Each tier's speed from the profile, measuring (and saving) those it lacks. Ranks of one node
     take turns on the profile's lock, so a tier is measured once and never by two ranks at a time.
     Without a profile each rank measures, in turns (at once, each would see a share of the device)."""
@@ -344,13 +303,12 @@ def seed_speeds(
         known = profile.load()
         measured: dict[str, TierSpeed] = {}
         for spec in specs:
-            key = tier_profile_key(spec)
-            if key not in known:
+            if spec.key not in known:
                 log.info("measuring %s (%d bytes) for the bandwidth profile %s", spec, nbytes, profile.path)
-                known[key] = measured[key] = measure_tier(spec, nbytes, transfer_bytes)
+                known[spec.key] = measured[spec.key] = measure_tier(spec, nbytes, transfer_bytes)
         if measured:
             profile.store(measured, "calibrated")
-        return [known[tier_profile_key(s)] for s in specs]
+        return [known[s.key] for s in specs]
 
 
 def main(argv: list[str] | None = None) -> int:

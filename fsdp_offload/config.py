@@ -49,9 +49,6 @@ def path_option(value: object, option: str, *, null: str | None = None, what: st
     raise ValueError(f"{option}={value!r} must be {what}" + (f", or null for {null}" if null is not None else ""))
 
 
-def in_unit(nbytes: float, unit: str) -> str:
-    """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
-    return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
 PARAM_DTYPES = ("bfloat16", "float16")
 GRAD_PATHS = ("host_bf16", "gpu_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
@@ -155,19 +152,8 @@ class OffloadConfig:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.check_types()
         self.tiers = list(self.tiers)
-        self.tier_specs  # parses every spec: a bad one fails here, naming itself
-        if self.host_budget_gb not in (None, "auto"):
-            try:
-                if isinstance(self.host_budget_gb, bool):
-                    raise ValueError
-                size = parse_size(self.host_budget_gb)[0] if isinstance(self.host_budget_gb, str) else float(self.host_budget_gb)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"offload.host_budget_gb={self.host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
-                    f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto', or {NULL} to keep all state in host memory"
-                ) from None
-            if not (size >= 0 and math.isfinite(size)):
-                raise ValueError(f"offload.host_budget_gb={self.host_budget_gb} must be a finite size >= 0, or {NULL} to keep all state in host memory")
+        self._tier_specs = tuple(TierSpec.parse(t) for t in self.tiers)  # a bad spec fails here, naming itself
+        self.host_budget  # read once here: a bad size fails now, naming the option
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
         if not is_whole(self.subgroup_numel) or self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
@@ -262,32 +248,98 @@ class OffloadConfig:
                     f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'")  # fmt: skip
         return None
 
-    def resolved_overlap(self) -> str:
-        """`overlap`, with "auto" made "backward" where the step allows it (one backward per step and no
-        option that needs every grad first: see backward_overlap_conflict), else "next_forward"."""
-        if self.overlap != "auto":
-            return self.overlap
-        return "backward" if self.backward_overlap_conflict() is None else "next_forward"
+    def resolved_overlap(self, hooked: bool = True) -> str:
+        """`overlap` as an optimizer runs it: "auto" made "backward" where the step allows it (one backward
+        per step and no option that needs every grad first: see backward_overlap_conflict), else
+        "next_forward". `hooked`: the optimizer has an FSDP2 model's grad hooks, which "backward" starts
+        from (without them "auto" is "next_forward", and "backward" is refused)."""
+        overlap = self.overlap
+        if overlap == "auto":
+            overlap = "backward" if hooked and self.backward_overlap_conflict() is None else "next_forward"
+        if overlap == "backward" and not hooked:
+            raise ValueError(
+                "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
+                "model=model, or use offload.overlap='next_forward'"
+            )
+        return overlap
 
     @property
-    def tier_specs(self) -> list[TierSpec]:
-        """`tiers`, parsed."""
-        return [TierSpec.parse(t) for t in self.tiers]
+    def places_by_bandwidth(self) -> bool:
+        """Whether the placement is a bandwidth rule, which starts from the tiers' speeds (2+ tiers and
+        placement "learned" or "eq1")."""
+        return len(self.tiers) >= 2 and self.placement != "fixed"
 
     @property
-    def host_budget_bytes(self) -> int | None:
-        """The budget in bytes when given in GiB (None: no limit); "auto" is sized by memory.py."""
-        if self.host_budget_gb == "auto":
-            raise ValueError("offload.host_budget_gb='auto' has no size until the optimizer measures the node (memory.py)")
-        if self.host_budget_gb is None:
-            return None
-        number, unit = parse_size(str(self.host_budget_gb))
-        return int(number * SIZE_UNITS[unit])
+    def tier_specs(self) -> tuple[TierSpec, ...]:
+        """`tiers`, parsed once (again only if `tiers` was changed since)."""
+        if [spec.text for spec in self._tier_specs] != list(self.tiers):
+            self._tier_specs = tuple(TierSpec.parse(t) for t in self.tiers)
+        return self._tier_specs
 
     @property
-    def host_budget_unit(self) -> str:
-        """The unit the budget was written in (GiB for a number or "auto"): errors answer in it."""
-        return parse_size(self.host_budget_gb)[1] if isinstance(self.host_budget_gb, str) and self.host_budget_gb != "auto" else "GiB"
+    def host_budget(self) -> HostBudget:
+        """`host_budget_gb`, read: the one reading of it (the planner, train.py and the optimizer size
+        "auto" with HostBudget.for_rank)."""
+        return HostBudget.read(self.host_budget_gb, self.host_headroom_gb)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """offload.host_budget_gb read: a size in bytes, no limit, or "auto" (the node's available memory less
+    `headroom_gb`, shared by its ranks: `for_rank`)."""
+
+    option: str  # how errors name it: "offload.host_budget_gb=6GiB"
+    nbytes: int | None  # a given size; None: no limit, or "auto" before it is sized
+    auto: bool
+    unit: str  # the unit it was written in (GiB for a number or "auto"): errors answer in it
+    headroom_gb: float
+
+    @classmethod
+    def read(cls, host_budget_gb: float | str | None, headroom_gb: float) -> HostBudget:
+        option = f"offload.host_budget_gb={host_budget_gb}"
+        if host_budget_gb is None or host_budget_gb == "auto":
+            return cls(option, None, host_budget_gb == "auto", "GiB", headroom_gb)
+        try:
+            if isinstance(host_budget_gb, bool):
+                raise ValueError
+            size, unit = parse_size(host_budget_gb) if isinstance(host_budget_gb, str) else (float(host_budget_gb), "GiB")
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"offload.host_budget_gb={host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
+                f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto', or {NULL} to keep all state in host memory"
+            ) from None
+        if not (size >= 0 and math.isfinite(size)):
+            raise ValueError(f"{option} must be a finite size >= 0, or {NULL} to keep all state in host memory")
+        return cls(option, int(size * SIZE_UNITS[unit]), False, unit, headroom_gb)
+
+    def for_rank(self, available: int, local_ranks: int) -> int | None:
+        """This rank's budget in bytes (None: no limit): "auto" is `available` bytes less the headroom,
+        shared by the node's `local_ranks`."""
+        return int((available - self.headroom_gb * GIB) / local_ranks) if self.auto else self.nbytes
+
+    def named(self, nbytes: int | None, how: str = "") -> tuple[int | None, str]:
+        """`nbytes` (what for_rank gave, or the least any rank got) with how errors name it; `how` says
+        how "auto" came to it. Refuses an "auto" that leaves the optimizer nothing."""
+        if not self.auto:
+            return nbytes, self.option
+        name = f"offload.host_budget_gb=auto ({readable_size(nbytes)} per rank{how})"
+        if nbytes <= 0:
+            raise ValueError(
+                f"{name}: no host memory is left for the optimizer; lower offload.host_headroom_gb or give "
+                "offload.host_budget_gb in GiB"
+            )
+        return nbytes, name
+
+
+def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
+    """`offload=` as given: an OffloadConfig, a mapping of its options (a Hydra/YAML section), or None."""
+    if offload is None:
+        return OffloadConfig()
+    if isinstance(offload, OffloadConfig):
+        return offload
+    if isinstance(offload, Mapping):
+        return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
+    raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
 
 
 def dataclass_from(cls, raw: Mapping, option: str):
@@ -298,12 +350,6 @@ def dataclass_from(cls, raw: Mapping, option: str):
     if unknown:
         raise ValueError(f"{option}: unknown option(s) {unknown}; known: {sorted(names)}")
     return cls(**raw)
-
-
-def format_bytes(nbytes: float) -> str:
-    """Exact bytes plus a readable size, for error messages: '3221225472 bytes (3.00 GiB)'."""
-    readable = readable_size(nbytes)
-    return f"{int(nbytes)} bytes" + ("" if readable.endswith("bytes") else f" ({readable})")
 
 
 def _tmpdir() -> str:

@@ -1,22 +1,25 @@
 """The GPU's share of the FP32 state: which subgroups stay in GPU memory and what they take there.
 
-A fixed `offload.gpu_fraction` keeps the last subgroups of the layout (checked against the GPU memory
-free when the optimizer is built); "auto" takes as many as fit the room the planner leaves beside the
-training step (`last_that_fit`), placed at start-up when train.py hands the plan's count in, or sized
-once after the first step from the measured peak (`grow_gpu_share`) in a loop of the user's own.
+`offload.gpu_fraction` is read here alone. A fixed fraction keeps the last subgroups of the layout
+(checked against the GPU memory free when the optimizer is built, or the planner's estimate of it);
+"auto" takes as many as fit the room the planner leaves beside the training step (`last_that_fit`),
+placed at start-up when train.py hands the plan's count in (`starting_share`), or sized once after the
+first step from the measured peak (`grow_gpu_share`) in a loop of the user's own.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from .config import OffloadConfig, format_bytes
+from .config import OffloadConfig
 from .fsdp import CopyStream
 from .staging import LowpStaging
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
+from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,59 @@ def check_gpu_share(layout: SubgroupLayout, fraction: float, free: int) -> froze
             f"{int(0.9 * free / per_sg) / m:.3f}"
         )
     return frozenset(chosen)
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """offload.gpu_fraction for an optimizer being built, decided once."""
+
+    subgroups: frozenset[int]  # the last ones, whose state starts in GPU memory
+    later: bool  # "auto" with no planned count: sized after the first step (grow_gpu_share)
+    everything: bool  # gpu_fraction=1: every rank keeps all its state on the GPU, none streams any
+
+
+def needs_gpu(fraction: float | str) -> bool:
+    """Whether offload.gpu_fraction keeps state on the GPU whatever else holds ("auto" keeps none without one)."""
+    return fraction != "auto" and fraction > 0
+
+
+def planned_share(fraction: float | str, layout: SubgroupLayout, free: int | None, auto_room: int | None, itemsize: int) -> frozenset[int]:
+    """The GPU's share as the planner sizes it: none on a CPU run (`free` None) or at 0; "auto": as many of
+    the last subgroups as fit `auto_room` bytes beside the training step, each with `itemsize` bytes an
+    element of what goes along (last_that_fit); a fixed fraction checked against `free`, the GPU memory
+    the planner expects free once the model is built."""
+    if free is None or fraction == 0:
+        return frozenset()
+    if fraction == "auto":
+        count, _ = last_that_fit(layout, list(range(len(layout))), auto_room, itemsize)
+        return frozenset(range(len(layout) - count, len(layout)))
+    return check_gpu_share(layout, fraction, free)
+
+
+def handed_count(fraction: float | str, planned: int) -> int | None:
+    """What a plan hands the optimizer of its GPU share: the count "auto" sized beside the training step,
+    placed at start-up; None for a fixed fraction, checked again against the GPU memory free then."""
+    return planned if fraction == "auto" else None
+
+
+def starting_share(fraction: float | str, layout: SubgroupLayout, device: torch.device, planned: int | None) -> GpuShare:
+    """The GPU's share from the start: the planner's `planned` count of the last subgroups (for "auto"),
+    or the last `fraction` of them, checked against the GPU memory free now; "auto" without a count
+    grows it after the first step, where the params are on CUDA."""
+    m, everything = len(layout), fraction == 1.0
+    if planned is not None:
+        if not 0 <= planned <= m:
+            raise ValueError(f"a memory plan with {planned} subgroups on the GPU: this rank has {m}")
+        if planned and device.type != "cuda":
+            raise ValueError(f"a memory plan with {planned} subgroups on the GPU, but the params are on {device}")
+        return GpuShare(frozenset(range(m - planned, m)), False, everything)
+    if fraction == "auto" and device.type != "cuda":
+        log.info("offload.gpu_fraction=auto: the params are on %s, so all state stays off the GPU", device)
+    if not needs_gpu(fraction):
+        return GpuShare(frozenset(), fraction == "auto" and device.type == "cuda", everything)
+    if device.type != "cuda":
+        raise ValueError(f"offload.gpu_fraction={fraction} keeps state on the GPU, but the params are on {device}: use 0")
+    return GpuShare(check_gpu_share(layout, fraction, torch.cuda.mem_get_info(device)[0]), False, everything)
 
 
 def grow_gpu_share(

@@ -17,6 +17,7 @@ import torch
 
 from .calibrate import TierSpeed
 from .config import OffloadConfig, is_number, is_whole
+from .gpu_share import needs_gpu
 from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .tier_speeds import starting_speeds
@@ -63,7 +64,7 @@ def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: s
                          "(machine.gpu_gib=80), or plan for train.device=cpu")  # fmt: skip
     if device_type == "cuda":
         return int(gpu * GIB)
-    if cfg.gpu_fraction != "auto" and cfg.gpu_fraction > 0:
+    if needs_gpu(cfg.gpu_fraction):
         raise ValueError(f"offload.gpu_fraction={cfg.gpu_fraction} keeps state on the GPU, but the planned run trains "
                          "on the CPU: use 0, or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
     if cfg.grad_path == "gpu_bf16":

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .config import GIB, OffloadConfig
+from .config import OffloadConfig
 from .node import cgroup_dirs, node_ranks
 from .units import readable_size
 
@@ -77,31 +77,18 @@ def _memory_stat(cgroup: str, key: str) -> int:
     return 0
 
 
-def auto_host_budget(available: int, headroom_gb: float, local_ranks: int) -> int:
-    """host_budget_gb="auto" for one rank: `available` bytes less the headroom, shared by the node's ranks."""
-    return int((available - headroom_gb * GIB) / local_ranks)
-
-
 def resolve_host_budget(
     cfg: OffloadConfig, group: dist.ProcessGroup | None, device: torch.device
 ) -> tuple[int | None, str]:
     """This rank's host budget in bytes (None: no limit) and how to name it in messages. With "auto":
-    (available - host_headroom_gb) / the node's ranks, the smallest any rank saw."""
-    if cfg.host_budget_gb != "auto":
-        return cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
+    (available - host_headroom_gb) / the node's ranks (config.HostBudget), the smallest any rank saw."""
+    budget = cfg.host_budget
+    if not budget.auto:
+        return budget.named(budget.nbytes)
     available = available_host_bytes()
     local_ranks = node_ranks(group)
-    mine = torch.tensor([auto_host_budget(available, cfg.host_headroom_gb, local_ranks)], dtype=torch.float64, device=device)
+    mine = torch.tensor([budget.for_rank(available, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
-    budget = int(mine.item())
-    what = (
-        f"offload.host_budget_gb=auto ({readable_size(budget)} per rank: {readable_size(available)} available less "
-        f"host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s))"
-    )
-    if budget <= 0:
-        raise ValueError(
-            f"{what}: no host memory is left for the optimizer; lower offload.host_headroom_gb or give "
-            "offload.host_budget_gb in GiB"
-        )
-    return budget, what
+    how = f": {readable_size(available)} available less host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s)"
+    return budget.named(int(mine.item()), how)

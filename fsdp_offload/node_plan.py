@@ -17,21 +17,20 @@ from dataclasses import dataclass, field
 import torch
 
 from .bandwidth import expected_step_seconds, spills, steady_traffic
+from .cache import host_cache_slots
 from .calibrate import TierSpeed
-from .config import OffloadConfig, format_bytes, in_unit
+from .config import OffloadConfig
 from .grads import TierFP32Grads
 from .job_errors import JobError
 from .levels import MemoryPlan
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes, planned_gpu_bytes, planned_host_bytes
-from .memory import auto_host_budget
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import make_placement
-from .gpu_share import check_gpu_share, gpu_subgroup_bytes, last_that_fit, moved_staging_itemsize
+from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
-from .store import host_cache_slots
 from .subgroups import SubgroupLayout
-from .tier_speeds import placement_measures, starting_speeds
-from .units import GIB, readable_size
+from .tier_speeds import starting_speeds
+from .units import GIB, format_bytes, in_unit, readable_size
 
 
 class PlanError(JobError):
@@ -76,7 +75,7 @@ class RankPlan:
         """What this rank's optimizer builds: the plan's host budget, grad sums and, for
         gpu_fraction="auto", GPU share (a fixed fraction is checked again against the GPU's free memory)."""
         return MemoryPlan(self.host_budget_bytes, self.budget_name, self.grad_accumulation,
-                          self.gpu_subgroups if cfg.gpu_fraction == "auto" else None)  # fmt: skip
+                          handed_count(cfg.gpu_fraction, self.gpu_subgroups))  # fmt: skip
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
     cpu_s: float | None = None  # CPU update (None: no CPU speed given)
@@ -165,22 +164,18 @@ def plan_rank(
                                                  room, sums_on_gpu_need)  # fmt: skip
     except ValueError as exc:
         raise PlanError(str(exc)) from None
-    if gpu_bytes is None or cfg.gpu_fraction == 0:  # CPU training, or no state on the GPU
-        on_gpu = frozenset()
-    elif cfg.gpu_fraction == "auto":  # placed at start-up (train.py hands the count in), beside the training peak estimated here
-        room -= sums_on_gpu_need if accumulation == "gpu" else 0
-        # with the sums on the host, a GPU-resident subgroup's own FP32 sums still live beside its state
-        beside = 4 if accumulation == "host" and cfg.micro_batches > 1 else 0
-        count, _ = last_that_fit(layout, list(range(len(layout))), room, moving + beside)
-        on_gpu = frozenset(range(len(layout) - count, len(layout)))
-    else:  # checked as the optimizer checks it, against the memory free once the model is built
-        try:
-            on_gpu = check_gpu_share(layout, cfg.gpu_fraction, gpu_bytes - local * itemsize - CUDA_CONTEXT_BYTES)
-        except ValueError as exc:
-            raise PlanError(
-                f"GPU memory, rank {rank}: {exc} (the GPU's {gpu_bytes / GIB:.1f} GiB less the params' "
-                f"{local * itemsize / GIB:.1f} GiB and {CUDA_CONTEXT_BYTES / GIB:.2f} GiB of CUDA context and NCCL)"
-            ) from None
+    # "auto" is placed at start-up (train.py hands the count in), beside the training peak estimated here and
+    # the sums on the GPU; with the sums on the host, a GPU-resident subgroup's own FP32 sums live beside its state
+    auto_room = None if room is None else room - (sums_on_gpu_need if accumulation == "gpu" else 0)
+    beside = 4 if accumulation == "host" and cfg.micro_batches > 1 else 0
+    free = None if gpu_bytes is None else gpu_bytes - local * itemsize - CUDA_CONTEXT_BYTES  # a fixed fraction's check, as the optimizer's
+    try:
+        on_gpu = planned_share(cfg.gpu_fraction, layout, free, auto_room, moving + beside)
+    except ValueError as exc:
+        raise PlanError(
+            f"GPU memory, rank {rank}: {exc} (the GPU's {gpu_bytes / GIB:.1f} GiB less the params' "
+            f"{local * itemsize / GIB:.1f} GiB and {CUDA_CONTEXT_BYTES / GIB:.2f} GiB of CUDA context and NCCL)"
+        ) from None
     gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
     if grads_on_gpu:  # the host window that a CPU-updated subgroup's grads and params pass through
@@ -192,7 +187,8 @@ def plan_rank(
     fp32_grads = max(grad_slots)
     sums_gpu, sums_host = grad_accumulation_memory(layout, accumulation, cfg.micro_batches, host_sgs)
     try:
-        slots = host_cache_slots(cfg, host_budget, budget_name, len(host_sgs), layout.slot_bytes, staging + fp32_grads + sums_host)
+        slots = host_cache_slots(host_budget, budget_name, cfg.host_budget.unit, len(host_sgs), layout.slot_bytes,
+                                 staging + fp32_grads + sums_host, cfg.prefetch, len(cfg.tiers))  # fmt: skip
     except ValueError as exc:
         raise PlanError(f"host memory, rank {rank}: {exc}") from None
     state_bytes = sum(sg.state_bytes for sg in layout.subgroups)
@@ -245,7 +241,7 @@ def plan_rank(
 def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierSpeed] | None:
     """The tiers' speeds a plan uses (tier_speeds.starting_speeds decides): `given` ones, which also
     predict the update time, else the profile's or measured where the placement needs them."""
-    return starting_speeds(cfg, given=given, needed=given is not None or placement_measures(cfg)).speeds
+    return starting_speeds(cfg, given=given, needed=given is not None or cfg.places_by_bandwidth).speeds
 
 
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
@@ -261,13 +257,12 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     host = planned_host_bytes(machine)
     if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
         host_budget, budget_name = host_budget
-    elif cfg.host_budget_gb == "auto":
-        host_budget = auto_host_budget(host, cfg.host_headroom_gb, machine.ranks_per_node)
-        budget_name = f"offload.host_budget_gb=auto ({readable_size(host_budget)} per rank)"
-        if host_budget <= 0:
-            raise PlanError(f"host memory: {budget_name}: nothing is left after host_headroom_gb={cfg.host_headroom_gb}")
-    else:
-        host_budget, budget_name = cfg.host_budget_bytes, f"offload.host_budget_gb={cfg.host_budget_gb}"
+    else:  # this machine's, as planned
+        budget = cfg.host_budget
+        try:
+            host_budget, budget_name = budget.named(budget.for_rank(host, machine.ranks_per_node))
+        except ValueError as exc:
+            raise PlanError(f"host memory: {exc}") from None
     speeds = plan_speeds(cfg, speeds)  # once, for every rank's placement
     rank_speeds = speeds
     if speeds is not None and machine.ranks_per_node > 1:
@@ -295,7 +290,7 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
     # training on the CPU, the model's step (params, grads, activations) is in host memory too
     model_host = sum(r.gpu_train_bytes for r in plan.ranks) if plan.gpu_bytes is None else 0
     node_host = sum(r.host_bytes for r in plan.ranks) + tier_host + model_host
-    unit = cfg.host_budget_unit
+    unit = cfg.host_budget.unit
     if node_host > plan.host_bytes:
         files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
                  "memory)" if tier_host else "")  # fmt: skip

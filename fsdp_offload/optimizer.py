@@ -17,23 +17,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .calibrate import TierSpeed
-from .config import OffloadConfig
+from .bandwidth import TierSpeed
+from .config import OffloadConfig, offload_config
 from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
 )  # fmt: skip
-from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .held_grad import release_held_grads
 from .kernels import get_adamw_kernel
-from .levels import MemoryPlan, build_levels, plan_memory
+from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
-from .optimizer_args import (
-    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, offload_config, refuse_torch_options, resolve_overlap,
-)  # fmt: skip
-from .order import forward_order
+from .optimizer_args import CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options
+from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
-from .state_dicts import OptimizerStates, ParamState
+from .state_dicts import OptimizerStates
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
 from .torch_idioms import (
@@ -105,10 +102,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
         self.offload = cfg = offload_config(offload)
+        overlap = cfg.resolved_overlap(hooked=model is not None)  # (an FSDP2 model's, checked below)
+        if cfg.overlap == "auto":
+            log.info("offload.overlap='auto': %s", overlap)
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._models = [] if model is None else [model]
-        check_params(self._params, self._models, cfg, self.param_dtype, streamed=masters is not None)
+        check_params(self._params, self._models, self.param_dtype, cfg.param_dtype, streamed=masters is not None)
         root, units = None, []
         if model is not None:
             root = root_fsdp_module(model)
@@ -120,7 +120,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "the params are FSDP2-sharded DTensors: pass model=model so OffloadAdamW can cast the model "
                 "and hook its grad shards: OffloadAdamW(model.parameters(), ..., model=model)"
             )
-        overlap = resolve_overlap(cfg, bool(units))  # checked before anything is allocated
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
@@ -130,17 +129,15 @@ class OffloadAdamW(torch.optim.Optimizer):
             for _, params in units
         ]
         forward = forward_order(unit_subgroups, len(self.layout))
+        first_pass = order_ending_with(forward, 0, cfg.update_order)  # the fill leaves the cache holding what step 1 needs first
         self.kernel_name, kernel = get_adamw_kernel(cfg.kernel)
         group = mesh_group(self._params)
-        memory = memory_plan or plan_memory(cfg, self.layout, device, group)
-        levels = build_levels(cfg, self.layout, forward, device, self.param_dtype, group, memory, tier_speeds)
-        self.store, self.grad_accumulation = levels.store, levels.grad_accumulation
+        levels = build_levels(cfg, self.layout, forward, [t.shape for t in locals_], device, self.param_dtype, group, memory_plan,
+                              tier_speeds)  # fmt: skip
+        self.store, self.grads, self.grad_accumulation = levels.store, levels.grads, levels.grad_accumulation
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight])
-        fp32_grads = cfg.grad_path == "tier_fp32"
-        path = TierFP32Grads(self.layout, self.store.tiers, self.store.placement.tier_for) if fp32_grads else LowpGrads()
-        self.grads = StepGrads(cfg, levels.staging, path, levels.sums, [t.shape for t in locals_], group, device)
         self._copies = CopyStream(device)
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
@@ -150,7 +147,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._states = OptimizerStates(self.engine, self.param_groups, self._copies, self._settle)
         if masters is None:  # the FP32 params are the masters
             flat = [t.detach().reshape(-1) for t in locals_]
-            self.store.fill(self._states.pass_order(), {"master_param": flat.__getitem__})  # moments start at zero
+            self.store.fill(first_pass, {"master_param": flat.__getitem__})  # moments start at zero
         else:  # in param order, as a streamed source draws them; the model's params follow the masters
             self.store.fill(list(range(len(self.layout))), {"master_param": lambda i: masters(self._params[i])},
                             then=self._states.load_params_from_master)  # fmt: skip
@@ -172,8 +169,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 setattr(p, CAST_MARK, True)
         # `self.state[p]` answers as torch's AdamW's does; a non-empty `state` also tells torch's
         # distributed state-dict API that the state exists (it would otherwise run a zero-lr step)
-        for i, p in enumerate(self._params):
-            self.state[p] = ParamState(self._states, i)
+        self.state.update(zip(self._params, self._states.param_states))
 
     def placement(self) -> dict[str, Any]:
         """Where this rank's subgroups live now: on the GPU, in host cache slots, and by tier (the one

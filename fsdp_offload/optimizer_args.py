@@ -1,20 +1,16 @@
 """What OffloadAdamW accepts: torch AdamW's arguments checked as torch checks them, the options it
-refuses (each with why), the `offload=` config in any of its forms, and the params it can own."""
+refuses (each with why), and the params it can own. (The `offload=` config is config.py's.)"""
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .config import OffloadConfig, dataclass_from
 from .fsdp import local_data
 from .torch_idioms import refuse_accelerate_fsdp2
 
-log = logging.getLogger(__name__)
 CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
 TORCH_OPTIONS = {
     "amsgrad": "it keeps a fourth FP32 state tensor (the running max of exp_avg_sq) that the out-of-core layout has no room for",
@@ -24,17 +20,6 @@ TORCH_OPTIONS = {
     "capturable": "the update runs on the CPU and storage, outside any CUDA graph",
     "differentiable": "the update is not part of autograd",
 }
-
-
-def offload_config(offload: OffloadConfig | Mapping | None) -> OffloadConfig:
-    """`offload=` as given: an OffloadConfig, a mapping of its options (a Hydra/YAML section), or None."""
-    if offload is None:
-        return OffloadConfig()
-    if isinstance(offload, OffloadConfig):
-        return offload
-    if isinstance(offload, Mapping):
-        return dataclass_from(OffloadConfig, offload, f"offload={dict(offload)!r}")
-    raise TypeError(f"offload= takes an OffloadConfig or a dict of its options, not {type(offload).__name__}")
 
 
 def refuse_torch_options(**given: Any) -> None:
@@ -68,10 +53,11 @@ def check_hyperparameters(values: dict[str, Any], where: str) -> None:
             raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
 
 
-def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg: OffloadConfig, param_dtype: torch.dtype,
+def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], param_dtype: torch.dtype, dtype_name: str,
                  streamed: bool) -> None:  # fmt: skip
     """The params an OffloadAdamW can own: on one device type, contiguous, FP32 (or, `streamed`, in
-    param_dtype with masters= giving the FP32 values), and not cast by an earlier OffloadAdamW."""
+    param_dtype, offload.param_dtype=`dtype_name`, with masters= giving the FP32 values), and not cast by
+    an earlier OffloadAdamW."""
     if not params:
         raise ValueError("OffloadAdamW got an empty parameter list")
     refuse_accelerate_fsdp2(params, models)
@@ -83,7 +69,7 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
             if p.dtype != param_dtype:
                 raise ValueError(
                     f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: with masters= the model is built in "
-                    f"offload.param_dtype={cfg.param_dtype} and the masters come from the source "
+                    f"offload.param_dtype={dtype_name} and the masters come from the source "
                     "(parallelize.build_offloaded_model does both); without masters=, give FP32 params"
                 )
         elif p.dtype != torch.float32 and any(getattr(x, CAST_MARK, False) for x in [p, *models]):
@@ -97,7 +83,7 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], cfg:
             raise ValueError(
                 f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
                 "master weights from the model's FP32 params and casts the model to "
-                f"{cfg.param_dtype} itself; build it before casting the model"
+                f"{dtype_name} itself; build it before casting the model"
             )
         if not p.requires_grad:  # refused before anything is cast: a corrected retry finds the model as it was
             raise ValueError(
@@ -128,18 +114,3 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
-
-
-def resolve_overlap(cfg: OffloadConfig, hooked: bool) -> str:
-    """offload.overlap as this optimizer runs it: `hooked`, whether it has an FSDP2 model's grad hooks."""
-    overlap = cfg.resolved_overlap()
-    if overlap == "backward" and not hooked:
-        if cfg.overlap == "backward":
-            raise ValueError(
-                "offload.overlap='backward' starts the update from the grad hooks of an FSDP2 model: pass "
-                "model=model, or use offload.overlap='next_forward'"
-            )
-        overlap = "next_forward"  # auto without a model: nothing to hook
-    if cfg.overlap == "auto":
-        log.info("offload.overlap='auto': %s", overlap)
-    return overlap

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Sequence
 
-from .bandwidth import BandwidthModel, StepTraffic, expected_step_seconds, io_seconds, steady_traffic
-from .calibrate import MIN_BPS, BandwidthProfile, TierSpeed, tier_profile_key
+from .bandwidth import MIN_BPS, BandwidthModel, StepTraffic, TierSpeed, expected_step_seconds, io_seconds, steady_traffic
+from .calibrate import BandwidthProfile
 from .config import OffloadConfig
-from .storage.base import Transfer
+from .storage import TierSpec, Transfer
 from .subgroups import SubgroupLayout
-from .tier_speeds import placement_measures, starting_speeds
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +151,10 @@ class FixedRatioPlacement:
 
 
 class AdaptivePlacement:
-    """A bandwidth rule (`plan`: speeds -> tier of each subgroup) kept current with a BandwidthModel;
-    `predict` (tier of each subgroup, speeds -> seconds) is what a plan is expected to cost a step, for
-    the log. `tier_of[sg]` is the tier subgroup sg is written to.
+    """A bandwidth rule kept current with a BandwidthModel that starts from `seeds` and learns from every
+    transfer: `rule` "learned" (plan_makespan) or "eq1" (plan_eq1) places the subgroups of `sizes`,
+    whose steady-state `traffic` prices a plan (for the log). `tier_of[sg]` is the tier subgroup sg is
+    written to.
 
     Replans when any tier's read or write bandwidth has moved by more than DRIFT since the current
     plan was made (less would only shuffle subgroups on noise), and then saves the new numbers to the
@@ -164,39 +164,38 @@ class AdaptivePlacement:
     DRIFT = 0.10
 
     def __init__(
-        self,
-        model: BandwidthModel,
-        plan: Callable[[list[TierSpeed]], list[int]],
-        predict: Callable[[list[int], list[TierSpeed]], float],
-        name: str,
-        tier_specs: list[str],
+        self, seeds: list[TierSpeed], rule: str, sizes: list[int], traffic: StepTraffic, tier_specs: Sequence[TierSpec],
         profile: BandwidthProfile | None = None,
-    ) -> None:
-        if len(tier_specs) != len(model):
-            raise ValueError(f"{len(tier_specs)} tier specs for a model of {len(model)} tiers")
-        self.model = model
-        self.name = name
+    ) -> None:  # fmt: skip
+        if len(tier_specs) != len(seeds):
+            raise ValueError(f"{len(tier_specs)} tier specs for {len(seeds)} tier speeds")
+        self.name, self.sizes, self.traffic = rule, sizes, traffic
         self.tier_specs = tier_specs
-        self._plan_fn = plan
-        self._predict = predict
         self._profile = profile
-        self._keys = [tier_profile_key(s) for s in tier_specs]
+        self._keys = [s.key for s in tier_specs]
         self.replans = 0
         self.basis: list[TierSpeed] = []
         self.tier_of: list[int] = []
         self.dropped: set[int] = set()  # tiers that failed: planned as all but unusable, and never chosen
-        self._plan(model.speeds())
+        self._plan(list(seeds))  # what the model says before it has learned anything
+        self.model = BandwidthModel(seeds)
+
+    def plan(self, speeds: list[TierSpeed]) -> list[int]:
+        """The rule's tier of each subgroup for these speeds."""
+        if self.name == "eq1":
+            return plan_eq1(speeds, len(self.sizes))
+        return plan_makespan(speeds, self.sizes, self.traffic)
 
     def _plan(self, speeds: list[TierSpeed]) -> None:
         usable = [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
         fastest = max((i for i in range(len(speeds)) if i not in self.dropped), key=lambda i: min(usable[i].read_bps, usable[i].write_bps))
-        previous, self.tier_of = self.tier_of, [fastest if t in self.dropped else t for t in self._plan_fn(usable)]
+        previous, self.tier_of = self.tier_of, [fastest if t in self.dropped else t for t in self.plan(usable)]
         self.basis = speeds
         log.log(
             logging.INFO if self.tier_of != previous else logging.DEBUG,  # a replan that moves nothing is noise
             "placement %s (expected update I/O %.3g s a step): %s",
             self.name,
-            self._predict(self.tier_of, speeds),
+            expected_step_seconds(self.tier_of, speeds, self.sizes, self.traffic),
             ", ".join(
                 f"{spec} {self.tier_of.count(i)} subgroups (read {s.read_bps / 1e9:.3g} GB/s, write {s.write_bps / 1e9:.3g} GB/s)"
                 for i, (spec, s) in enumerate(zip(self.tier_specs, speeds))
@@ -256,23 +255,15 @@ class AdaptivePlacement:
 
 def make_placement(
     cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int, forward: list[int] | None = None,
-    speeds: list[TierSpeed] | None = None,
+    speeds: list[TierSpeed] | None = None, learn_into: BandwidthProfile | None = None,
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
-    stay in GPU memory and never move); `forward` is their forward order (default: ascending). With 2+
-    tiers and a bandwidth rule, its model starts from the speeds tier_speeds.starting_speeds decides on:
-    `speeds` if given (the plan's, or a node's measured once), else the profile's or measured. What it
-    learns goes to the bandwidth profile whenever one is set."""
+    stay in GPU memory and never move); `forward` is their forward order (default: ascending). A
+    bandwidth rule starts from `speeds` (tier_speeds.starting_speeds decides them: None, or no subgroup
+    to place, is the fixed split) and saves what it learns to `learn_into`, which it closes."""
     m = streamed
-    start = starting_speeds(cfg, given=speeds, needed=placement_measures(cfg) and m > 0)
-    if start.speeds is None:
+    if speeds is None or m == 0 or not cfg.places_by_bandwidth:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
     traffic = steady_traffic(m, cache_slots, cfg.update_order, forward)
-    if cfg.placement == "eq1":
-        plan = lambda speeds: plan_eq1(speeds, m)  # noqa: E731
-    else:
-        plan = lambda speeds: plan_makespan(speeds, sizes, traffic)  # noqa: E731
-    predict = lambda tier_of, speeds: expected_step_seconds(tier_of, speeds, sizes, traffic)  # noqa: E731
-    profile = BandwidthProfile(cfg.bandwidth_profile) if start.save_learned else None
-    return AdaptivePlacement(BandwidthModel(start.speeds), plan, predict, cfg.placement, list(cfg.tiers), profile)
+    return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into)

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from .checkpoint import CheckpointConfig
-from .config import OffloadConfig, dataclass_from, format_bytes, is_number, is_whole, path_option
+from .config import OffloadConfig, dataclass_from, is_number, is_whole, path_option
 from .data import DataConfig
 from .job_errors import job_wide
 from .models import LlamaArgs
+from .units import format_bytes
 
 log = logging.getLogger("train")  # the training run's logger: Hydra sends it to the console and train.log
 
@@ -111,10 +112,11 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
 def warn_above_machine_memory(config: OffloadConfig) -> None:
     """A host budget above the machine's memory cannot be met (the cache would swap or be killed):
     said once, naming both."""
-    if config.host_budget_gb in (None, "auto") or os.environ.get("RANK", "0") != "0":
+    budget = config.host_budget.nbytes  # None: no limit, or "auto"
+    if budget is None or os.environ.get("RANK", "0") != "0":
         return
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if config.host_budget_bytes > total:
+    if budget > total:
         log.warning("offload.host_budget_gb=%s (%s) is above this machine's memory (%s): the state held in host memory would "
                     "swap or be killed; give at most what the machine has, or offload.host_budget_gb=auto",
-                    config.host_budget_gb, format_bytes(config.host_budget_bytes), format_bytes(total))  # fmt: skip
+                    config.host_budget_gb, format_bytes(budget), format_bytes(total))  # fmt: skip

@@ -33,6 +33,7 @@ class OptimizerStates:
     def __init__(self, engine: StepEngine, param_groups: list[dict[str, Any]], copies: CopyStream, settle: Callable[[], None]) -> None:
         self.engine, self.param_groups, self.copies, self.settle = engine, param_groups, copies, settle
         self.store, self.params = engine.store, engine.params
+        self.param_states = [ParamState(self, i) for i in range(len(self.params))]  # `opt.state[p]`, in param order
 
     def pass_order(self) -> list[int]:
         """The order of a pass that is not a step (a fill, a gather): it leaves the host cache holding

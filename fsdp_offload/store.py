@@ -4,10 +4,10 @@ A subgroup's state ([params | exp_avg | exp_avg_sq], see subgroups.py) lives at 
 - GPU memory: the last `gpu_fraction` of the subgroups stay there and are updated there;
 - the host cache: slots under the host budget (cache.py);
 - a tier: one file per rank on each storage path, the tier picked by the placement (placement.py).
-The store builds all three from the config (the memory plan), walks subgroups through them for a pass
-(`run_update` for a step, `visit` for a fill or a save; the pipeline does the moving), reads and
-overwrites one subgroup at a time for checkpoints, and knows when a load has left the state half
-written.
+levels.py builds the cache, the placement and the tiers from the memory plan and hands them over;
+the store owns them from then on, walks subgroups through them for a pass (`run_update` for a step,
+`visit` for a fill or a save; the pipeline does the moving), reads and overwrites one subgroup at a
+time for checkpoints, and knows when a load has left the state half written.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import torch
 import torch.distributed as dist
 
 from .cache import HostCache, aligned_host_buffer
-from .calibrate import TierSpeed
-from .config import OffloadConfig, format_bytes, in_unit
-from .pipeline import SubgroupPipeline
-from .placement import make_placement
-from .storage import Tier, Transfer, open_tiers
+from .pipeline import Placement, SubgroupPipeline
+from .storage import Tier, Transfer
 from .storage.base import ALIGN
 from .storage.chunked import tier_file_tag
 from .subgroups import SubgroupLayout
+from .units import format_bytes
 
 Visit = Callable[[int, torch.Tensor], None]
 STATE_KEYS = ("master_param", "exp_avg", "exp_avg_sq")  # the parts of a subgroup's state, in order
@@ -43,83 +41,35 @@ def size_mismatch(sg: int, got: int, want: int, where: str = "") -> ValueError:
     )
 
 
-def host_cache_slots(
-    cfg: OffloadConfig, budget: int | None, budget_name: str, streamed: int, slot_bytes: int, reserved_bytes: int
-) -> int:
-    """Host cache slots that `budget` (named `budget_name` in errors) allows after `reserved_bytes`
-    (the grad staging and buffers), or a clear error when it is too small."""
-    if budget is None:
-        return streamed
-    slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
-    if slots == streamed:
-        return streamed
-    minimum = cfg.prefetch + 1
-    if slots < minimum:
-        raise ValueError(
-            f"{budget_name} is below the pipeline's minimum of "
-            f"{in_unit(reserved_bytes + minimum * slot_bytes, cfg.host_budget_unit)} "
-            f"({format_bytes(reserved_bytes + minimum * slot_bytes)}): {format_bytes(reserved_bytes)} of grad "
-            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={cfg.prefetch}; raise the "
-            "budget, or lower subgroup_numel or prefetch"
-        )
-    if not cfg.tiers:
-        raise ValueError(
-            f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
-            "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
-            f"{in_unit(reserved_bytes + streamed * slot_bytes, cfg.host_budget_unit)} "
-            f"({format_bytes(reserved_bytes + streamed * slot_bytes)})"
-        )
-    return slots
-
-
 class SubgroupStore:
     """Every subgroup's FP32 state, at the GPU, host-cache or tier level.
 
-    `host_budget` is the host memory it may keep in bytes (None: no limit), `budget_name` how errors
-    name it; `reserved_host_bytes` is host memory the budget must also hold (the grad staging);
-    `extra_slot_bytes` are slots a tier file keeps after the subgroups' (the FP32 grad path's);
-    `forward` is every subgroup in the order the model's forward uses them (the placement plans for it).
+    `gpu_subgroups` (the last ones) live in GPU memory on `device`; the others in `cache` and, beyond
+    its slots, on the `tiers` that `placement` picks. `extra_slot_bytes` are slots a tier file keeps
+    after the subgroups' (the FP32 grad path's); `prefetch` is how many subgroups a pass reads ahead.
     """
 
     def __init__(
-        self,
-        cfg: OffloadConfig,
-        layout: SubgroupLayout,
-        gpu_subgroups: frozenset[int],
-        device: torch.device,
-        host_budget: int | None,
-        budget_name: str,
-        reserved_host_bytes: int,
-        extra_slot_bytes: list[int],
-        forward: list[int],
-        tier_speeds: list[TierSpeed] | None = None,
-    ) -> None:
-        self.layout = layout
-        self.gpu_state = {
-            sg: torch.zeros(layout.subgroups[sg].state_bytes, dtype=torch.uint8, device=device) for sg in sorted(gpu_subgroups)
-        }
-        self.host_subgroups = [sg for sg in range(len(layout)) if sg not in gpu_subgroups]
-        # GPU-resident subgroups are the last ones: the placement and the tiers plan for the ones before them
-        assert self.host_subgroups == list(range(len(self.host_subgroups)))
-        # What close() releases, in reverse: registered as it is made, so a build that fails part-way
-        # deletes tier files too.
-        resources: list = []
-        self._closer = weakref.finalize(self, _close_all, resources)
-        slots = host_cache_slots(cfg, host_budget, budget_name, len(self.host_subgroups), layout.slot_bytes, reserved_host_bytes)
-        # The FP32 cache never meets the GPU (the bf16 staging buffer does), so it is not page-locked.
-        self.cache = HostCache(layout.slot_bytes, slots)
-        resources.append(self.cache)
-        streamed = len(self.host_subgroups)
-        host_forward = [sg for sg in forward if sg < streamed]
-        # measures the tiers that neither `tier_speeds` nor the profile gives
-        self.placement = make_placement(cfg, layout, self.cache.num_slots, streamed, host_forward, tier_speeds)
-        resources.append(self.placement)  # closing it saves the learned bandwidths
-        self.tiers: list[Tier] = open_tiers(cfg.tiers, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
-        resources.extend(self.tiers)
-        tag = tier_file_tag(f"rank{dist.get_rank() if dist.is_initialized() else 0}")
-        for t in self.tiers:
-            t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
-        self.pipeline = SubgroupPipeline(layout, self.cache, self.tiers, self.placement, cfg.prefetch)
+        self, layout: SubgroupLayout, gpu_subgroups: frozenset[int], device: torch.device, cache: HostCache,
+        placement: Placement, tiers: list[Tier], extra_slot_bytes: list[int], prefetch: int,
+    ) -> None:  # fmt: skip
+        # What close() releases, in reverse; a build that fails part-way releases it at once (tier files too)
+        self._closer = weakref.finalize(self, _close_all, [cache, placement, *tiers])
+        try:
+            self.layout, self.cache, self.placement, self.tiers = layout, cache, placement, tiers
+            self.host_subgroups = [sg for sg in range(len(layout)) if sg not in gpu_subgroups]
+            # GPU-resident subgroups are the last ones: the placement and the tiers plan for the ones before them
+            assert self.host_subgroups == list(range(len(self.host_subgroups)))
+            self.gpu_state = {
+                sg: torch.zeros(layout.subgroups[sg].state_bytes, dtype=torch.uint8, device=device) for sg in sorted(gpu_subgroups)
+            }
+            self.pipeline = SubgroupPipeline(layout, cache, tiers, placement, prefetch)
+            tag = tier_file_tag(f"rank{dist.get_rank() if dist.is_initialized() else 0}")
+            for t in tiers:
+                t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
+        except BaseException:
+            self._closer()
+            raise
         self._loading = False  # a load has begun overwriting subgroups and not finished
         self._lock_wait_seen: dict[str, float] = {}
 

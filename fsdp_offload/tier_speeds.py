@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .calibrate import BandwidthProfile, TierSpeed, seed_speeds
+from .bandwidth import TierSpeed
+from .calibrate import BandwidthProfile, seed_speeds
 from .config import OffloadConfig
 from .node import node_peers
 from .storage import TierError
+from .units import GIB
 
 SOURCES = ("given", "profile", "measured", "unneeded")
 
@@ -27,29 +29,23 @@ class StartingSpeeds:
     save_learned: bool  # the placement writes its learned speeds to offload.bandwidth_profile
 
 
-def placement_measures(cfg: OffloadConfig) -> bool:
-    """Whether the placement starts from the tiers' speeds (make_placement's bandwidth rules: 2+ tiers)."""
-    return len(cfg.tiers) >= 2 and cfg.placement != "fixed"
-
-
 def starting_speeds(
     cfg: OffloadConfig, *, given: list[TierSpeed] | None = None, group: dist.ProcessGroup | None = None,
     needed: bool | None = None,
 ) -> StartingSpeeds:  # fmt: skip
-    """The one decision about the tiers' speeds. `needed` (default: placement_measures(cfg); the
+    """The one decision about the tiers' speeds. `needed` (default: cfg.places_by_bandwidth; the
     planner's predicted update time needs them for any tier): without it, none. Else `given` (one per
     tier, e.g. the plan's), checked; else the profile's, measuring the tiers it lacks; else measured.
     With `group`, the first rank of each node of it reads or measures them for the node's other ranks:
     a collective, so every rank of `group` calls it with the same `needed` and with speeds given or not."""
     if given is not None:
         check_speeds(given, cfg.tiers)  # whether or not they are needed: a wrong list is the caller's mistake
-    if not (placement_measures(cfg) if needed is None else needed):
+    if not (cfg.places_by_bandwidth if needed is None else needed):
         return StartingSpeeds(None, "unneeded", save_learned=False)
-    save = cfg.bandwidth_profile is not None and placement_measures(cfg)  # only a bandwidth rule learns
+    save = cfg.bandwidth_profile is not None and cfg.places_by_bandwidth  # only a bandwidth rule learns
     if given is not None:
         return StartingSpeeds(list(given), "given", save)
-    speeds = _read_or_measure(cfg) if group is None else _node_speeds(cfg, group)
-    return StartingSpeeds(speeds, "measured" if cfg.bandwidth_profile is None else "profile", save)
+    return StartingSpeeds(_node_speeds(cfg, group), "measured" if cfg.bandwidth_profile is None else "profile", save)
 
 
 def check_speeds(speeds: list[TierSpeed], tiers: list[str]) -> None:
@@ -68,32 +64,36 @@ def placement_request_bytes(cfg: OffloadConfig) -> int:
     return min(12 * cfg.subgroup_numel, 64 << 20)
 
 
+def _node_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
+    """_read_or_measure once a node: by the first rank of each node of `group`, which hands them to the
+    node's other ranks (a collective), so that a node measures its tiers once, not once per rank;
+    without a group, by this process."""
+    first = None if group is None else node_peers(group)[0]
+    if first is not None and dist.get_rank(group) != first:
+        everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, None, group=group)
+        kind, value = everyone[first]
+        if kind == "error":
+            raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
+        return value
+    try:
+        speeds = _read_or_measure(cfg)
+    except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
+        if first is not None:
+            dist.all_gather_object([None] * dist.get_world_size(group), ("error", f"{type(exc).__name__}: {exc}"), group=group)
+        raise
+    if first is not None:
+        dist.all_gather_object([None] * dist.get_world_size(group), ("speeds", speeds), group=group)
+    return speeds
+
+
 def _read_or_measure(cfg: OffloadConfig) -> list[TierSpeed]:
     """The tiers' speeds from the bandwidth profile, measuring (and saving) those it lacks; without a
     profile, measured."""
+    transfer_bytes = placement_request_bytes(cfg)
     profile = None if cfg.bandwidth_profile is None else BandwidthProfile(cfg.bandwidth_profile)
     try:
-        return seed_speeds(cfg.tiers, profile, int(cfg.calibration_gb * (1 << 30)), placement_request_bytes(cfg))
+        return seed_speeds(cfg.tier_specs, profile, int(cfg.calibration_gb * GIB), transfer_bytes)
     finally:
         if profile is not None:
             profile.close()
-
-
-def _node_speeds(cfg: OffloadConfig, group: dist.ProcessGroup) -> list[TierSpeed]:
-    """_read_or_measure, by the first rank of each node of `group`, handed to the node's other ranks (a
-    collective), so that a node measures its tiers once, not once per rank."""
-    first = node_peers(group)[0]
-    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
-    if dist.get_rank(group) == first:
-        try:
-            speeds = _read_or_measure(cfg)
-        except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
-            dist.all_gather_object(everyone, ("error", f"{type(exc).__name__}: {exc}"), group=group)
-            raise
-        dist.all_gather_object(everyone, ("speeds", speeds), group=group)
-        return speeds
-    dist.all_gather_object(everyone, None, group=group)
-    kind, value = everyone[first]
-    if kind == "error":
-        raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
-    return value

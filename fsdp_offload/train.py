@@ -166,7 +166,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
         # takes from here on (the CUDA context, the model's build) is the headroom's share.
         budget = resolve_host_budget(recipe.config, group, device)
-        if rank == 0 and recipe.config.host_budget_gb == "auto":
+        if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),

@@ -21,6 +21,17 @@ def readable_size(nbytes: float) -> str:
     return f"{int(nbytes)} bytes"
 
 
+def format_bytes(nbytes: float) -> str:
+    """Exact bytes plus a readable size, for error messages: '3221225472 bytes (3.00 GiB)'."""
+    readable = readable_size(nbytes)
+    return f"{int(nbytes)} bytes" + ("" if readable.endswith("bytes") else f" ({readable})")
+
+
+def in_unit(nbytes: float, unit: str) -> str:
+    """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
+    return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
+
+
 def parse_size(text: str) -> tuple[float, str]:
     """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB. ValueError if not a size."""
     text = text.strip()

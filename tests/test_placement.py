@@ -20,7 +20,7 @@ from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
 from fsdp_offload.placement import AdaptivePlacement, eq1_counts, make_placement, plan_eq1, plan_makespan
 from fsdp_offload.tier_speeds import starting_speeds
-from fsdp_offload.storage import Limits, ThrottledTier, TierError, Transfer
+from fsdp_offload.storage import Limits, ThrottledTier, TierError, TierSpec, Transfer
 from fsdp_offload.subgroups import SubgroupLayout
 
 from dist_utils import run_ranks, spy_step_transfers
@@ -309,8 +309,9 @@ def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
     profile = write_profile(str(tmp_path / "p.json"), {tiers[0]: TierSpeed(2e9, 2e9, 0.0), tiers[1]: TierSpeed(1e9, 1e9, 0.0)})
     for rule in ("learned", "eq1"):
         cfg = OffloadConfig(tiers=tiers, placement=rule, bandwidth_profile=profile)
-        with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 2, streamed=6)
-        host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 2, streamed=6)
+        speeds = starting_speeds(cfg).speeds  # the profile's
+        with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 2, streamed=6, speeds=speeds)
+        host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 2, streamed=6, speeds=speeds)
         assert len(with_gpu.tier_of) == 6 and with_gpu.tier_of == host_only.tier_of, rule  # as if the 4 were not there
         with_gpu.close()
         host_only.close()
@@ -404,9 +405,14 @@ def test_a_replan_is_logged_when_it_moves_a_subgroup(caplog):
     """The placement is logged at INFO when it is made and when a replan moves a subgroup; a replan
     that keeps the split (the speeds drifted, the shares did not) only at DEBUG."""
     splits = iter([[0, 1], [0, 1], [1, 1]])  # the first plan, a replan that keeps it, one that moves subgroup 0
+
+    class Scripted(AdaptivePlacement):
+        def plan(self, speeds):
+            return next(splits)
+
     with caplog.at_level(logging.DEBUG, logger="fsdp_offload.placement"):
-        placement = AdaptivePlacement(BandwidthModel([TierSpeed(1e9, 1e9, 0.0)] * 2), lambda speeds: next(splits),
-                                      lambda tiers, speeds: 0.0, "learned", ["posix:/a", "posix:/b"])  # fmt: skip
+        placement = Scripted([TierSpeed(1e9, 1e9, 0.0)] * 2, "learned", [SG, SG], steady_traffic(2, 0, "forward"),
+                             [TierSpec.parse("posix:/a"), TierSpec.parse("posix:/b")])  # fmt: skip
         for start in (0.0, 1.0):  # each read faster than the median before it: the speeds drift, it replans
             placement.observe(0, Transfer("posix:/a", "read", 0, 1 << 30, start, start + 0.25))
             placement.tier_for(0)

@@ -7,26 +7,28 @@ import os
 from .base import ALIGN, CorruptSubgroupError, Tier, TierError, Transfer
 from .lock import LockedTier, NodeTierLock, access_slots
 from .posix import PosixTier
-from .spec import TierSpec, as_spec, throttle_limits
+from .spec import TierSpec, as_spec
 from .throttle import Limits, ThrottledTier
 
 
 def make_tier(spec: TierSpec | str) -> Tier:
-    """Builds the tier a spec names (a string is parsed first, and fails as TierSpec.parse does)."""
+    """Builds the tier a spec names (a string is parsed first, and fails as TierSpec.parse does): the
+    file tier it stores in, inside the wrappers (throttles) around it, outermost first in the spec."""
     spec = as_spec(spec)
-    if spec.scheme == "posix":
-        return PosixTier(spec)
+    wrappers: list[TierSpec] = []
+    while spec.inner is not None:
+        wrappers.append(spec)
+        spec = spec.inner
     if spec.scheme == "kvikio":
         from .kvikio import KvikioTier  # that module imports KvikIO only when a tier is built
 
-        return KvikioTier(spec)
-    assert spec.scheme == "throttle" and spec.inner is not None, spec
-    return ThrottledTier(spec.text, make_tier(spec.inner), throttle_limits(spec))
-
-
-def tier_dir(spec: TierSpec | str) -> str:
-    """The directory a tier spec stores its files in (through any wrapping schemes)."""
-    return as_spec(spec).dir
+        tier: Tier = KvikioTier(spec)
+    else:
+        tier = PosixTier(spec)
+    for wrapper in reversed(wrappers):
+        assert wrapper.scheme == "throttle", wrapper
+        tier = ThrottledTier(wrapper.text, tier, wrapper.settings)  # (its Limits)
+    return tier
 
 
 def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str, lock_timeout_s: float = 1800.0) -> list[Tier]:
@@ -71,5 +73,4 @@ __all__ = [
     "Transfer",
     "make_tier",
     "open_tiers",
-    "tier_dir",
 ]

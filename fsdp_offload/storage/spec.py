@@ -35,6 +35,8 @@ class TierSpec:
     path: str  # the directory (for a wrapper: the inner spec's text)
     options: Mapping[str, str] = field(hash=False)  # this scheme's own options, validated
     inner: TierSpec | None  # the wrapped tier's spec (wrapper schemes), else None
+    # what the options say, read once: (I/O threads, bytes per request) of a file tier, a throttle's Limits
+    settings: object = field(hash=False, compare=False)
 
     @classmethod
     def parse(cls, text: str) -> TierSpec:
@@ -58,7 +60,7 @@ class TierSpec:
             raise ValueError(f"tier spec {text!r}: unknown option(s) {sorted(set(opts) - known)}; known: {sorted(known)}")
         kind = SCHEMES[scheme]
         own = {k: v for k, v in opts.items() if k in kind.options}
-        kind.settings(text, own)  # checks the values
+        settings = kind.settings(text, own)  # checks the values
         inner = None
         if kind.wraps:
             passed = {k: v for k, v in opts.items() if k not in kind.options}
@@ -69,12 +71,25 @@ class TierSpec:
             path = inner.text
         else:
             path = os.path.expanduser(path)  # "posix:~/nvme" as a shell would read it
-        return cls(text, scheme, path, MappingProxyType(own), inner)
+        return cls(text, scheme, path, MappingProxyType(own), inner, settings)
 
     @property
     def dir(self) -> str:
         """The directory the tier stores its files in, through any wrappers."""
         return _storage_spec(self).path
+
+    @property
+    def key(self) -> str:
+        """The spec with its path resolved and its options sorted: one key per distinct tier (the
+        bandwidth profile's). Wrappers come first, then the dir; the options of every level go, merged,
+        into one query (`throttle:posix:/x?read=1GB/s&threads=2`), as the spec was written."""
+        spec, schemes, opts = self, [self.scheme], dict(self.options)
+        while spec.inner is not None:
+            spec = spec.inner
+            schemes.append(spec.scheme)
+            opts.update(spec.options)
+        query = "&".join(f"{k}={v}" for k, v in sorted(opts.items()))
+        return ":".join([*schemes, os.path.realpath(spec.path)]) + (f"?{query}" if query else "")
 
     def __str__(self) -> str:
         return self.text
@@ -90,15 +105,7 @@ def as_spec(spec: TierSpec | str) -> TierSpec:
 
 def io_settings(spec: TierSpec) -> tuple[int, int]:
     """(I/O threads, bytes per request) of the file tier that `spec` stores in, through any wrappers."""
-    base = _storage_spec(spec)
-    return SCHEMES[base.scheme].settings(base.text, base.options)
-
-
-def throttle_limits(spec: TierSpec) -> Limits:
-    """The speeds a `throttle:` spec sets."""
-    if spec.scheme != "throttle":
-        raise ValueError(f"tier spec {spec.text!r} is not a throttle: spec")
-    return _limits(spec.text, spec.options)
+    return _storage_spec(spec).settings
 
 
 def _storage_spec(spec: TierSpec) -> TierSpec:
