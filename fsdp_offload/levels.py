@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .bandwidth import TierSpeed
+from .bandwidth import TierSpeed, steady_traffic
 from .cache import HostCache, host_cache_slots
 from .calibrate import BandwidthProfile
 from .config import OffloadConfig
@@ -101,7 +101,8 @@ def build_levels(
         cache = HostCache(layout.slot_bytes, host_cache_slots(memory.host_budget, memory.budget_name, cfg.host_budget.unit, streamed,
                                                               layout.slot_bytes, reserved, cfg.prefetch, len(cfg.tiers)))  # fmt: skip
         made.append(cache)
-        placement = make_placement(cfg, layout, cache.num_slots, streamed, [sg for sg in forward if sg < streamed], start.speeds, learn)
+        traffic = steady_traffic(streamed, cache.num_slots, cfg.update_order, [sg for sg in forward if sg < streamed])
+        placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn)
         made.append(placement)
         tiers = open_tiers(cfg.tier_specs, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         made.extend(tiers)

@@ -203,10 +203,10 @@ def plan_rank(
     streamed = len(host_sgs)
     sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
     if cfg.tiers and (spills(slots, streamed) or fp32_grads):
-        placement = make_placement(cfg, layout, slots, streamed, host_sgs, speeds=placement_speeds)
+        traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
+        placement = make_placement(cfg, layout, streamed, traffic, speeds=placement_speeds)
         tier_of = [placement.tier_for(sg) for sg in host_sgs]
         placement.close()
-        traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
         kinds = len(traffic.orders)
         # A tier holds what is not in host memory, and the prefetch window's reads: the copy of a subgroup
         # that came back into host memory and changed is discarded (SubgroupPipeline._discard_stored).

@@ -21,7 +21,7 @@ import logging
 import math
 from typing import Sequence
 
-from .bandwidth import MIN_BPS, BandwidthModel, StepTraffic, TierSpeed, expected_step_seconds, io_seconds, steady_traffic
+from .bandwidth import MIN_BPS, BandwidthModel, StepTraffic, TierSpeed, expected_step_seconds, io_seconds
 from .calibrate import BandwidthProfile
 from .config import OffloadConfig
 from .storage import TierSpec, Transfer
@@ -254,16 +254,15 @@ class AdaptivePlacement:
 
 
 def make_placement(
-    cfg: OffloadConfig, layout: SubgroupLayout, cache_slots: int, streamed: int, forward: list[int] | None = None,
-    speeds: list[TierSpeed] | None = None, learn_into: BandwidthProfile | None = None,
+    cfg: OffloadConfig, layout: SubgroupLayout, streamed: int, traffic: StepTraffic, speeds: list[TierSpeed] | None = None,
+    learn_into: BandwidthProfile | None = None,
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
-    stay in GPU memory and never move); `forward` is their forward order (default: ascending). A
-    bandwidth rule starts from `speeds` (tier_speeds.starting_speeds decides them: None, or no subgroup
-    to place, is the fixed split) and saves what it learns to `learn_into`, which it closes."""
+    stay in GPU memory and never move), whose steady-state `traffic` (bandwidth.steady_traffic) a
+    bandwidth rule plans for. It starts from `speeds` (tier_speeds.starting_speeds decides them: None,
+    or no subgroup to place, is the fixed split) and saves what it learns to `learn_into`, which it closes."""
     m = streamed
     if speeds is None or m == 0 or not cfg.places_by_bandwidth:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
-    traffic = steady_traffic(m, cache_slots, cfg.update_order, forward)
     return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into)

@@ -310,8 +310,9 @@ def test_gpu_resident_subgroups_are_left_out_of_the_plan(tmp_path):
     for rule in ("learned", "eq1"):
         cfg = OffloadConfig(tiers=tiers, placement=rule, bandwidth_profile=profile)
         speeds = starting_speeds(cfg).speeds  # the profile's
-        with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 2, streamed=6, speeds=speeds)
-        host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 2, streamed=6, speeds=speeds)
+        traffic = steady_traffic(6, 2, cfg.update_order)
+        with_gpu = make_placement(cfg, SubgroupLayout([10 * SMALL_SG], SMALL_SG), 6, traffic, speeds=speeds)
+        host_only = make_placement(cfg, SubgroupLayout([6 * SMALL_SG], SMALL_SG), 6, traffic, speeds=speeds)
         assert len(with_gpu.tier_of) == 6 and with_gpu.tier_of == host_only.tier_of, rule  # as if the 4 were not there
         with_gpu.close()
         host_only.close()
@@ -329,7 +330,7 @@ def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatc
     budget = (2 * 6 * SG + 3 * STATE) / 2**30  # 3 of the 6 subgroups in host memory
     cfg = OffloadConfig(kernel="torch", tiers=tiers, subgroup_numel=SG, host_budget_gb=budget, placement="learned")
     given = [TierSpeed(3e9, 2e9, 1e-4), TierSpeed(1e9, 1e9, 1e-4)]
-    assert make_placement(cfg, SubgroupLayout([6 * SG], SG), 3, streamed=6, speeds=given).model.speeds() == given
+    assert make_placement(cfg, SubgroupLayout([6 * SG], SG), 6, steady_traffic(6, 3, cfg.update_order), speeds=given).model.speeds() == given
     for bad, message in (([given[0]], "tier_speeds has 1 entries for the 2 offload.tiers"),
                          ([given[0], TierSpeed(0.0, 1e9, 0.0)], "tier_speeds for 'posix:.*b'")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
