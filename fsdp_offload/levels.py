@@ -92,8 +92,8 @@ def build_levels(
     learn = BandwidthProfile(cfg.bandwidth_profile) if start.save_learned and streamed else None
     made: list = [] if learn is None else [learn]  # closed, in reverse, if the build fails part-way
     try:
-        staging = LowpStaging(layout, param_dtype, device.type == "cuda", frozenset(range(len(layout))) if grads_on_gpu else share.subgroups,
-                              device, host_window=grads_on_gpu and streamed > 0)  # fmt: skip
+        staged_on_gpu = frozenset(range(len(layout))) if grads_on_gpu else share.subgroups
+        staging = LowpStaging(layout, param_dtype, device.type == "cuda", staged_on_gpu, device, host_window=grads_on_gpu and streamed > 0)
         made.append(staging)
         sums = GradSums(layout, staging, accumulation, device, share.subgroups, planned=cfg.micro_batches > 1)
         made.append(sums)
