@@ -1,13 +1,11 @@
-"""Fault campaign: many random fault schedules injected into a tier while OffloadAdamW trains, each
-run checked against torch AdamW; one JSON of outcomes per fault kind.
+"""Fault campaign: faults injected into the optimizer's tier while it trains, and whole training runs
+killed or faced with faulty checkpoint and run dirs; each trial classified, one JSON record of all.
 
-A trial trains a small set of params (11 subgroups, 3 in host memory, the rest on a POSIX tier under
---dir) for --steps steps, with one fault schedule (storage/faults.py: EIO or ENOSPC on a read or a
-write, a latency spike, a torn write, a bit flip or truncation of the file, a tier that vanishes) at a
-random point of one place: the update, a checkpoint save (DCP, streaming the stored subgroups out) or
-a checkpoint load into a fresh optimizer on another tier dir (streaming them in), after which training
-goes on from the loaded copy. A step, save or load that raises is retried up to twice (as a training
-loop that catches the error would). Kills are scripts/crash_harness.py's. Each trial ends in one outcome:
+Tier trials (--trials N, tier_faults.py, in this process, params on the CPU, the tier `posix:` or
+`kvikio:` under --dir): 11 subgroups, 3 in host memory, one fault schedule (storage/faults.py: EIO or
+ENOSPC on a read or a write, a latency spike, a torn write, a bit flip or truncation of the file, a
+tier that vanishes) at a random point of the update, a checkpoint save or a checkpoint load into a
+fresh optimizer, against torch AdamW; a failed step, save or load is retried up to twice. Outcomes:
 
   exact            no error surfaced, or the retry finished the step, and every master, moment and
                    step count equals torch AdamW's, bit for bit (nothing was lost)
@@ -17,11 +15,23 @@ loop that catches the error would). Kills are scripts/crash_harness.py's. Each t
   hang             a step outlived --step-timeout-s: must never happen
   undetected_error an error that names neither the subgroup nor the file: must never happen
 
-    python scripts/fault_campaign.py --trials 600 --seed 0 --doc docs/reliability.md
+Whole runs of scripts/train.py under torchrun (campaign_runs.py; --device cpu: gloo ranks; --device
+cuda: NCCL, one GPU per rank; --nproc 2 4 runs each case at each rank count; the tier as
+--tier-scheme says), judged against an uninterrupted run of the same command (on a GPU run twice, to
+show the kernels repeat bit for bit):
+  --kill-trials M  every rank SIGKILLed at random moments (up to --kills-per-trial times), resumed with
+                   checkpoint.resume=auto: resumed_bit_exact (state and every step's loss) or bad
+  --run-trials R   run_faults.py's cases: kills during a save and a load, a damaged trainer state, a
+                   part of another step, two writers, full checkpoint and run dirs: resumed_bit_exact
+                   or refused_named, or skipped where the machine cannot make the fault (said why)
 
-With --run-trials N it also runs N whole training runs faced with faults of the checkpoint and run
-dirs (kills during a save and a load, a damaged trainer state, a part of another step, two writers,
-full dirs: scripts/run_faults.py), each refused with a named cause or resumed bit for bit.
+--budget-s caps the wall time: the trials of every kind are interleaved, and one starts only while
+the mean time of its kind still fits; the record says how many of each kind were asked and ran.
+
+    python scripts/fault_campaign.py --trials 600 --run-trials 28 --kill-trials 10 --doc docs/reliability.md
+    python scripts/fault_campaign.py --device cuda --nproc 2 4 --tier-scheme kvikio --trials 150 \\
+        --kill-trials 8 --run-trials 14 --budget-s 330 --device-kind nvidia-h100-x4 --out $OUT
+    python scripts/fault_campaign.py --doc-from $OUT/fault_campaign_....json --doc docs/reliability.md
 """
 
 from __future__ import annotations
@@ -29,317 +39,230 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-import run_faults
+import campaign_doc
+from campaign_runs import DEVICES, TIER_SCHEMES, Launch, Reference, RunFailed, Runs, keep_logs, kill_trial, reference
+from run_faults import CASES, run_case
+from tier_faults import CELLS, run_trial
 
-from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.dcp_reader import SafeFileSystemReader
-from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 from fsdp_offload.results import record
-from fsdp_offload.storage import TierError
-from fsdp_offload.storage.faults import Fault, FaultyTier
 
-SHAPES = [(300, 37), (513,), (1000, 29), (7,), (2500,)]  # 43_120 elements over 11 subgroups of 4096
-SUBGROUP = 4096
-CACHED = 3
-KINDS = ("eio_write", "eio_read", "enospc_write", "enospc_read", "latency", "torn_write", "bitflip", "truncate", "vanish")
-# where a trial's fault strikes: the update's reads and writes, a checkpoint save (it reads the stored
-# subgroups), a checkpoint load into a fresh optimizer (it writes them to that one's tier)
-PLACES = ("update", "checkpoint_save", "checkpoint_load")
-# what a save (it reads the tier) and a load (it writes the tier) can meet
-CHECKPOINT_KINDS = {"checkpoint_save": ("eio_read", "enospc_read", "latency", "vanish"),
-                    "checkpoint_load": ("eio_write", "enospc_write", "latency", "vanish")}  # fmt: skip
+TIER_BAD = campaign_doc.TIER_BAD  # and campaign_error, a trial the campaign could not run or judge
+BAD = ("bad", "campaign_error")
 
 
-def make_optimizer(root: str, params: list) -> OffloadAdamW:
-    staging = 2 * (10 * SUBGROUP + 3072)
-    budget = (staging + CACHED * 3 * SUBGROUP * 4) / 2**30
-    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{root}"], subgroup_numel=SUBGROUP, host_budget_gb=budget)
-    return OffloadAdamW(params, lr=1e-2, weight_decay=0.1, offload=cfg)
+def interleave(asked: dict[str, int]) -> list[tuple[str, int]]:
+    """Every kind's trials in one order that spreads each kind evenly over the campaign, so that a
+    budget that runs out cuts a little of each kind rather than all of the last."""
+    jobs = [((i + 0.5) / n, k, kind, i) for k, (kind, n) in enumerate(asked.items()) for i in range(n)]
+    return [(kind, i) for _, _, kind, i in sorted(jobs)]
 
 
-def make_pair(root: str, seed: int) -> tuple[OffloadAdamW, torch.optim.AdamW, list, list]:
-    g = torch.Generator().manual_seed(seed)
-    init = [torch.randn(s, generator=g) for s in SHAPES]
-    mine = [torch.nn.Parameter(t.clone()) for t in init]
-    ref = [torch.nn.Parameter(t.clone()) for t in init]
-    return make_optimizer(root, mine), torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False), mine, ref
+class Budget:
+    """The campaign's wall time: a trial starts only if the mean time of its kind's finished trials
+    (`prior` before any) still fits."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds, self.started = seconds, time.perf_counter()
+        self.took: dict[str, list[float]] = collections.defaultdict(list)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def fits(self, kind: str, prior: float) -> bool:
+        done = self.took[kind]
+        return self.seconds is None or self.elapsed() + (sum(done) / len(done) if done else prior) <= self.seconds
 
 
-def same_as_reference(opt: OffloadAdamW, ref_opt: torch.optim.AdamW, ref: list) -> bool:
-    state = opt.state_dict()["state"]
-    return all(
-        torch.equal(state[i]["master_param"], r.data)
-        and torch.equal(state[i]["exp_avg"], ref_opt.state[r]["exp_avg"])
-        and torch.equal(state[i]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"])
-        and int(state[i]["step"]) == int(ref_opt.state[r]["step"])
-        for i, r in enumerate(ref)
-    )
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trials", type=int, default=180, help="tier trials, dealt round-robin over the places and fault kinds")
+    ap.add_argument("--steps", type=int, default=5, help="steps of a tier trial")
+    ap.add_argument("--kill-trials", type=int, default=0, help="whole runs SIGKILLed at random moments and resumed")
+    ap.add_argument("--kills-per-trial", type=int, default=2)
+    ap.add_argument("--run-trials", type=int, default=0, help="whole runs faced with checkpoint and run dir faults (run_faults.py)")
+    ap.add_argument("--run-cases", nargs="+", choices=CASES, default=list(CASES), help="the run-level cases, dealt round-robin")
+    ap.add_argument("--device", choices=DEVICES, default="cpu", help="train.device of the whole runs (cuda: NCCL, one GPU per rank)")
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2], help="ranks of the whole runs; several: each case at each count")
+    ap.add_argument("--tier-scheme", choices=TIER_SCHEMES, default="posix", help="the tier of every trial: posix:DIR or kvikio:DIR")
+    ap.add_argument("--run-steps", type=int, default=6)
+    ap.add_argument("--run-every", type=int, default=2, help="a whole run's checkpoint interval")
+    ap.add_argument("--run-timeout-s", type=float, default=None, help="a whole run that outlives this is killed and counted bad "
+                    "(default: 6 times the uninterrupted run, at least 60 s)")  # fmt: skip
+    ap.add_argument("--budget-s", type=float, default=None, help="wall time for everything; trials that would not fit are not started")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the trials' tier, checkpoint and run dirs go")
+    ap.add_argument("--step-timeout-s", type=float, default=60.0)
+    ap.add_argument("--device-kind", default=None, help="the machine, for the record's name (default: cpu, or the GPU's name)")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--doc", default=None, help="a markdown file whose campaign sections get this record (docs/reliability.md)")
+    ap.add_argument("--doc-from", default=None, help="fill --doc from this record (made here or on another machine) and exit")
+    args = ap.parse_args(argv)
+    if args.doc_from:
+        if not args.doc:
+            ap.error("--doc-from needs --doc, the file to fill")
+        return args
+    if min(args.trials, args.kill_trials, args.run_trials, args.kills_per_trial) < 0 or args.trials + args.kill_trials + args.run_trials < 1:
+        ap.error("--trials, --kill-trials, --run-trials and --kills-per-trial must be >= 0, and one of the first three >= 1")
+    if args.trials and args.steps < 3:
+        ap.error("--steps must be >= 3 (damage lands after the first step; a checkpoint after the second)")
+    if args.run_every < 1 or args.run_steps <= 2 * args.run_every:
+        ap.error("--run-steps must exceed twice --run-every (a resume goes on from the second checkpoint)")
+    if len(set(args.nproc)) < len(args.nproc) or min(args.nproc) < 1:
+        ap.error(f"--nproc {args.nproc}: distinct rank counts, each >= 1")
+    if not Path(args.dir).is_dir():
+        ap.error(f"--dir {args.dir} is not a directory: create it, or give one where the trials' dirs may go")
+    for launch in (Launch(args.device, n, args.tier_scheme) for n in args.nproc):
+        why = launch.unavailable()
+        if why:
+            ap.error(why)
+    return args
 
 
-def final_outcome(opt: OffloadAdamW, ref_opt: torch.optim.AdamW, ref: list, tier: FaultyTier, out: dict) -> dict:
-    """Sets the trial's outcome from `opt` against torch AdamW. Reading the state back reads every
-    stored subgroup, so damage that no step read is found here, and classified as a step's error is."""
-    try:
-        exact = same_as_reference(opt, ref_opt, ref)
-    except Exception as exc:  # noqa: BLE001 - classified here
-        out["errors"].append(f"{type(exc).__name__}: {exc}")
-        out["outcome"] = "detected" if names_the_fault(out["errors"][-1], tier) else "undetected_error"
-        return out
-    out["outcome"] = "exact" if exact else "silent_corruption"
+def machine_kind(args: argparse.Namespace) -> str:
+    if args.device_kind:
+        return args.device_kind
+    if args.device == "cpu":
+        return "cpu"
+    return "-".join(torch.cuda.get_device_name(0).lower().split()) + f"-x{torch.cuda.device_count()}"
+
+
+def whole_runs(args: argparse.Namespace, root: Path) -> dict[int, tuple[Runs, Reference | str]]:
+    """Per rank count: its Runs and its uninterrupted reference, or why there is none."""
+    out: dict[int, tuple[Runs, Reference | str]] = {}
+    for k, n in enumerate(args.nproc):
+        (root / f"nproc{n}").mkdir()
+        port = 20000 + os.getpid() % 900 * 10 + 2 * k  # two_writers' second job takes the port after it
+        runs = Runs(root / f"nproc{n}", Launch(args.device, n, args.tier_scheme), args.run_steps, args.run_every,
+                    args.run_timeout_s or 300, port, root / "torch_extensions")  # fmt: skip
+        try:
+            ref: Reference | str = reference(runs, repeat=args.device == "cuda")
+            runs.timeout_s = args.run_timeout_s or max(60.0, 6 * ref.run_s)
+            print(f"{n} ranks: the uninterrupted run took {ref.run_s:.1f} s (training from {ref.train_start_s:.1f} s); "
+                  f"rerun bit for bit: {ref.repeat_bit_exact}", flush=True)  # fmt: skip
+        except RunFailed as exc:
+            ref = str(exc)
+            print(f"{n} ranks: {ref}", flush=True)
+        out[n] = (runs, ref)
     return out
 
 
-def schedule(kind: str, rng: random.Random, place: str = "update") -> tuple[list[Fault], str | None]:
-    """The faults of one trial, and the damage to do to the file after the first step (if any). At a
-    checkpoint the fault strikes among its first few transfers."""
-    after = rng.randrange(0, 12) if place == "update" else rng.randrange(0, 4)
-    if kind in ("bitflip", "truncate"):
-        return [], kind
-    if kind == "latency":
-        return [Fault("latency", op=op, after=after, times=rng.randrange(1, 6), delay_s=rng.uniform(0.001, 0.05)) for op in ("read", "write")], None
-    if kind == "torn_write":
-        return [Fault("torn_write", after=after, times=1)], None
-    if kind == "vanish":
-        op = {"checkpoint_save": "read", "checkpoint_load": "write"}.get(place) or rng.choice(("read", "write"))
-        return [Fault("vanish", op=op, after=after)], None
-    errno_name, op = kind.split("_")
-    return [Fault(errno_name, op=op, after=after, times=rng.randrange(1, 3))], None
-
-
-def names_the_fault(message: str, tier: FaultyTier) -> bool:
-    """Whether an error says where: the tier's file, the subgroup, or the injected errno's own text."""
-    return tier.path in message or "subgroup " in message or "injected" in message
-
-
-def trial(kind: str, seed: int, args: argparse.Namespace, pool: concurrent.futures.ThreadPoolExecutor) -> dict:
-    rng = random.Random(seed)
-    root = tempfile.mkdtemp(prefix="fault-campaign-", dir=args.dir)
-    opt, ref_opt, mine, ref = make_pair(root, seed)
-    faults, damage = schedule(kind, rng)
-    tier = FaultyTier.around(opt.store, 0, faults)
-    out = {"kind": kind, "seed": seed, "faults": [f.__dict__ for f in faults], "damage": damage, "errors": []}
-    try:
-        for step in range(args.steps):
-            g = torch.Generator().manual_seed(seed * 1000 + step)
-            grads = [torch.randn(s, generator=g).to(torch.bfloat16) for s in SHAPES]
-            for p, r, gr in zip(mine, ref, grads):
-                p.grad, r.grad = gr, gr.float()
-            if damage and step == 1:
-                stored = sorted(opt.store.stored_locations())
-                tier.damage(stored[rng.randrange(len(stored))], damage)
-            for attempt in range(3):
-                try:
-                    pool.submit(opt.step).result(timeout=args.step_timeout_s)
-                    break
-                except concurrent.futures.TimeoutError:
-                    out["outcome"] = "hang"
-                    out["hang_at_step"] = step
-                    return out
-                except Exception as exc:  # noqa: BLE001 - classified below
-                    out["errors"].append(f"{type(exc).__name__}: {exc}")
-                    if not names_the_fault(out["errors"][-1], tier):
-                        out["outcome"] = "undetected_error"
-                        return out
-                    if attempt == 2:  # the fault outlived two retries: the run stops, the error names it
-                        out["outcome"] = "detected"
-                        return out
-            ref_opt.step()
-        return final_outcome(opt, ref_opt, ref, tier, out)
-    finally:
-        out["injected"] = tier.injected
-        try:
-            opt.close()
-        except (OSError, TierError):
-            pass
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def retried(op, tier: FaultyTier, out: dict, attempts: int = 3) -> str | None:
-    """Runs `op` up to `attempts` times while it raises an error that names the fault; returns the
-    outcome that ends the trial ("undetected_error" or "detected") or None when `op` went through."""
-    for attempt in range(attempts):
-        try:
-            op()
-            return None
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - classified here (DCP's is a BaseException)
-            out["errors"].append(f"{type(exc).__name__}: {exc}")
-            if not names_the_fault(out["errors"][-1], tier):
-                return "undetected_error"
-    return "detected"
-
-
-def checkpoint_trial(kind: str, place: str, seed: int, args: argparse.Namespace) -> dict:
-    """Trains 2 steps, saves a checkpoint (through the faulty tier when place is checkpoint_save),
-    loads it into a fresh optimizer on another tier dir (faulty when checkpoint_load), trains on
-    from it, and compares with torch AdamW."""
-    rng = random.Random(seed)
-    roots = [tempfile.mkdtemp(prefix="fault-campaign-", dir=args.dir) for _ in range(3)]  # tier, tier of the copy, checkpoint
-    opt, ref_opt, mine, ref = make_pair(roots[0], seed)
-    fresh_params = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
-    fresh = make_optimizer(roots[1], fresh_params)
-    faults, _ = schedule(kind, rng, place)
-    out = {"kind": kind, "place": place, "seed": seed, "faults": [f.__dict__ for f in faults], "damage": None, "errors": [],
-           "injected": 0}  # fmt: skip
-    tier: FaultyTier | None = None
-
-    def step(o: OffloadAdamW, params: list, step_index: int, with_ref: bool) -> None:
-        g = torch.Generator().manual_seed(seed * 1000 + step_index)
-        grads = [torch.randn(sh, generator=g).to(torch.bfloat16) for sh in SHAPES]
-        for p, r, gr in zip(params, ref, grads):
-            p.grad = gr
-            if with_ref:
-                r.grad = gr.float()
-        o.step()
-        if with_ref:
-            ref_opt.step()
-
-    try:
-        for i in range(2):
-            step(opt, mine, i, with_ref=True)
-        tier = FaultyTier.around((opt if place == "checkpoint_save" else fresh).store, 0, faults)  # from here on
-        path = os.path.join(roots[2], "ckpt")
-
-        def save() -> None:
-            shutil.rmtree(path, ignore_errors=True)  # a failed save leaves a partial dir: it is written anew
-            dcp.save({"optim": OffloadOptimizerState(opt)}, checkpoint_id=path, planner=StreamingSavePlanner())
-
-        def load() -> None:
-            dcp.load({"optim": OffloadOptimizerState(fresh)}, storage_reader=SafeFileSystemReader(path), planner=StreamingLoadPlanner())
-
-        for op in (save, load):
-            ended = retried(op, tier, out)
-            if ended is not None:
-                out["outcome"] = ended
-                return out
-        tier.faults = []  # the fault was the checkpoint's: the steps after it run on a healthy tier
-        with torch.no_grad():  # the copy's model params, from its masters (as a resumed run's model would be)
-            for p, r in zip(fresh_params, ref):
-                p.copy_(r)
-        for i in range(2, args.steps):
-            step(fresh, fresh_params, i, with_ref=True)
-        return final_outcome(fresh, ref_opt, ref, tier, out)
-    finally:
-        out["injected"] = tier.injected if tier is not None else 0
-        for o in (opt, fresh):
-            try:
-                o.close()
-            except (OSError, TierError):
-                pass
-        for r in roots:
-            shutil.rmtree(r, ignore_errors=True)
-
-
-def doc_table(counts: dict[tuple[str, str], collections.Counter]) -> str:
-    """The campaign's table, as docs/reliability.md shows it."""
-    lines = ["| place | fault | trials | exact | detected | silent corruption | hang | unnamed error |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for (place, kind), c in counts.items():
-        lines.append(f"| {place} | {kind} | {sum(c.values())} | {c['exact']} | {c['detected']} | {c['silent_corruption']} | "
-                     f"{c['hang']} | {c['undetected_error']} |")  # fmt: skip
-    return "\n".join(lines)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=180, help="trials in all, dealt round-robin over the fault kinds")
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the trials' tier dirs go")
-    ap.add_argument("--step-timeout-s", type=float, default=60.0)
-    ap.add_argument("--device-kind", default="cpu")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--run-trials", type=int, default=0, help="whole training runs faced with checkpoint and run dir faults (run_faults.py)")
-    ap.add_argument("--doc", default=None, help="a markdown file whose fault_campaign section gets this run's table (docs/reliability.md)")
-    args = ap.parse_args()
-    if args.trials < 0 or args.run_trials < 0 or args.trials + args.run_trials < 1 or args.steps < 3:
-        ap.error("--trials and --run-trials must be >= 0, one of them >= 1, and --steps >= 3 (damage lands after the first "
-                 "step; a checkpoint after the second)")
-
-    started = time.perf_counter()
-    cells = [("update", k) for k in KINDS] + [(p, k) for p in PLACES[1:] for k in CHECKPOINT_KINDS[p]]
-    results = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # steps run here so a hang is caught, not waited on
-        for i in range(args.trials):
-            place, kind = cells[i % len(cells)]
-            seed = args.seed * 100_000 + i
-            results.append(trial(kind, seed, args, pool) if place == "update" else checkpoint_trial(kind, place, seed, args))
-            results[-1]["place"] = place
-            if results[-1]["outcome"] == "hang":
-                break  # the hung step holds the worker: report what ran
-    counts = {c: collections.Counter(r["outcome"] for r in results if (r["place"], r["kind"]) == c) for c in cells}
-    bad = sum(c[o] for c in counts.values() for o in ("silent_corruption", "hang", "undetected_error"))
+def tier_summary(results: list[dict]) -> dict:
+    counts = {f"{p}/{k}": dict(collections.Counter(r["outcome"] for r in results if (r["place"], r["kind"]) == (p, k))) for p, k in CELLS}
+    counts = {c: v for c, v in counts.items() if v}
     injected = sum(r["injected"] + (r["damage"] is not None) for r in results)
     recovered = sum(r["injected"] + (r["damage"] is not None) for r in results if r["outcome"] in ("exact", "detected"))
-    table = doc_table(counts) if results else ""
-    runs = run_faults.campaign(args.run_trials, args.seed, args.dir) if args.run_trials else {}
-    if runs:
-        bad += runs["run_bad"]
-    path = record("fault_campaign", args.device_kind, args.out, {**runs,
-        "trials": len(results), "steps": args.steps, "seed": args.seed, "wall_s": time.perf_counter() - started,
-        "faults_injected": injected, "faults_recovered": recovered, "bad": bad,
-        "outcomes": {f"{p}/{k}": dict(c) for (p, k), c in counts.items()}, "table": table,
-        "examples": {f"{p}/{k}": next((r["errors"][-1] for r in results if (r["place"], r["kind"]) == (p, k) and r["errors"]), None)
-                     for p, k in cells},
-        "trials_detail": results,
-    })  # fmt: skip
-    print(table + ("\n\n" + run_table(runs["run_outcomes"]) if runs else ""))
-    print(f"{len(results)} trials, {injected} faults injected, {recovered} ended exact or with a named error; {bad} bad; wrote {path}")
-    if args.doc and results:
-        write_doc_section(args.doc, table, path, len(results), injected, recovered, bad)
-    if args.doc and runs:
-        write_run_section(args.doc, run_table(runs["run_outcomes"]), path, runs)
+    examples = {c: next((r["errors"][-1] for r in results if f"{r['place']}/{r['kind']}" == c and r["errors"]), None) for c in counts}
+    return {"trials": len(results), "faults_injected": injected, "faults_recovered": recovered, "outcomes": counts,
+            "table": campaign_doc.tier_table(counts) if results else "", "examples": examples, "trials_detail": results}  # fmt: skip
 
 
-def run_table(counts: dict[str, dict[str, int]]) -> str:
-    """The run-level cases as a markdown table."""
-    cols = ["resumed_bit_exact", "refused_named", "missed", "skipped", "bad"]
-    rows = ["| run case | trials | " + " | ".join(c.replace("_", " ") for c in cols) + " |", "| --- " * (len(cols) + 2) + "|"]
-    rows += [f"| {case} | {sum(c.values())} | " + " | ".join(str(c.get(col, 0)) for col in cols) + " |" for case, c in counts.items()]
-    return "\n".join(rows)
+def guarded(trial, row: dict) -> dict:
+    """The trial's row; when the campaign's own code fails judging it (a final checkpoint it cannot
+    read, a tier it cannot build), `row` with that error, counted as bad: the rest of the campaign
+    still runs and the record is written."""
+    try:
+        return trial()
+    except Exception as exc:  # noqa: BLE001 - recorded, counted as bad
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return {**row, "outcome": "campaign_error", "errors": [f"{type(exc).__name__}: {exc} ({where.filename}:{where.lineno})"]}
 
 
-def write_doc_section(doc: str, table: str, json_path: str, trials: int, injected: int, recovered: int, bad: int) -> None:
-    """Replaces the text between the campaign markers of `doc` with this run's table."""
-    begin, end = "<!-- fault_campaign: begin -->", "<!-- fault_campaign: end -->"
-    text = Path(doc).read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"error: --doc {doc} has no '{begin}' ... '{end}' section to fill")
-    section = (f"{begin}\n`{os.path.basename(json_path)}`: {trials} trials, {injected} faults injected, {recovered} of them "
-               f"ended bit-exact or with an error naming the file; {bad} trials lost state silently, hung or failed "
-               f"without saying where.\n\n{table}\n{end}")  # fmt: skip
-    Path(doc).write_text(text[: text.index(begin)] + section + text[text.index(end) + len(end):])
-    print(f"updated {doc}")
+def by(rows: list[dict], key: str) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        slot = out.setdefault(str(row[key]), {})
+        slot[row["outcome"]] = slot.get(row["outcome"], 0) + 1
+    return out
 
 
-def write_run_section(doc: str, table: str, json_path: str, runs: dict) -> None:
-    """Replaces the text between the run_faults markers of `doc` with this run's table."""
-    begin, end = "<!-- run_faults: begin -->", "<!-- run_faults: end -->"
-    text = Path(doc).read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"error: --doc {doc} has no '{begin}' ... '{end}' section to fill")
-    counts: collections.Counter = collections.Counter()
-    for case_counts in runs["run_outcomes"].values():
-        counts.update(case_counts)
-    commit = json.loads(Path(json_path).read_text())["commit"][:7]
-    section = (f"{begin}\n`{os.path.basename(json_path)}` (commit {commit}): {runs['run_trials']} runs, "
-               f"{counts['resumed_bit_exact']} resumed bit for bit, {counts['refused_named']} refused in one named line, "
-               f"{counts['missed']} kills that came too late (still bit for bit), {counts['skipped']} skipped, "
-               f"{runs['run_bad']} bad.\n\n{table}\n{end}")  # fmt: skip
-    Path(doc).write_text(text[: text.index(begin)] + section + text[text.index(end) + len(end):])
-    print(f"updated {doc}")
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.doc_from:
+        campaign_doc.fill(args.doc, args.doc_from)
+        return 0
+    budget = Budget(args.budget_s)
+    asked = {"tier": args.trials, "kill": args.kill_trials, "run": args.run_trials}
+    root = Path(tempfile.mkdtemp(prefix="fault-campaign-runs-", dir=args.dir)).resolve()  # as /proc/*/fd shows paths
+    setups = whole_runs(args, root) if args.kill_trials or args.run_trials else {}
+    rng = random.Random(args.seed)
+    rows: dict[str, list[dict]] = {"tier": [], "kill": [], "run": []}
+    cut, hung = collections.Counter(), False
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # tier steps run here so a hang is caught, not waited on
+        for kind, i in interleave(asked):
+            if kind == "tier":
+                if hung or not budget.fits("tier", 1.0):
+                    cut[kind] += 1
+                    continue
+                started = time.perf_counter()
+                rows["tier"].append(guarded(lambda: run_trial(i, args, pool), {"place": CELLS[i % len(CELLS)][0],
+                                    "kind": CELLS[i % len(CELLS)][1], "seed": i, "injected": 0, "damage": None}))  # fmt: skip
+                budget.took["tier"].append(time.perf_counter() - started)
+                hung = rows["tier"][-1]["outcome"] == "hang"  # the hung step holds the worker: no more tier trials
+                continue
+            n = args.nproc[i % len(args.nproc)]
+            runs, ref = setups[n]
+            name = args.run_cases[(i // len(args.nproc)) % len(args.run_cases)] if kind == "run" else "kill"
+            if isinstance(ref, str):  # no reference to judge by: the trial is bad, and says why
+                rows[kind].append({"trial": i, "nproc": n, "case": name, "outcome": "bad", "error": [ref]})
+                continue
+            kills = args.kills_per_trial
+            if not budget.fits(kind, ref.run_s * ((kills + 1) if kind == "kill" else 2)):
+                cut[kind] += 1
+                continue
+            started = time.perf_counter()
+            trial_dir = runs.root / (f"kill{i}" if kind == "kill" else f"{name}{i}")
+            row = guarded(lambda: kill_trial(runs, i, ref, rng, kills) if kind == "kill" else run_case(name, i, runs, ref, rng),
+                          {"trial": i, "nproc": n, "case": name, "dirs": [str(trial_dir)]})  # fmt: skip
+            budget.took[kind].append(time.perf_counter() - started)
+            rows[kind].append(row)
+            print(f"[{budget.elapsed():.0f} s] {kind} #{i} ({n} ranks{'' if kind == 'kill' else ', ' + name}): {row['outcome']}", flush=True)
+    if hung:
+        cut["tier"] = 0  # what did not run after a hang is said by tier_stopped_by_hang, not as cut for time
+    stem = f"fault_campaign_kept_{time.strftime('%Y%m%d-%H%M%S')}"
+    kept = keep_logs([d for kind in ("kill", "run") for r in rows[kind] for d in r.get("dirs", [])], Path(args.out) / stem)
+    shutil.rmtree(root, ignore_errors=True)
+
+    tier = tier_summary(rows["tier"])
+    kill_rows, run_rows = rows["kill"], rows["run"]
+    tier_bad = sum(r["outcome"] in TIER_BAD for r in rows["tier"])
+    run_bad = sum(r["outcome"] in BAD for r in run_rows)
+    kill_bad = sum(r["outcome"] in BAD for r in kill_rows)
+    launch = Launch(args.device, args.nproc[0], args.tier_scheme)
+    references = {str(n): ({"error": ref} if isinstance(ref, str) else {"run_s": round(ref.run_s, 2), "train_start_s": round(ref.train_start_s, 2),
+                   "repeat_bit_exact": ref.repeat_bit_exact, "notes": ref.notes}) for n, (_, ref) in setups.items()}  # fmt: skip
+    result = {
+        "campaign": {**launch.describe(), "nproc": args.nproc}, "budget_s": args.budget_s, "seed": args.seed,
+        "asked": asked, "ran": {k: len(v) for k, v in rows.items()}, "cut_for_time": {k: cut[k] for k in asked},
+        "tier_stopped_by_hang": hung, "bad": tier_bad + run_bad + kill_bad,
+        "counts": {k: dict(collections.Counter(r["outcome"] for r in v)) for k, v in rows.items()},
+        "steps": args.steps, **tier,
+        "references": references, "run_steps": args.run_steps, "run_every": args.run_every, "kills_per_trial": args.kills_per_trial,
+        "kill_trials": len(kill_rows), "kills": sum(len(r.get("kills_at_s", [])) for r in kill_rows),
+        "stale_build_locks": [lock for r in kill_rows for lock in r.get("stale_build_locks", [])],
+        "kill_outcomes": {f"{n} ranks": c for n, c in by(kill_rows, "nproc").items()}, "kill_trials_detail": kill_rows,
+        "run_trials": len(run_rows), "run_bad": run_bad, "run_outcomes": by(run_rows, "case"),
+        "run_outcomes_by_nproc": {f"{n} ranks": c for n, c in by(run_rows, "nproc").items()}, "run_trials_detail": run_rows,
+        "kept_logs": kept, "wall_s": budget.elapsed(),
+    }  # fmt: skip
+    path = record("fault_campaign", machine_kind(args), args.out, result)
+    print(campaign_doc.tables({**result, "commit": ""}))
+    ran = ", ".join(f"{len(rows[k])} of {asked[k]} {k} trials" for k in asked if asked[k])
+    print(f"{ran}; {result['bad']} bad; {dict(result['cut_for_time'])} cut for time; wrote {path}")
+    if args.doc:
+        campaign_doc.fill(args.doc, path)
+    return 1 if result["bad"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
