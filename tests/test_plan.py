@@ -254,3 +254,20 @@ def test_a_plan_that_does_not_fit_is_said_once_for_the_job(tmp_path):
     assert out.returncode != 0
     lines = [line for line in (out.stdout + out.stderr).splitlines() if "error: host memory" in line]
     assert len(lines) == 1 and "offload.host_budget_gb=0.0001" in lines[0], lines
+
+
+def test_ranks_of_a_node_share_the_cpu_updates_memory_bandwidth(monkeypatch):
+    """Each rank's planned CPU speed is its share of what all the node's threads reach in one process
+    (the update is memory-bound), or its own speed alone where that is less; the threads are put back."""
+    rates = {16: 3.0e9, 64: 6.0e9}  # params/s at 16 threads (one rank's) and 64 (the node's)
+    monkeypatch.setattr(machine_module, "cpu_update_rate", lambda kernel, numel, threads: rates[threads])
+    assert machine_module.node_update_rate("fused", 1 << 20, 16, 4) == 1.5e9  # bandwidth-bound: a quarter
+    assert machine_module.node_update_rate("fused", 1 << 20, 16, 1) == 3.0e9
+    rates[32] = 8.0e9  # two ranks of 16: each would reach 4e9 of the node's, more than its 3e9 alone
+    assert machine_module.node_update_rate("fused", 1 << 20, 16, 2) == 3.0e9
+
+
+def test_timing_the_cpu_update_leaves_the_threads_as_they_were():
+    before = torch.get_num_threads()
+    machine_module.cpu_update_rate("torch", 1 << 16, max(1, before - 1) if before > 1 else 2)
+    assert torch.get_num_threads() == before
