@@ -14,6 +14,8 @@ refuses, with ValueError, an ISA the CPU lacks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -24,6 +26,7 @@ import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -72,6 +75,42 @@ def build_directory() -> str:
     return path
 
 
+BUILD_LOCK_WAIT_S = 900.0  # a build takes about 30 s; one that holds the lock this long is stuck
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str, wait_s: float = BUILD_LOCK_WAIT_S) -> Iterator[None]:
+    """Holds the kernel's build dir for this process while torch checks or builds the kernel there.
+
+    torch's own lock there is a plain file (`lock`, its FileBaton) that a process killed while holding
+    it leaves behind, and every later load then waits for it forever, saying nothing. An flock dies
+    with its holder: every load of ours takes it first, so a `lock` file found while holding it was left
+    by a dead process and is removed. A live holder is waited for, said once, for at most `wait_s`."""
+    path = os.path.join(build_dir, "build.flock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"another process has held {path} for over {wait_s:.0f} s while building the "
+                                       "kernel: end it, or set $TORCH_EXTENSIONS_DIR to another dir") from None  # fmt: skip
+                if not said:
+                    log.warning("waiting for another process building the fused CPU AdamW kernel (%s)", path)
+                    said = True
+                time.sleep(0.5)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            log.warning("removing %s, left by a process killed while building the kernel", stale)
+            os.remove(stale)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _build() -> ModuleType:
     missing = missing_toolchain()
     if missing is not None:
@@ -86,14 +125,15 @@ def _build() -> ModuleType:
                     "$TORCH_EXTENSIONS_DIR moves it, offload.kernel=torch skips it)", cxx, build_dir)  # fmt: skip
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=build_dir,
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            module = cpp_extension.load(
+                name=EXTENSION_NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=build_dir,
+                verbose=False,
+            )
     except Exception as exc:
         raise RuntimeError(f"building {SOURCE} with {cxx} failed: {exc}") from exc
     if fresh:
