@@ -5,6 +5,7 @@ the node's ranks."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 import torch
@@ -15,6 +16,7 @@ from .node import cgroup_dirs, node_ranks
 from .units import readable_size
 
 
+log = logging.getLogger(__name__)
 _NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a huge number (2**63 less a page)
 
 
@@ -83,10 +85,18 @@ def resolve_host_budget(
     """This rank's host budget in bytes (None: no limit) and how to name it in messages. With "auto":
     (available - host_headroom_gb) / the node's ranks (config.HostBudget), the smallest any rank saw."""
     budget = cfg.host_budget
-    if not budget.auto:
-        return budget.named(budget.nbytes)
     available = available_host_bytes()
     local_ranks = node_ranks(group)
+    if not budget.auto:
+        if budget.nbytes is not None and budget.nbytes * local_ranks > available and (group is None or dist.get_rank(group) == 0):
+            log.warning(
+                "%s over %d local rank(s) is %s, more than the %s of host memory this machine has available now "
+                "(MemAvailable, or the memory cgroup's limit less its use): the run may swap or be OOM-killed once "
+                "the cache fills. Lower it, or use offload.host_budget_gb=auto; where the machine's memory grows as "
+                "it is used (MemTotal rising), this is expected", budget.option, local_ranks,
+                readable_size(budget.nbytes * local_ranks), readable_size(available),
+            )  # fmt: skip
+        return budget.named(budget.nbytes)
     mine = torch.tensor([budget.for_rank(available, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)

@@ -102,3 +102,21 @@ def test_cores_are_divided_among_the_node_s_ranks_counted_by_node_ranks(monkeypa
     monkeypatch.setattr(node, "_job_node_ranks", 2)  # as node_ranks(group) counted them
     assert threads.cpu_threads_per_rank(None) == max(1, threads.physical_cores() // 2)
     assert threads.cpu_threads_per_rank(3) == 3
+
+
+def test_a_host_budget_above_the_available_memory_is_said_naming_both(monkeypatch, caplog):
+    """A stated budget the machine cannot hold now is warned of (not refused: on a machine whose memory
+    grows as it is used, it can be right), naming the option and both sizes; one it can hold is not."""
+    import logging
+
+    import torch
+
+    from fsdp_offload import OffloadConfig
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 3 * GIB)
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.memory"):
+        assert memory.resolve_host_budget(OffloadConfig(host_budget_gb=2), None, torch.device("cpu"))[0] == 2 * GIB
+        assert not caplog.records
+        memory.resolve_host_budget(OffloadConfig(host_budget_gb=4), None, torch.device("cpu"))
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "offload.host_budget_gb=4" in said and "4.00 GiB" in said and "3.00 GiB" in said and "auto" in said
