@@ -3,8 +3,6 @@ and what the planner plans, read by one function so that both see the same run."
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -14,9 +12,6 @@ from .config import OffloadConfig, dataclass_from, is_number, is_whole, path_opt
 from .data import DataConfig
 from .job_errors import job_wide
 from .models import LlamaArgs
-from .units import format_bytes
-
-log = logging.getLogger("train")  # the training run's logger: Hydra sends it to the console and train.log
 
 
 @dataclass
@@ -104,19 +99,4 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
             f"sequences (and attention's memory grows with their square); lower data.seq_len, or raise model.max_seq_len "
             "if the model is meant to take them"
         )
-    if recipe.optimizer == "offload":
-        warn_above_machine_memory(recipe.config)
     return tcfg, margs, dcfg, recipe, ckcfg
-
-
-def warn_above_machine_memory(config: OffloadConfig) -> None:
-    """A host budget above the machine's memory cannot be met (the cache would swap or be killed):
-    said once, naming both."""
-    budget = config.host_budget.nbytes  # None: no limit, or "auto"
-    if budget is None or os.environ.get("RANK", "0") != "0":
-        return
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if budget > total:
-        log.warning("offload.host_budget_gb=%s (%s) is above this machine's memory (%s): the state held in host memory would "
-                    "swap or be killed; give at most what the machine has, or offload.host_budget_gb=auto",
-                    config.host_budget_gb, format_bytes(budget), format_bytes(total))  # fmt: skip
