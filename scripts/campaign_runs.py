@@ -120,13 +120,12 @@ class Reference:
 
 
 class Runs:
-    """Builds, launches and judges train.py runs under `root`. Their CPU kernel is built in
-    `extensions` ($TORCH_EXTENSIONS_DIR), theirs alone, so that a build lock a kill leaves there is
-    known to be theirs (see `kill`)."""
+    """Builds, launches and judges train.py runs under `root`. They build the CPU kernel where every
+    run of the machine does: a kill during that build leaves torch's build lock there, which the next
+    run must find stale and take over (kernels/cpu_adamw.build_lock), not wait for forever."""
 
-    def __init__(self, root: Path, launch: Launch, steps: int, every: int, timeout_s: float, port: int, extensions: Path) -> None:
+    def __init__(self, root: Path, launch: Launch, steps: int, every: int, timeout_s: float, port: int) -> None:
         self.root, self.launch, self.steps, self.every, self.timeout_s, self.port = root, launch, steps, every, timeout_s, port
-        self.extensions = extensions
         self.startup_s = 1.0  # from launch to the start-up line, as the last run that got there took
 
     def command(self, run: Path, ckpt: Path | None = None, out: Path | None = None, keep: int | None = None) -> list[str]:
@@ -144,9 +143,8 @@ class Runs:
     def start(self, cmd: list[str], run: Path) -> Job:
         (run / "tier").mkdir(parents=True, exist_ok=True)
         err = run / f"stderr.{len(list(run.glob('stderr.*')))}"
-        self.extensions.mkdir(parents=True, exist_ok=True)
         with open(run / "log", "a") as log, open(err, "w") as err_file:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=err_file, text=True, env={**self.launch.env(), "TORCH_EXTENSIONS_DIR": str(self.extensions)})
+            proc = subprocess.Popen(cmd, stdout=log, stderr=err_file, text=True, env=self.launch.env())
         return Job(proc, err, time.time())
 
     def finish(self, job: Job) -> tuple[int | None, str]:
@@ -159,19 +157,11 @@ class Runs:
         job.ended = time.time()
         return job.proc.returncode, job.err.read_text()
 
-    def kill(self, job: Job) -> list[str]:
-        """SIGKILLs the run's tree; returns the kernel build locks it left behind, removed. Every run
-        takes torch's cpp_extension lock (a plain file, `<build dir>/lock`) at start-up to check or
-        build the CPU kernel; one killed holding it leaves it, and every later run waits for it
-        forever, saying nothing (found by this campaign). Removed so the campaign goes on; the trial
-        that left it is bad."""
+    def kill(self, job: Job) -> None:
+        """SIGKILLs the run's tree (what it leaves behind is the next run's to cope with)."""
         kill_tree(job.proc.pid)
         job.proc.wait()
         job.ended = time.time()
-        left = sorted(str(p) for p in self.extensions.glob("*/lock"))
-        for path in left:
-            os.unlink(path)
-        return left
 
     def final(self, ckpt: Path, scratch: Path) -> dict:
         return final_state(ckpt / f"step_{self.steps:08d}", scratch)
@@ -332,7 +322,6 @@ def kill_trial(runs: Runs, i: int, ref: Reference, rng: random.Random, kills: in
     log = run / "log"
     killed_at: list[float] = []
     windows: list[str] = []
-    locks: list[str] = []  # build locks the kills left (see Runs.kill)
     while True:
         seen = log.read_text().count(STARTED) if log.exists() else 0
         job = runs.start(runs.command(run), run)
@@ -352,7 +341,7 @@ def kill_trial(runs: Runs, i: int, ref: Reference, rng: random.Random, kills: in
             try:
                 job.proc.wait(timeout=delay)
             except subprocess.TimeoutExpired:
-                locks += runs.kill(job)
+                runs.kill(job)
                 killed_at.append(round(time.time() - job.started, 2))
                 windows.append(window)
                 runs.startup_s = startup_took(log, seen, job) or runs.startup_s
@@ -373,9 +362,6 @@ def kill_trial(runs: Runs, i: int, ref: Reference, rng: random.Random, kills: in
         row["outcome"] = ("resumed_bit_exact" if killed_at else "missed") if exact else "bad"
     else:
         row.update(outcome="bad", error=tail(err) + tail((run / "log").read_text(), 4))
-    if locks:  # the resume went on only because the campaign removed them
-        row.update(outcome="bad", stale_build_locks=locks, error=[f"a kill left {locks[0]} behind: every later run of this "
-                   "machine waits for it forever, silently (torch's cpp_extension FileBaton of the CPU kernel)"] + row.get("error", []))  # fmt: skip
     if row["outcome"] == "bad":
         row["dirs"] = [str(run)]
     else:

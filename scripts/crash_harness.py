@@ -56,7 +56,7 @@ def main() -> None:
         ap.error(launch.unavailable())
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="crash-harness-", dir=args.dir)).resolve()  # as /proc/*/fd shows paths
-    runs = Runs(root, launch, args.steps, args.every, args.run_timeout_s, 29600 + os.getpid() % 300, root / "torch_extensions")
+    runs = Runs(root, launch, args.steps, args.every, args.run_timeout_s, 29600 + os.getpid() % 300)
     started = time.perf_counter()
     try:
         ref = reference(runs, repeat=args.device == "cuda")

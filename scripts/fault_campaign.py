@@ -144,7 +144,7 @@ def whole_runs(args: argparse.Namespace, root: Path) -> dict[int, tuple[Runs, Re
         (root / f"nproc{n}").mkdir()
         port = 20000 + os.getpid() % 900 * 10 + 2 * k  # two_writers' second job takes the port after it
         runs = Runs(root / f"nproc{n}", Launch(args.device, n, args.tier_scheme), args.run_steps, args.run_every,
-                    args.run_timeout_s or 300, port, root / "torch_extensions")  # fmt: skip
+                    args.run_timeout_s or 300, port)  # fmt: skip
         try:
             ref: Reference | str = reference(runs, repeat=args.device == "cuda")
             runs.timeout_s = args.run_timeout_s or max(60.0, 6 * ref.run_s)
@@ -249,7 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, **tier,
         "references": references, "run_steps": args.run_steps, "run_every": args.run_every, "kills_per_trial": args.kills_per_trial,
         "kill_trials": len(kill_rows), "kills": sum(len(r.get("kills_at_s", [])) for r in kill_rows),
-        "stale_build_locks": [lock for r in kill_rows for lock in r.get("stale_build_locks", [])],
         "kill_outcomes": {f"{n} ranks": c for n, c in by(kill_rows, "nproc").items()}, "kill_trials_detail": kill_rows,
         "run_trials": len(run_rows), "run_bad": run_bad, "run_outcomes": by(run_rows, "case"),
         "run_outcomes_by_nproc": {f"{n} ranks": c for n, c in by(run_rows, "nproc").items()}, "run_trials_detail": run_rows,

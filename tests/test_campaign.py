@@ -19,7 +19,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import campaign_doc  # noqa: E402
-from campaign_runs import Job, Launch, Runs  # noqa: E402
+from campaign_runs import Launch, Runs  # noqa: E402
 from fault_campaign import Budget, guarded, interleave  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def test_a_launch_places_ranks_as_train_py_does(tmp_path, monkeypatch, device):
     from fsdp_offload import train
 
     launch = Launch(device, 4, "kvikio" if device == "cuda" else "posix")
-    cmd = Runs(tmp_path, launch, 6, 2, 60, 29999, tmp_path / "ext").command(tmp_path / "run")
+    cmd = Runs(tmp_path, launch, 6, 2, 60, 29999).command(tmp_path / "run")
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and f"train.device={device}" in cmd
     assert f"offload.tiers=['{launch.tier_scheme}:{tmp_path / 'run' / 'tier'}']" in cmd
     assert ("CUBLAS_WORKSPACE_CONFIG" in launch.env()) == (device == "cuda")
@@ -56,19 +56,6 @@ def test_a_launch_places_ranks_as_train_py_does(tmp_path, monkeypatch, device):
     train.init_distributed(device)
     assert picked["backend"] == launch.backend == {"cpu": "gloo", "cuda": "nccl"}[device]
     assert picked.get("gpu") == (3 if device == "cuda" else None)  # rank r on GPU r
-
-
-def test_a_kill_that_leaves_the_kernel_build_lock_is_said_and_the_lock_removed(tmp_path):
-    """A run killed while it holds torch's cpp_extension lock of the CPU kernel leaves the file, and
-    every later run would wait for it forever: Runs.kill returns it, removed."""
-    runs = Runs(tmp_path, Launch(), 6, 2, 60, 29999, tmp_path / "ext")
-    lock = tmp_path / "ext" / "fsdp_offload_cpu_adamw-0123456789" / "lock"
-    lock.parent.mkdir(parents=True)
-    job = Job(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), tmp_path / "err", 0.0)
-    lock.touch()
-    assert runs.kill(job) == [str(lock)] and not lock.exists() and job.proc.returncode == -9
-    job = Job(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]), tmp_path / "err", 0.0)
-    assert runs.kill(job) == []
 
 
 def test_what_this_machine_cannot_run_is_refused_in_one_line(tmp_path):

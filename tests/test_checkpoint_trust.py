@@ -22,10 +22,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from dist_utils import free_port
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from fsdp_offload.checkpoint import (
     CheckpointConfig, FileOps, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
