@@ -29,6 +29,7 @@ from .fsdp import CopyStream, local_data
 from .gpu_share import grow_gpu_share
 from .grads import StepGrads
 from .held_grad import is_held
+from .kernels.contract import AdamWHyper
 from .metrics import StepMetrics, step_metrics
 from .order import update_order
 from .overlap import UpdateInFlight
@@ -285,7 +286,7 @@ class StepEngine:
                 runs.append([seg.offset, seg.offset + seg.numel, key])
         for lo, hi, (group, step) in runs:
             piece = slice(lo, hi)
-            kernel(p[piece], m[piece], v[piece], g[piece], out[piece], **self._hyper[group], step=step, grad_scale=grad_scale)
+            kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
         if not state.is_cuda:
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
@@ -373,8 +374,7 @@ def warm_up_gpu_kernel(kernel: Callable, device: torch.device, grad_dtype: torch
     start-up, not in the first steps, which would otherwise carry it."""
     p, m, v = (torch.zeros(4096, device=device) for _ in range(3))
     out = torch.empty(4096, dtype=out_dtype, device=device)
-    kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8,
-           weight_decay=0.0, step=1)  # fmt: skip
+    kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0, 1))
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from fsdp_offload.kernels import get_adamw_kernel, torch_adamw_step
+from fsdp_offload.kernels.contract import AdamWHyper
 from fsdp_offload.results import record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,9 +79,9 @@ def bench_cpu(numel: int, repeats: int) -> dict[str, float | str]:
     a, b, c = torch.empty(numel), torch.rand(numel), torch.rand(numel)
     seconds = best_seconds(
         {
-            "fused": lambda: fused(*tensors, **HYPER),
+            "fused": lambda: fused(*tensors, AdamWHyper(**HYPER)),
             "torch_fused": lambda: torch_fused_step(*tensors, grad32, step),
-            "pure_torch": lambda: torch_adamw_step(*tensors, **HYPER),
+            "pure_torch": lambda: torch_adamw_step(*tensors, AdamWHyper(**HYPER)),
             "copy": lambda: a.copy_(b),
             "triad": lambda: torch.add(b, c, alpha=3.0, out=a),
             "inplace_add": lambda: b.add_(c),
@@ -107,7 +108,7 @@ def bench_cuda(numel: int, repeats: int) -> dict[str, float]:
     step = torch.tensor(float(HYPER["step"]), device="cuda")
     seconds = best_seconds(
         {
-            "triton": lambda: triton_adamw_step(*tensors, **HYPER),
+            "triton": lambda: triton_adamw_step(*tensors, AdamWHyper(**HYPER)),
             "torch": lambda: torch_fused_step(*tensors, grad32, step),
         },
         repeats,

@@ -27,7 +27,7 @@ import torch
 
 from fsdp_offload import kernels
 from fsdp_offload.kernels import cpu_adamw, get_adamw_kernel, torch_adamw_step
-from fsdp_offload.kernels.contract import adamw_scalars
+from fsdp_offload.kernels.contract import AdamWHyper
 
 SIZES = (1, 7, 1_000_003)
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -95,7 +95,7 @@ def _grow_scale(
     """Running max, per element, of |param| on both paths and of |update| (in double, from the moments,
     which both paths share, with room for its FP32 roundings): every magnitude whose ulps the bound
     of test_fused_hardware_sqrt_ulp_bound counts."""
-    step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
+    step_size, bias_correction2_sqrt = AdamWHyper(lr, beta1, beta2, eps, 0.0, step).scalars()
     m, v = ref[1].double(), ref[2].double()
     update = step_size * m.abs() / (v.sqrt() / bias_correction2_sqrt + eps) * (1 + 2**-18)
     return torch.stack([scale, ref[0].double().abs(), got[0].double().abs(), update]).amax(0)
@@ -129,14 +129,14 @@ def _run_pair(kernel, n: int, grad_dtype: torch.dtype, seed: int, reference=torc
             kw = dict(HYPER, beta1=beta1, weight_decay=weight_decay, step=step, grad_scale=grad_scale)
             got_grad = grad.clone()  # its own: with out_mode "alias" the kernel writes the new params over it
             ref_out = torch.empty(n, dtype=_out_dtype(grad_dtype))
-            reference(*ref, grad, ref_out, **kw)
+            reference(*ref, grad, ref_out, AdamWHyper(**kw))
             if out_mode == "alias" and grad_dtype != torch.float32:
                 got_out = got_grad
             elif out_mode == "none":
                 got_out, ref_out = None, None
             else:
                 got_out = torch.empty(n, dtype=_out_dtype(grad_dtype))
-            kernel(*got, got_grad, got_out, **kw)
+            kernel(*got, got_grad, got_out, AdamWHyper(**kw))
             yield step, ref, got, ref_out, got_out
 
 
@@ -197,8 +197,8 @@ def test_fused_hardware_sqrt_ulp_bound(extension, isa: str, lr: float) -> None:
     for step in range(1, 11):
         grad = _grad(ref[0].numel(), torch.bfloat16, gen)
         kw = dict(hyper, beta1=0.9, weight_decay=0.1, step=step)
-        torch_adamw_step(*ref, grad, None, **kw)
-        kernel(*got, grad, None, **kw)
+        torch_adamw_step(*ref, grad, None, AdamWHyper(**kw))
+        kernel(*got, grad, None, AdamWHyper(**kw))
         _assert_same_bits(got[1], ref[1], f"exp_avg at step {step}")
         _assert_same_bits(got[2], ref[2], f"exp_avg_sq at step {step}")
         _assert_sqrt_within_1_ulp(ref[2], step)
@@ -214,18 +214,18 @@ def test_fused_rejects_bad_arguments(extension) -> None:
     g = torch.zeros(n, dtype=torch.bfloat16)
     kw = dict(HYPER, beta1=0.9, weight_decay=0.0, step=1)
     with pytest.raises(ValueError, match="exp_avg must be"):
-        kernel(p, m.double(), v, g, None, **kw)
+        kernel(p, m.double(), v, g, None, AdamWHyper(**kw))
     with pytest.raises(ValueError, match="exp_avg_sq has 32 elements"):
-        kernel(p, m, v[:32], g, None, **kw)
+        kernel(p, m, v[:32], g, None, AdamWHyper(**kw))
     with pytest.raises(ValueError, match="grad must be"):
-        kernel(p, m, v, torch.zeros(2 * n, dtype=torch.bfloat16)[::2], None, **kw)
+        kernel(p, m, v, torch.zeros(2 * n, dtype=torch.bfloat16)[::2], None, AdamWHyper(**kw))
     with pytest.raises(ValueError, match="param_out must be"):
-        kernel(p, m, v, g, torch.zeros(n), **kw)
+        kernel(p, m, v, g, torch.zeros(n), AdamWHyper(**kw))
     g32 = torch.zeros(n)
     with pytest.raises(ValueError, match="without aliasing"):
-        kernel(p, m, v, g32, g32.view(torch.bfloat16)[:n], **kw)
+        kernel(p, m, v, g32, g32.view(torch.bfloat16)[:n], AdamWHyper(**kw))
     with pytest.raises(ValueError, match="overlaps param"):
-        kernel(p, m, v, g, p.view(torch.bfloat16)[:n], **kw)
+        kernel(p, m, v, g, p.view(torch.bfloat16)[:n], AdamWHyper(**kw))
 
 
 def _cpuinfo_flags() -> set[str] | None:
@@ -329,11 +329,11 @@ def test_triton_matches(extension, grad_dtype: torch.dtype, n: int) -> None:
             out_dtype = _out_dtype(grad_dtype)
             gpu_grad = grad.cuda()
             cpu_out = torch.empty(n, dtype=out_dtype)
-            hw_sqrt(*cpu, grad, cpu_out, **kw)
-            torch_adamw_step(*ref, grad, None, **kw)
+            hw_sqrt(*cpu, grad, cpu_out, AdamWHyper(**kw))
+            torch_adamw_step(*ref, grad, None, AdamWHyper(**kw))
             alias = out_mode == "alias" and grad_dtype != torch.float32
             gpu_out = gpu_grad if alias else torch.empty(n, dtype=out_dtype, device="cuda")
-            triton_adamw_step(*gpu, gpu_grad, gpu_out, **kw)
+            triton_adamw_step(*gpu, gpu_grad, gpu_out, AdamWHyper(**kw))
             got = [t.cpu() for t in gpu]
             _assert_same_bits(got[1], ref[1], f"exp_avg at step {step}")
             _assert_same_bits(got[2], ref[2], f"exp_avg_sq at step {step}")

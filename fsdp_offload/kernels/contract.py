@@ -1,11 +1,14 @@
-"""What every AdamW kernel here shares: the checks on its arguments and the step's scalars.
+"""What every AdamW kernel here shares: its signature's scalars, the checks on its arguments and the
+step's derived scalars.
 
 The kernels take 1-D contiguous FP32 param / exp_avg / exp_avg_sq, a bf16/fp16/fp32 grad and an
-optional bf16/fp16 param_out, all of one length on one device type, and derive their per-step
-scalars with the same double arithmetic as torch.optim.AdamW.
+optional bf16/fp16 param_out, all of one length on one device type, and an `AdamWHyper`; they derive
+their per-step scalars with the same double arithmetic as torch.optim.AdamW.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,11 +16,24 @@ GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def adamw_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
-    """(step_size, sqrt of the second bias correction), computed as torch.optim.AdamW does."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    return lr / bias_correction1, bias_correction2**0.5
+@dataclass(frozen=True)
+class AdamWHyper:
+    """The scalars of one AdamW step of a param group: `step` is the step this update takes (1 first),
+    `grad_scale` multiplies every grad after its upcast (clip factor / inverse loss scale)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    grad_scale: float = 1.0
+
+    def scalars(self) -> tuple[float, float]:
+        """(step_size, sqrt of the second bias correction), computed as torch.optim.AdamW does."""
+        bias_correction1 = 1 - self.beta1**self.step
+        bias_correction2 = 1 - self.beta2**self.step
+        return self.lr / bias_correction1, bias_correction2**0.5
 
 
 def check_adamw_args(

@@ -30,9 +30,10 @@ from typing import Iterator
 
 import torch
 
-from .contract import adamw_scalars, check_adamw_args
+from .contract import AdamWHyper, check_adamw_args
 
 log = logging.getLogger(__name__)
+Tensor = torch.Tensor
 
 SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
 EXTENSION_NAME = "fsdp_offload_cpu_adamw"
@@ -167,29 +168,14 @@ class FusedCpuAdamW:
     def __repr__(self) -> str:
         return f"FusedCpuAdamW(isa={self.isa!r}, mkl_sqrt={self.mkl_sqrt})"
 
-    def __call__(
-        self,
-        param: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        param_out: torch.Tensor | None,
-        *,
-        lr: float,
-        beta1: float,
-        beta2: float,
-        eps: float,
-        weight_decay: float,
-        step: int,
-        grad_scale: float = 1.0,
-    ) -> None:
+    def __call__(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, param_out: Tensor | None, hyper: AdamWHyper) -> None:
         check_adamw_args(param, exp_avg, exp_avg_sq, grad, param_out, "cpu")
         # The same double arithmetic as torch_adamw_step; the C++ casts each result to float.
-        step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
+        step_size, bias_correction2_sqrt = hyper.scalars()
         self._extension.adamw_step(
             param, exp_avg, exp_avg_sq, grad, param_out,
-            float(grad_scale), 1 - lr * weight_decay, 1 - beta1, float(beta2), 1 - beta2,
-            bias_correction2_sqrt, float(eps), -step_size, self.isa, self.mkl_sqrt,
+            float(hyper.grad_scale), 1 - hyper.lr * hyper.weight_decay, 1 - hyper.beta1, float(hyper.beta2), 1 - hyper.beta2,
+            bias_correction2_sqrt, float(hyper.eps), -step_size, self.isa, self.mkl_sqrt,
         )  # fmt: skip
 
 

@@ -8,33 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from .contract import adamw_scalars
+from .contract import AdamWHyper
 
 # Upcast at most this many grad elements at a time: the FP32 grad only ever exists in flight.
 UPCAST_CHUNK = 1 << 22
 
 
-def torch_adamw_step(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    param_out: torch.Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    grad_scale: float = 1.0,
-) -> None:
+Tensor = torch.Tensor
+
+
+def torch_adamw_step(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, param_out: Tensor | None, hyper: AdamWHyper) -> None:
     """One AdamW step on 1-D FP32 `param`/`exp_avg`/`exp_avg_sq` from a bf16/fp16/fp32 `grad`.
 
-    `grad` is multiplied by `grad_scale` after the upcast (clip factor / inverse loss scale).
+    `grad` is multiplied by `hyper.grad_scale` after the upcast (clip factor / inverse loss scale).
     `param_out`, when given, receives the updated params in its own (low-precision) dtype.
     """
-    step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
+    step_size, bias_correction2_sqrt = hyper.scalars()
+    lr, beta1, beta2, eps, weight_decay, grad_scale = hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.grad_scale
     n = param.numel()
     for lo in range(0, n, UPCAST_CHUNK):
         hi = min(lo + UPCAST_CHUNK, n)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .contract import adamw_scalars, check_adamw_args
+from .contract import AdamWHyper, check_adamw_args
 
 BLOCK = 1024
 
@@ -56,21 +56,10 @@ def _kernel() -> Any:
     return adamw_kernel
 
 
-def triton_adamw_step(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    param_out: torch.Tensor | None,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    step: int,
-    grad_scale: float = 1.0,
-) -> None:
+Tensor = torch.Tensor
+
+
+def triton_adamw_step(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, param_out: Tensor | None, hyper: AdamWHyper) -> None:
     """One AdamW step on GPU-resident 1-D FP32 state from a bf16/fp16/fp32 grad.
 
     Arguments and semantics as `torch_adamw_step`; `param_out` may alias `grad`.
@@ -79,17 +68,17 @@ def triton_adamw_step(
     n = param.numel()
     if n == 0:
         return
-    step_size, bias_correction2_sqrt = adamw_scalars(lr, beta1, beta2, step)
+    step_size, bias_correction2_sqrt = hyper.scalars()
     # torch casts the lerp weight to float, then picks its formula and forms (w - 1) in float
-    weight = np.float32(1 - beta1)
+    weight = np.float32(1 - hyper.beta1)
     small_weight = bool(abs(weight) < np.float32(0.5))
     lerp_coeff = float(weight if small_weight else weight - np.float32(1))
     grid = ((n + BLOCK - 1) // BLOCK,)
     with torch.cuda.device(param.device):
         _kernel()[grid](
             param, exp_avg, exp_avg_sq, grad, param if param_out is None else param_out, n,
-            float(grad_scale), 1 - lr * weight_decay, lerp_coeff, float(beta2), 1 - beta2,
-            bias_correction2_sqrt, float(eps), -step_size,
+            float(hyper.grad_scale), 1 - hyper.lr * hyper.weight_decay, lerp_coeff, float(hyper.beta2), 1 - hyper.beta2,
+            bias_correction2_sqrt, float(hyper.eps), -step_size,
             SMALL_WEIGHT=small_weight, HAS_OUT=param_out is not None, BLOCK=BLOCK,
             enable_fp_fusion=False,  # no FMA beyond the explicit ones: torch's CPU kernels have none
         )  # fmt: skip
