@@ -109,6 +109,7 @@ def build_levels(
         path = TierFP32Grads(layout, tiers, placement.tier_for) if cfg.grad_path == "tier_fp32" else LowpGrads()
         grads = StepGrads(cfg, staging, path, sums, local_shapes, group, device)
         # the store owns the cache, the placement and the tiers from here on (and closes them if it fails)
+        del made[made.index(cache):]
         store = SubgroupStore(layout, share.subgroups, device, cache, placement, tiers, grad_slots, cfg.prefetch)
     except BaseException:
         for part in reversed(made):  # pinned pages before the memory can be reused; tier files deleted

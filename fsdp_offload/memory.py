@@ -85,10 +85,12 @@ def resolve_host_budget(
     """This rank's host budget in bytes (None: no limit) and how to name it in messages. With "auto":
     (available - host_headroom_gb) / the node's ranks (config.HostBudget), the smallest any rank saw."""
     budget = cfg.host_budget
+    if not budget.auto and budget.nbytes is None:
+        return budget.named(None)  # no limit: nothing to measure, no collective
     available = available_host_bytes()
     local_ranks = node_ranks(group)
     if not budget.auto:
-        if budget.nbytes is not None and budget.nbytes * local_ranks > available and (group is None or dist.get_rank(group) == 0):
+        if budget.nbytes * local_ranks > available and (group is None or dist.get_rank(group) == 0):
             log.warning(
                 "%s over %d local rank(s) is %s, more than the %s of host memory this machine has available now "
                 "(MemAvailable, or the memory cgroup's limit less its use): the run may swap or be OOM-killed once "

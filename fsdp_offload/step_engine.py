@@ -88,9 +88,9 @@ class StepEngine:
         """A grad from the FSDP2 hook that found p.grad empty. Where the param took grads this step, p.grad
         was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads are dropped."""
         if self.grads.backwards[index]:
-            self.ready_for_grads()  # an update still in flight clears the last step's grads as it ends
-        if self.grads.backwards[index]:
-            self.grads.forget(index)
+            self.ready_for_grads()
+            if self.grads.backwards[index]:  # (an update that was in flight cleared the last step's as it ended)
+                self.grads.forget(index)
         self.stage_grad(index, grad)
 
     def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:

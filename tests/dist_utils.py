@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import multiprocessing
 import os
 import shutil
@@ -106,3 +107,16 @@ def spy_step_transfers(opt) -> list[list]:
 
     opt.store.take_io = spy
     return per_step
+
+
+def reference_clip(grads: list[torch.Tensor], max_norm: float) -> tuple[float, list[torch.Tensor]]:
+    """A reference step's clipping, as the optimizer's hooks take it: the global L2 norm of the ranks'
+    local grad shards (each grad's sum of squares, summed, one all-reduce) and the grads in FP32 scaled
+    by the clip factor."""
+    from fsdp_offload.grads import square_sum
+
+    sq = torch.stack([square_sum(g.reshape(-1)) for g in grads]).sum().reshape(1)
+    dist.all_reduce(sq)
+    norm = math.sqrt(float(sq))
+    clip = min(1.0, max_norm / (norm + 1e-6))
+    return norm, [g.float() * clip for g in grads]

@@ -11,19 +11,17 @@ ones, as such a model must under FSDP2."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import reference_clip, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import cast_params
-from fsdp_offload.grads import square_sum
 
 transformers = pytest.importorskip("transformers", reason="the HF client tests need transformers (pip install -e '.[dev]')")
 
@@ -85,13 +83,10 @@ def reference(rank: int, variant: str) -> tuple[list[float], list[float], dict[s
         loss = loss_at(model, rank, step)
         loss.backward()
         losses.append(loss.item())
-        grads = [p.grad.to_local() for p in trainable]
-        sq = torch.stack([square_sum(g.reshape(-1)) for g in grads]).sum().reshape(1)  # as the grad hooks take it
-        dist.all_reduce(sq)
-        norms.append(math.sqrt(float(sq)))
-        clip = min(1.0, MAX_NORM / (norms[-1] + 1e-6))
-        for mp, g, p in zip(masters, grads, trainable):
-            mp.grad = g.float() * clip
+        norm, clipped = reference_clip([p.grad.to_local() for p in trainable], MAX_NORM)
+        norms.append(norm)
+        for mp, g, p in zip(masters, clipped, trainable):
+            mp.grad = g
             p.grad = None
         ref.step()
         with torch.no_grad():

@@ -6,21 +6,19 @@ that computes the clip norm the same way, and the resumed run the uninterrupted 
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from dist_utils import run_ranks
+from dist_utils import reference_clip, run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import cast_params
-from fsdp_offload.grads import square_sum
 
 transformers = pytest.importorskip("transformers", reason="the HF integration test needs transformers (pip install -e '.[dev]')")
 
@@ -62,12 +60,9 @@ def reference(rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         loss = loss_at(model, rank, step)
         loss.backward()
         losses.append(loss.item())
-        grads = [p.grad.to_local() for p in params]
-        sq = torch.stack([square_sum(g.reshape(-1)) for g in grads]).sum().reshape(1)  # as the grad hooks take it
-        dist.all_reduce(sq)
-        clip = min(1.0, MAX_NORM / (math.sqrt(float(sq)) + 1e-6))
-        for mp, g, p in zip(masters, grads, params):
-            mp.grad = g.float() * clip
+        _, clipped = reference_clip([p.grad.to_local() for p in params], MAX_NORM)
+        for mp, g, p in zip(masters, clipped, params):
+            mp.grad = g
             p.grad = None
         ref.step()
         sched.step()
