@@ -251,6 +251,9 @@ NOMINAL = {
     "1b": 1.35e9,  # the brief's "LLaMA-style ~1.35B" (2048 x 24, FFN 5504)
     "7b": 7e9,
     "13b": 13e9,
+    "15b": 15e9,
+    "20b": 20e9,
+    "30b": 32.5e9,  # LLaMA-1's "33B" (its HF repo says 30b)
     "40b": 40e9,
     "52b": 52e9,
     "70b": 70e9,
@@ -280,6 +283,9 @@ SOURCES = {
     "1b": (2048, 24, 16, 16, 5504),  # Sheared-LLaMA-1.3B
     "7b": (4096, 32, 32, 32, 11008),  # LLaMA-2 7B
     "13b": (5120, 40, 40, 40, 13824),  # LLaMA-2 13B
+    "15b": (6144, 40, 48, 4, 16384),  # StarCoder2-15B's shape; FFN by LLaMA's rule
+    "20b": (5120, 60, 40, 40, 13824),  # InternLM-20B
+    "30b": (6656, 60, 52, 52, 17920),  # LLaMA-1 33B
     "40b": (5120, 128, 40, 40, 13824),  # MLP-Offload artifact, FFN by LLaMA's rule
     "52b": (8192, 64, 64, 64, 21824),  # MLP-Offload artifact (FLM-2-52B)
     "70b": (8192, 80, 64, 8, 28672),  # MLP-Offload artifact (LLaMA-2-70B)

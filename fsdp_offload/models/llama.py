@@ -102,6 +102,12 @@ def num_params(args: LlamaArgs) -> int:
 #   2048, 24 layers, 16 heads, intermediate 5504, vocab 32000.
 # - 7b, 13b: LLaMA-2 7B and 13B (the meta-llama/Llama-2-{7b,13b}-hf config.json): hidden 4096/5120,
 #   32/40 layers and heads, intermediate 11008/13824 (LLaMA's rule with multiple_of=256), 4096 tokens.
+# - 15b: StarCoder2-15B's shape (huggingface.co/bigcode/starcoder2-15b, config.json: hidden 6144, 40
+#   layers, 48 heads, 4 KV heads) with a SwiGLU MLP by LLaMA's rule (16384) and LLaMA's vocabulary (15.7B).
+# - 20b: InternLM-20B (huggingface.co/internlm/internlm-20b, config.json): hidden 5120, 60 layers,
+#   40 heads, intermediate 13824, 4096 tokens; its 103168-token vocabulary is LLaMA's 32000 here (19.4B).
+# - 30b: LLaMA-1 33B (Touvron et al. 2023, Table 2; huggingface.co/huggyllama/llama-30b, config.json):
+#   hidden 6656, 60 layers, 52 heads, intermediate 17920 (LLaMA's rule with multiple_of=256), 2048 tokens.
 # - 40b..120b: the MLP-Offload paper (Maurya et al., SC'25) as its authors' artifact runs them
 #   (github.com/mauryaavinash95/MLP-Offload, scripts/launch-expt.sh, through Megatron-DeepSpeed with
 #   --swiglu --normalization rmsnorm --untie-embeddings-and-output-weights):
@@ -133,6 +139,9 @@ MODEL_PRESETS: dict[str, LlamaArgs] = {
     "1b": LlamaArgs(dim=2048, n_layers=24, n_heads=16, ffn_hidden=5504, vocab_size=32000),
     "7b": LlamaArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=4096),
     "13b": LlamaArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, max_seq_len=4096),
+    "15b": LlamaArgs(dim=6144, n_layers=40, n_heads=48, n_kv_heads=4, vocab_size=32000, max_seq_len=4096),
+    "20b": LlamaArgs(dim=5120, n_layers=60, n_heads=40, vocab_size=32000, max_seq_len=4096),
+    "30b": LlamaArgs(dim=6656, n_layers=60, n_heads=52, vocab_size=32000),
     "40b": LlamaArgs(dim=5120, n_layers=128, n_heads=40, ffn_hidden=13824),
     "52b": LlamaArgs(dim=8192, n_layers=64, n_heads=64, ffn_hidden=21824),
     "70b": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672),
