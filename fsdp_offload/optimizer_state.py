@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, WriteItem
 
 from .cache import aligned_host_buffer
 from .dcp_reader import CheckpointFileError

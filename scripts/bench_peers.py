@@ -81,7 +81,6 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -103,14 +102,6 @@ def fs_type(path: str) -> str:
             if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
                 best, kind = mount, parts[2]
     return kind
-
-
-def gpu_names() -> list[str]:
-    """The GPUs' names from nvidia-smi (the parent never opens a CUDA context of its own)."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
-    return []
 
 
 def in_repo(fn, *a):
@@ -185,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model not in MODEL_PRESETS:
         sys.exit(f"error: --model {args.model}: choose one of {sorted(MODEL_PRESETS)}")
-    gpus = gpu_names() if args.device == "cuda" else []
+    gpus = results.gpu_names() if args.device == "cuda" else []
     if args.device == "cuda" and args.nproc > len(gpus):
         sys.exit(f"error: --nproc {args.nproc} needs {args.nproc} GPUs; nvidia-smi lists {len(gpus)}")
     margs = model_args(args)
@@ -251,8 +242,6 @@ def main(argv: list[str] | None = None) -> None:
             "gpu_peak_gib: torch.cuda.max_memory_allocated over the steps (train.py resets it after start-up; the "
             "workers do not: DeepSpeed initialises the FP32 model on the GPU, the FSDP2 peer on the CPU)",
         ],
-        "gpu_name": gpus[0] if gpus else None,
-        "gpu_count": len(gpus),
         "torch_parent": torch.__version__,
         "cpu_count": os.cpu_count(),
         "log_dir": run_root,

@@ -98,7 +98,7 @@ def check_manifest(directory: str, step: int) -> tuple[dict[str, dict[str, int]]
         if not os.path.isfile(where) or os.path.islink(where):
             raise CheckpointFileError(where, "missing (or not a regular file)")
         if "sha256" in want and _sha256(where) != want["sha256"]:
-            raise CheckpointFileError(where, f"differs from the one the manifest names (a part of another step or run, or damaged)")
+            raise CheckpointFileError(where, "differs from the one the manifest names (a part of another step or run, or damaged)")
         if "bytes" in want and os.path.getsize(where) != want["bytes"]:
             raise CheckpointFileError(where, f"holds {os.path.getsize(where)} bytes, the manifest says {want['bytes']} (cut short or replaced)")
     for part in PARTS:
