@@ -26,9 +26,9 @@ import torch.multiprocessing as mp
 from dist_utils import free_port
 
 from fsdp_offload.checkpoint import (
-    CheckpointConfig, FileOps, _reading_failed, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
+    CheckpointConfig, FileOps, check_checkpoint, latest_checkpoint, load_checkpoint, resume_point, save_checkpoint,
 )  # fmt: skip
-from fsdp_offload.dcp_reader import MetadataUnpickler, read_dcp_metadata
+from fsdp_offload.dcp_reader import MetadataUnpickler, read_dcp_metadata, reading_failed
 from fsdp_offload.entry_digests import entry_key
 from fsdp_offload.job_errors import JobError
 from fsdp_offload.storage import TierError
@@ -285,9 +285,9 @@ def test_only_reading_the_checkpoint_is_called_damaged(tmp_path):
     """A failure while loading is put down to the checkpoint only when reading its files failed; a tier
     that fails as subgroups go to it, or a bug, keeps its own error."""
     ck = str(tmp_path / "step_00000004")
-    assert _reading_failed(EOFError(), ck) and _reading_failed(OSError(5, "Input/output error", f"{ck}/model/__0_0.distcp"), ck)
-    assert _reading_failed(RuntimeError("PytorchStreamReader failed reading zip archive"), ck)
-    assert not _reading_failed(TierError("write failed: No space left on device"), ck)
-    assert not _reading_failed(OSError(28, "No space left on device", "/nvme/tier/file"), ck)
-    assert not _reading_failed(OSError(5, "Input/output error", f"{ck}0/model/__0_0.distcp"), ck)  # a sibling, not inside
-    assert not _reading_failed(KeyError("optimizer.rank0.subgroup_000000"), ck)
+    assert reading_failed(EOFError(), ck) and reading_failed(OSError(5, "Input/output error", f"{ck}/model/__0_0.distcp"), ck)
+    assert reading_failed(RuntimeError("PytorchStreamReader failed reading zip archive"), ck)
+    assert not reading_failed(TierError("write failed: No space left on device"), ck)
+    assert not reading_failed(OSError(28, "No space left on device", "/nvme/tier/file"), ck)
+    assert not reading_failed(OSError(5, "Input/output error", f"{ck}0/model/__0_0.distcp"), ck)  # a sibling, not inside
+    assert not reading_failed(KeyError("optimizer.rank0.subgroup_000000"), ck)

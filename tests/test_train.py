@@ -213,7 +213,7 @@ class _RunsCode:
 
 @pytest.mark.bad_input
 def test_checkpoint_rank_state_loads_no_code():
-    from fsdp_offload.checkpoint import _pack, _unpack
+    from fsdp_offload.checkpoint.run import _pack, _unpack
 
     state = {"step": 3, "rng": torch.get_rng_state(), "python": (3, (1, 2), None), "lrs": [0.1]}
     back = _unpack(_pack(state))

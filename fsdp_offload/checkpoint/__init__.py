@@ -20,7 +20,7 @@ from .dir_lock import CheckpointDirBusy, CheckpointDirLock, hold_checkpoint_dir,
 from .files import FileOps
 from .manifest import MANIFEST
 from .run import (
-    RUN_FILE, _pack, _reading_failed, _unpack, check_checkpoint, is_checkpoint, latest_checkpoint, load_checkpoint,
+    RUN_FILE, check_checkpoint, is_checkpoint, latest_checkpoint, load_checkpoint,
     resume_point, save_checkpoint,
 )  # fmt: skip
 

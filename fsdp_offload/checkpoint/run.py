@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -175,7 +176,7 @@ def save_checkpoint(
         for part, writer in writers.items():
             digests[part], self_checked[part] = writer.digests, sorted(writer.self_checked)
     except CheckpointException as exc:  # a full, read-only or vanished checkpoint.dir: one line, on rank 0
-        _on_rank0(f"saving checkpoint {final}", lambda: _raise_os_error(exc, tmp), directory)
+        _on_rank0(f"saving checkpoint {final}", functools.partial(_raise_os_error, exc, tmp), directory)
         raise
     if dist.is_initialized():  # every rank's entries, for the manifest
         gathered: list[Any] = [None] * dist.get_world_size()
