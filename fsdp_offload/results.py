@@ -25,18 +25,20 @@ def git_commit() -> str:
 
 
 def gpu_names() -> list[str]:
-    """The GPUs' names from nvidia-smi ([] where there is none; no CUDA context is opened here)."""
+    """The names of the host's GPUs from nvidia-smi, whatever CUDA_VISIBLE_DEVICES hides ([] where there
+    is none or nvidia-smi fails; no CUDA context is opened here)."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        if out.returncode == 0:
+            return [line.strip() for line in out.stdout.splitlines() if line.strip()]
     return []
 
 
 def record(bench: str, device: str, out_dir: str, result: dict, launcher: str | None = None) -> str:
     """Writes `result` to out_dir/<bench>_<device>_<time>.json with what makes it reproducible: the
     command (sys.argv, after `launcher`, e.g. "torchrun --nproc-per-node 8", else after the python
-    executable), device (the kind asked for), the GPUs that served it (a kind may be served by
-    another card), commit, host and time. Returns the path."""
+    executable), device (the kind asked for), the host's GPUs (a kind may be served by another
+    card), commit, host and time. Returns the path."""
     command = " ".join([launcher or os.path.basename(sys.executable), *sys.argv])
     gpus = gpu_names()
     return write_result(out_dir, bench, device, {"command": command, "device": device, "gpu_name": gpus[0] if gpus else None,

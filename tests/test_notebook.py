@@ -1,6 +1,7 @@
 """notebooks/ablations.ipynb executed headless on the tiny CPU config, at 2 ranks under torchrun (the
-paper's ladder is a node's ranks sharing its tiers): every ladder step ran with the options it names (the notebook checks each run's recorded config), every figure was drawn, and the
-results record has the keys the ablation issue asks for."""
+paper's ladder is a node's ranks sharing its tiers): every ladder step ran with the options it names
+(the notebook checks each run's recorded config), every figure was drawn, and the results record has
+the keys the ablation issue asks for."""
 
 from __future__ import annotations
 
