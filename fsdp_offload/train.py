@@ -64,6 +64,23 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+def follow_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float],
+                    rank: int) -> None:  # fmt: skip
+    """A resumed run goes on by this run's schedule (train.lr, train.steps, train.warmup_steps, from the
+    resumed step itself): loading put the checkpoint's lr in the optimizer and its base lr in the
+    scheduler, so a changed schedule would start one step late, from the old lr. Said once where it
+    differs; where it does not, every lr is the one the checkpoint holds, bit for bit."""
+    restored = [group["lr"] for group in optimizer.param_groups]
+    scheduler.base_lrs = list(base_lrs)
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR computes it
+    if rank == 0 and restored != [group["lr"] for group in optimizer.param_groups]:
+        log.warning("resumed at step %d with a schedule other than the checkpoint's (train.lr, train.steps or "
+                    "train.warmup_steps changed): this step takes lr %.6g from this run's schedule, not the "
+                    "checkpoint's %.6g", scheduler.last_epoch, optimizer.param_groups[0]["lr"], restored[0])  # fmt: skip
+
+
 def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -199,7 +216,9 @@ def _run(cfg: DictConfig) -> list[dict]:
         if rank == 0:
             log.info("resumed from %s in %.1f s", resume_from, time.perf_counter() - t0)
         batches.load_state_dict(rank_state["data"])
+        base_lrs = list(scheduler.base_lrs)  # this run's, before the checkpoint's replace them
         scheduler.load_state_dict(rank_state["scheduler"])
+        follow_schedule(optimizer, scheduler, base_lrs, rank)
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
 
@@ -240,7 +259,7 @@ def _run(cfg: DictConfig) -> list[dict]:
 
         for step in range(start_step, tcfg.steps):
             row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
-            lr = scheduler.get_last_lr()[0]  # the lr this step's update took
+            lr = optimizer.param_groups[0]["lr"]  # the lr this step's update took
             scheduler.step()
             row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
                        lr=lr, tokens_per_s=tokens_per_step / row["step_s"],

@@ -171,6 +171,26 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
+def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(tmp_path):
+    """Trained 4 steps of a 4-step schedule, then resumed with train.steps=8: the resumed steps take the
+    8-step schedule's lr from the first of them (loading had put the checkpoint's lr in the optimizer,
+    a step late otherwise), said once."""
+    train(tmp_path / "whole", "train.steps=8", "train.warmup_steps=2", "checkpoint.every=4", f"checkpoint.dir={tmp_path}/ck_whole")
+    common = ["train.warmup_steps=2", "checkpoint.every=4", f"checkpoint.dir={tmp_path}/ck"]
+    train(tmp_path / "short", "train.steps=4", *common)
+    resumed = train(tmp_path / "longer", "train.steps=8", *common)
+    whole = {r["step"]: r["lr"] for r in rows(tmp_path / "whole" / "metrics.jsonl")}
+    longer = {r["step"]: r["lr"] for r in rows(tmp_path / "longer" / "metrics.jsonl")}
+    assert sorted(longer) == [4, 5, 6, 7] and all(longer[s] == whole[s] for s in longer), (whole, longer)
+    said = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "a schedule other than the checkpoint's" in line]
+    assert len(said) == 1 and "resumed at step 4" in said[0], said
+    # the same schedule: every lr as the checkpoint holds it, nothing said
+    again = train(tmp_path / "again", "train.steps=8", "train.warmup_steps=2", f"checkpoint.dir={tmp_path}/ck_whole",
+                  f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
+    assert "a schedule other than" not in again.stdout + again.stderr
+    assert {r["step"]: r["lr"] for r in rows(tmp_path / "again" / "metrics.jsonl")} == {s: whole[s] for s in longer}
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "overrides, message",
