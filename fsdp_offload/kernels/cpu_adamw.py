@@ -77,6 +77,7 @@ def build_directory() -> str:
 
 
 BUILD_LOCK_WAIT_S = 900.0  # a build takes about 30 s; one that holds the lock this long is stuck
+QUIET_WAIT_S = 5.0  # another rank loading the built kernel holds the lock well under this
 
 
 @contextlib.contextmanager
@@ -86,23 +87,26 @@ def build_lock(build_dir: str, wait_s: float = BUILD_LOCK_WAIT_S) -> Iterator[No
     torch's own lock there is a plain file (`lock`, its FileBaton) that a process killed while holding
     it leaves behind, and every later load then waits for it forever, saying nothing. An flock dies
     with its holder: every load of ours takes it first, so a `lock` file found while holding it was left
-    by a dead process and is removed. A live holder is waited for, said once, for at most `wait_s`."""
+    by a dead process and is removed. A live holder is waited for at most `wait_s`, said once if it
+    holds the lock longer than a load of a built kernel takes (the ranks of a node all load it at once)."""
     path = os.path.join(build_dir, "build.flock")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline, said = time.monotonic() + wait_s, False
+        began = time.monotonic()
+        said = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                waited = time.monotonic() - began
+                if waited > wait_s:
                     raise RuntimeError(f"another process has held {path} for over {wait_s:.0f} s while building the "
                                        "kernel: end it, or set $TORCH_EXTENSIONS_DIR to another dir") from None  # fmt: skip
-                if not said:
+                if not said and waited > QUIET_WAIT_S:
                     log.warning("waiting for another process building the fused CPU AdamW kernel (%s)", path)
                     said = True
-                time.sleep(0.5)
+                time.sleep(0.1)
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             log.warning("removing %s, left by a process killed while building the kernel", stale)
