@@ -63,7 +63,7 @@ def host_cache_slots(
         raise ValueError(
             f"{budget_name} is below the pipeline's minimum of "
             f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "
-            f"({format_bytes(reserved_bytes + minimum * slot_bytes)}): {format_bytes(reserved_bytes)} of grad "
+            f"({reserved_bytes + minimum * slot_bytes} bytes): {format_bytes(reserved_bytes)} of grad "
             f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={prefetch}; raise the "
             "budget, or lower subgroup_numel or prefetch"
         )
@@ -72,7 +72,7 @@ def host_cache_slots(
             f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
             "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
             f"{in_unit(reserved_bytes + streamed * slot_bytes, unit)} "
-            f"({format_bytes(reserved_bytes + streamed * slot_bytes)})"
+            f"({reserved_bytes + streamed * slot_bytes} bytes)"
         )
     return slots
 

@@ -30,7 +30,7 @@ from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize,
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
-from .units import GIB, format_bytes, in_unit, readable_size
+from .units import GIB, in_unit, readable_size
 
 
 class PlanError(JobError):
@@ -301,7 +301,7 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
             fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "")
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
-            f"({format_bytes(node_host)}{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
+            f"({int(node_host)} bytes{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
             f"{in_unit(node_host - plan.host_bytes, unit)}; {fix}"
         )
     if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
@@ -322,10 +322,14 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         free = plan.ranks[0].tiers[same_fs[0]].free_bytes
         if total and free is not None and total > free:
             where = f"tier {cfg.tiers[same_fs[0]]}" if len(same_fs) == 1 else f"tiers {' and '.join(cfg.tiers[i] for i in same_fs)}"
+            # only the levels there are and that are not already as large as the machine allows
+            raise_ = [o for o, can in (("offload.host_budget_gb", not cfg.host_budget.auto),
+                                       ("offload.gpu_fraction", plan.gpu_bytes is not None and cfg.gpu_fraction != "auto")) if can]  # fmt: skip
+            fixes = ["free space", "add a tier on another file system",
+                     f"raise {' or '.join(raise_)} (or 'auto')" if raise_ else "train a smaller model or on more GPUs"]  # fmt: skip
             raise PlanError(
                 f"{where}: the node's ranks write up to {readable_size(total)} there but its file system has "
-                f"{readable_size(free)} free: short by {readable_size(total - free)}; free space, add a tier on "
-                "another file system, or raise offload.host_budget_gb or offload.gpu_fraction"
+                f"{readable_size(free)} free: short by {readable_size(total - free)}; {', '.join(fixes[:-1])}, or {fixes[-1]}"
             )
 
 

@@ -134,6 +134,13 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     return make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
 
 
+def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str | None:
+    """The largest preset that fits a composed config's recipe on `machine` (None: not even the smallest)."""
+    train, args, data, recipe, _ = read_config(cfg)
+    return largest_fitting(recipe.config, machine, data.seq_len, data.micro_batch, target_device(train.device, machine),
+                           args.activation_checkpointing, speeds)  # fmt: skip
+
+
 def hydra_error_line(exc: HydraException) -> str:
     """Hydra's message on one line: its config search path left out, the options it lists joined."""
     text = str(exc).split("Config search path:")[0].replace(":\n\t", ": ").replace("\n\t", ", ")
@@ -155,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, ocfg = plan_from_config(cfg, machine)
     except PlanError as exc:
         print(f"does not fit: {exc}", file=sys.stderr)
+        print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine) or 'none'}", file=sys.stderr)
         return 2
     except HydraException as exc:  # a recipe or an option that is not there, an override that does not parse
         print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
@@ -163,10 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(plan, ocfg))
-    device = "cuda" if plan.gpu_bytes else "cpu"
-    best = largest_fitting(ocfg, machine, cfg.data.seq_len, cfg.data.micro_batch, device, cfg.model.activation_checkpointing,
-                           plan.tier_speeds)  # fmt: skip
-    print(f"largest preset that fits this recipe and machine: {best or 'none'}")
+    print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine, plan.tier_speeds) or 'none'}")
     return 0
 
 

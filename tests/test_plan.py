@@ -112,8 +112,16 @@ def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
     assert all(need)
     monkeypatch.setattr(node_plan, "free_bytes", lambda path: max(need))  # room for either tier, not both
     with pytest.raises(PlanError, match=rf"tiers posix:{tmp_path}/a and posix:{tmp_path}/b: the node's ranks write up to "
-                                        r".* short by"):  # fmt: skip
+                                        r".* short by .*free space, add a tier on another file system, or raise "
+                                        r"offload\.host_budget_gb \(or 'auto'\)$"):  # fmt: skip
         plan()
+    # the budget already as large as the machine allows ("auto" sized to the same bytes), on the CPU:
+    # raising it is no fix, and no GPU share is named
+    budget_gib = cfg.host_budget.nbytes / 2**30
+    auto = dataclasses.replace(cfg, host_budget_gb="auto", host_headroom_gb=1.0)
+    with pytest.raises(PlanError, match=r"short by .*free space, add a tier on another file system, or train a smaller "
+                                        r"model or on more GPUs$"):  # fmt: skip
+        make_plan("test", ARGS, auto, MachineConfig(host_gib=1.0 + budget_gib), 32, 2, "cpu")
 
 
 def test_a_tier_in_memory_counts_against_host_memory(ram_dir):
@@ -240,6 +248,12 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert "tiny: " in out and f"posix:{tmp_path}" in out
     assert "predicted update phase:" in out
     assert "largest preset that fits this recipe and machine:" in out
+    # a plan that does not fit says why and, in its next line, what does fit the same recipe and machine
+    assert main(["offload.host_budget_gb=1KiB", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64",
+                 "machine.cpu_mparams_per_s=500"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("does not fit: host memory, rank 0: offload.host_budget_gb=1KiB is below the pipeline's minimum")
+    assert err[1] == "largest preset that fits this recipe and machine: none"
     assert main(["machine.gpu=3"]) == 2
     assert "machine.gpu=3: unknown machine option; known: ['cpu_mparams_per_s', 'gpu_gib'" in capsys.readouterr().err
     assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
