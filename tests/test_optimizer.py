@@ -269,7 +269,7 @@ def test_bad_inputs_fail_clearly(tmp_path):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}/missing"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
     with pytest.raises(ValueError, match="unknown tier scheme 'nfs'"):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=["nfs:/x"], subgroup_numel=SG, host_budget_gb=budget_for(3)))
-    with pytest.raises(ValueError, match=rf"below the pipeline's minimum of [0-9.]+ GiB \({STAGING + 3 * SLOT} bytes .*3 slots"):
+    with pytest.raises(ValueError, match=rf"below the pipeline's minimum of [0-9.]+ GiB \({STAGING + 3 * SLOT} bytes\).*3 slots"):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, host_budget_gb=budget_for(2)))
     with pytest.raises(ValueError, match="add a tier"):
         OffloadAdamW(p(), offload=OffloadConfig(kernel="torch", subgroup_numel=SG, host_budget_gb=budget_for(4)))
