@@ -50,7 +50,7 @@ def path_option(value: object, option: str, *, null: str | None = None, what: st
 
 
 PARAM_DTYPES = ("bfloat16", "float16")
-GRAD_PATHS = ("host_bf16", "gpu_bf16", "tier_fp32")
+GRAD_PATHS = ("auto", "host_bf16", "gpu_bf16", "tier_fp32")
 PLACEMENTS = ("learned", "eq1", "fixed")
 OVERLAPS = ("next_forward", "backward", "auto", "none")
 GRAD_ACCUMULATIONS = ("auto", "gpu", "host")
@@ -102,7 +102,9 @@ class OffloadConfig:
     # host just before its update (2 bytes/param of GPU memory instead of host memory: the host budget
     # goes to the FP32 cache; needs CUDA params). "tier_fp32": upcast to FP32, written to the tiers and
     # read back for the update, as DeepSpeed does (ablation).
-    grad_path: str = "host_bf16"
+    # "auto" (staging.resolve_grad_path): "gpu_bf16" where it saves tier bytes (a fixed GPU share, a host
+    # cache that would spill, room on the GPU), else "host_bf16".
+    grad_path: str = "auto"
     # backward() calls per step() (gradient accumulation). With 1, each grad is staged to host memory as
     # backward makes it; with more, one param's grads are summed in FP32, in micro-batch order, where
     # grad_accumulation says (the recipes set it from train.micro_batches). Under FSDP2 a backward beyond

@@ -25,7 +25,7 @@ from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumula
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .memory import resolve_host_budget
 from .placement import make_placement
-from .staging import LowpStaging
+from .staging import LowpStaging, resolve_grad_path
 from .storage import open_tiers
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
@@ -45,6 +45,7 @@ class MemoryPlan:
     budget_name: str  # how errors name the budget
     grad_accumulation: str  # where several micro-batches' grads are summed: "gpu" | "host"
     gpu_subgroups: int | None  # the last subgroups on the GPU from the start; None: gpu_fraction decides now (or "auto" after the first step)
+    grad_path: str  # where the low-precision grads wait for their update: "host_bf16" | "gpu_bf16" | "tier_fp32"
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Levels:
     grads: StepGrads  # the step's grads, over the staging buffer and the sums
     store: SubgroupStore
     grad_accumulation: str  # "gpu" | "host", resolved
+    grad_path: str  # resolved
     size_gpu_share_later: bool  # gpu_fraction="auto" with no planned count: sized after the first step
 
 
@@ -75,15 +77,24 @@ def build_levels(
     else:
         accumulation = memory.grad_accumulation
     sums_host_bytes = grad_accumulation_memory(layout, accumulation, cfg.micro_batches, list(range(streamed)))[1]
-    if memory is None:  # and the host budget ("auto": measured now, a collective over `group`)
-        memory = MemoryPlan(*resolve_host_budget(cfg, group, device), accumulation, None)
+    if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
+        budget = resolve_host_budget(cfg, group, device)
+        off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
+        try:  # with the grads in host memory, would the cache spill subgroups to the tiers?
+            kept = host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
+                                    off_gpu_grads + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch, len(cfg.tiers))  # fmt: skip
+        except ValueError:  # short of the pipeline's minimum: the grads' host memory would let it be met
+            kept = 0
+        grad_path = resolve_grad_path(cfg.grad_path, device.type, cfg.gpu_fraction != "auto", bool(cfg.tiers) and kept < streamed,
+                                      free, off_gpu_grads)  # fmt: skip
+        memory = MemoryPlan(*budget, accumulation, None, grad_path)
     if accumulation == "gpu" and device.type != "cuda":
         raise ValueError(f"a memory plan with the grad sums on the GPU, but the params are on {device.type}")
-    grads_on_gpu = cfg.grad_path == "gpu_bf16"
+    grads_on_gpu = memory.grad_path == "gpu_bf16"
     if grads_on_gpu and device.type != "cuda":
         raise ValueError(
             f"offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the params are on {device}: "
-            "use offload.grad_path='host_bf16'"
+            "use offload.grad_path='host_bf16' (or 'auto')"
         )
     # The tiers' speeds, before anything is built: once a node, a collective, so its condition is the same
     # on every rank (a rank's own layout may leave it nothing to stream)
@@ -120,4 +131,7 @@ def build_levels(
                  cfg.grad_accumulation, cfg.micro_batches, "GPU" if accumulation == "gpu" else "host")  # fmt: skip
     if cfg.host_budget.auto:
         log.info("%s: %d of %d subgroups off the GPU kept in host memory", memory.budget_name, cache.num_slots, streamed)
-    return Levels(staging, sums, grads, store, accumulation, share.later)
+    if cfg.grad_path == "auto" and grads_on_gpu:
+        log.info("offload.grad_path='auto': the grads wait for their update in GPU memory, leaving their host memory "
+                 "to the cache (it would spill subgroups to the tiers otherwise)")  # fmt: skip
+    return Levels(staging, sums, grads, store, accumulation, memory.grad_path, share.later)

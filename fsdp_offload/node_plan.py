@@ -28,6 +28,7 @@ from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import make_placement
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
+from .staging import resolve_grad_path
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB, in_unit, readable_size
@@ -66,16 +67,17 @@ class RankPlan:
     gpu_startup_bytes: int = 0  # estimated GPU peak while the model is built (streamed start-up)
     gpu_train_bytes: int = 0  # estimated GPU peak of a training step
     grad_accumulation: str = "host"  # where the FP32 sums of several micro-batches live ("gpu" | "host")
+    grad_path: str = "host_bf16"  # where the low-precision grads wait for their update (resolved)
     grad_sums_gpu_bytes: int = 0  # those sums in GPU memory (in gpu_train_bytes)
     grad_sums_host_bytes: int = 0  # those sums and their landing buffer in host memory (in host_bytes)
     host_budget_bytes: int | None = None  # the budget it was planned under (None: no limit)
     budget_name: str = ""  # how errors name that budget
 
     def memory_plan(self, cfg: OffloadConfig) -> MemoryPlan:
-        """What this rank's optimizer builds: the plan's host budget, grad sums and, for
+        """What this rank's optimizer builds: the plan's host budget, grad sums, grad path and, for
         gpu_fraction="auto", GPU share (a fixed fraction is checked again against the GPU's free memory)."""
         return MemoryPlan(self.host_budget_bytes, self.budget_name, self.grad_accumulation,
-                          handed_count(cfg.gpu_fraction, self.gpu_subgroups))  # fmt: skip
+                          handed_count(cfg.gpu_fraction, self.gpu_subgroups), self.grad_path)  # fmt: skip
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
     cpu_s: float | None = None  # CPU update (None: no CPU speed given)
@@ -136,24 +138,50 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     return local_params * itemsize + 3 * shapes.largest_module * itemsize + args.n_layers * per_block + block_work + logits
 
 
-def plan_rank(
-    args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, gpu_bytes: int | None,
-    host_budget: int | None,
+def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, **kw) -> RankPlan:
+    """One rank's plan (see the module's note); raises PlanError when its host level, or the GPU memory
+    its resident state takes, is short. grad_path="auto" is planned with the grads in host memory, and
+    again with them on the GPU where staging.resolve_grad_path says that saves tier bytes: the host
+    plan spills (or its staging leaves the budget short) and the GPU plan's estimated peak has room."""
+    if cfg.grad_path != "auto":
+        return _plan_rank(args, shapes, cfg, machine, rank, grad_path=cfg.grad_path, **kw)
+    try:
+        host, short = _plan_rank(args, shapes, cfg, machine, rank, grad_path="host_bf16", **kw), None
+    except PlanError as exc:  # the budget may hold the cache's minimum once the grads are off it
+        host, short = None, exc
+    gpu_bytes = kw["gpu_bytes"]
+    device = "cpu" if gpu_bytes is None else "cuda"
+    spills_ = bool(cfg.tiers) and (short is not None or spills(host.cache_slots, host.subgroups - host.gpu_subgroups))
+    if device == "cuda" and cfg.gpu_fraction != "auto" and spills_:  # worth planning the grads on the GPU
+        try:
+            gpu = _plan_rank(args, shapes, cfg, machine, rank, grad_path="gpu_bf16", **kw)
+        except PlanError:
+            gpu = None
+        if gpu is not None and resolve_grad_path("auto", device, True, True, gpu_bytes - int(cfg.gpu_headroom_gb * GIB),
+                                                 gpu.gpu_train_bytes) == "gpu_bf16":  # fmt: skip
+            return gpu
+    if short is not None:
+        raise short
+    return host
+
+
+def _plan_rank(
+    args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, grad_path: str,
+    gpu_bytes: int | None, host_budget: int | None,
     budget_name: str, speeds: list[TierSpeed] | None, placement_speeds: list[TierSpeed] | None, cpu_rate: float | None,
     seq_len: int, micro_batch: int,
 ) -> RankPlan:  # fmt: skip
-    """One rank's plan (see the module's note); raises PlanError when its host level, or the GPU memory
-    its resident state takes, is short."""
+    """One rank's plan with the low-precision grads at `grad_path` (resolved)."""
     itemsize = 2  # bf16 and fp16 alike
     layout = SubgroupLayout(shapes.local_numels(machine.world_size, rank), cfg.subgroup_numel)
     local = sum(layout.numels)
     startup = local * itemsize + 4 * shapes.largest_module
     train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
-    grads_on_gpu = cfg.grad_path == "gpu_bf16"  # make_plan refuses it without a GPU
+    grads_on_gpu = grad_path == "gpu_bf16"  # make_plan refuses it without a GPU
     # grad_path="gpu_bf16": every subgroup's staging part is in GPU memory from the start; otherwise
     # only a GPU-resident subgroup's, which goes along with its state
     gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
-    moving = moved_staging_itemsize(cfg.grad_path, itemsize)
+    moving = moved_staging_itemsize(grad_path, itemsize)
     # Where several micro-batches' grads are summed comes first: on the GPU (where the step leaves room
     # for them) they cost nothing on backward's path; the GPU's share of the state takes what is left.
     every = list(range(len(layout)))
@@ -183,7 +211,7 @@ def plan_rank(
     else:
         staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer
-    grad_slots = TierFP32Grads.slot_bytes(layout) if cfg.grad_path == "tier_fp32" else [0] * len(layout)
+    grad_slots = TierFP32Grads.slot_bytes(layout) if grad_path == "tier_fp32" else [0] * len(layout)
     fp32_grads = max(grad_slots)
     sums_gpu, sums_host = grad_accumulation_memory(layout, accumulation, cfg.micro_batches, host_sgs)
     try:
@@ -197,7 +225,7 @@ def plan_rank(
         gpu_state_bytes=gpu_state, cache_slots=slots, cache_bytes=slots * layout.slot_bytes, staging_bytes=staging,
         fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + sums_host + slots * layout.slot_bytes,
         gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state + sums_gpu,
-        grad_accumulation=accumulation, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
+        grad_accumulation=accumulation, grad_path=grad_path, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
         host_budget_bytes=host_budget, budget_name=budget_name,
     )  # fmt: skip
     streamed = len(host_sgs)

@@ -135,6 +135,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         levels = build_levels(cfg, self.layout, forward, [t.shape for t in locals_], device, self.param_dtype, group, memory_plan,
                               tier_speeds)  # fmt: skip
         self.store, self.grads, self.grad_accumulation = levels.store, levels.grads, levels.grad_accumulation
+        self.grad_path = levels.grad_path  # where the low-precision grads wait for their update (resolved)
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight])

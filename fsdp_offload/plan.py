@@ -66,6 +66,9 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         where = "on the GPU (in train~)" if r.grad_accumulation == "gpu" else "in host memory (in the host columns' total)"
         lines.append(f"grad accumulation: {cfg.micro_batches} micro-batches summed in FP32 {where}, "
                      f"{(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes) / GIB:.2f} GiB a rank (offload.grad_accumulation={cfg.grad_accumulation!r})")  # fmt: skip
+    if cfg.grad_path == "auto" and plan.ranks[0].grad_path == "gpu_bf16":
+        lines.append("grad path: the low-precision grads wait for their update in GPU memory (offload.grad_path='auto': "
+                     "their host memory goes to the cache, which would spill subgroups to the tiers otherwise)")  # fmt: skip
     lines.append(f"predicted update phase: {plan.predicted_update_s:.2f} s a step (~: estimates)")
     return "\n".join(lines)
 
@@ -75,7 +78,7 @@ def plan_summary(r: RankPlan, cfg: OffloadConfig) -> str:
     tiers = ", ".join(f"{t.subgroups} on {t.spec}" for t in r.tiers)
     return (f"rank {r.rank}: {r.subgroups} subgroups ({readable_size(r.state_bytes)} of FP32 state): {r.gpu_subgroups} on the GPU"
             + f", {r.cache_slots} host cache slots" + (f", {tiers}" if tiers else "")
-            + f"; host memory {readable_size(r.host_bytes)} (staging {readable_size(r.staging_bytes)})"
+            + f"; host memory {readable_size(r.host_bytes)} (staging {readable_size(r.staging_bytes)}); grads {r.grad_path}"
             + (f"; {cfg.micro_batches} micro-batches summed in FP32 on the {'GPU' if r.grad_accumulation == 'gpu' else 'host'} "
                f"({readable_size(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes)})" if cfg.micro_batches > 1 else ""))  # fmt: skip
 

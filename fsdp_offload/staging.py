@@ -19,6 +19,21 @@ from .subgroups import Segment, SubgroupLayout
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, spills_with_host_grads: bool, gpu_room: int | None,
+                      gpu_need: int) -> str:  # fmt: skip
+    """`offload.grad_path` made concrete. "auto" keeps the grads in GPU memory ("gpu_bf16") where the
+    params are on CUDA, the GPU share is a fixed fraction (gpu_fraction="auto" gives the GPU's room to
+    state, which saves the tiers as many bytes and the CPU its update too), the host cache would spill
+    subgroups to the tiers with the grads in host memory, and the GPU has `gpu_need` bytes of
+    `gpu_room` for them: their host memory then goes to the cache, and fewer bytes cross the tiers.
+    Else "host_bf16", which stages them during backward."""
+    if mode != "auto":
+        return mode
+    if device_type == "cuda" and fixed_gpu_share and spills_with_host_grads and gpu_room is not None and gpu_need <= gpu_room:
+        return "gpu_bf16"
+    return "host_bf16"
+
+
 class LowpStaging:
     def __init__(
         self,

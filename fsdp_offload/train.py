@@ -329,6 +329,7 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     if isinstance(optimizer, OffloadAdamW):
         row["grad_norm"] = optimizer.last_grad_norm
         row["grad_accumulation"] = optimizer.grad_accumulation  # where several micro-batches' grads were summed
+        row["grad_path"] = optimizer.grad_path  # where the low-precision grads waited for their update
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale
     else:

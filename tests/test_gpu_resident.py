@@ -18,7 +18,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-resid
 
 
 def config(tmp_path, **kw) -> OffloadConfig:
-    # host budget: bf16 staging for all + 3 slots, so most host subgroups stream through the tier
+    # host budget: bf16 staging for all + 3 slots, so most host subgroups stream through the tier; the
+    # grads in host memory unless a test says otherwise ("auto" would keep them on the GPU here)
+    kw.setdefault("grad_path", "host_bf16")
     return OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, gpu_fraction=0.5,
                          host_budget_gb=(2 * 11 * SG + 3 * 12 * SG) / 2**30, **kw)  # fmt: skip
 
@@ -69,6 +71,35 @@ def test_gpu_resident_subgroups_track_torch_adamw(tmp_path):
     for p, i in zip(mine, range(len(SHAPES))):
         assert torch.equal(p.data.cpu(), state[i]["master_param"].bfloat16())
     opt.close()
+
+
+@needs_cuda
+def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_the_cache_would_spill(tmp_path):
+    """An optimizer built without a memory plan decides "auto" itself: a fixed GPU share, a host cache
+    that spills with the grads in host memory, room on the GPU: the grads stay there, the cache gets
+    their host memory, and every step is the same, bit for bit, as with the grads in host memory."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    opts = {}
+    for path in ("auto", "host_bf16"):
+        (tmp_path / path).mkdir()
+        params = [torch.nn.Parameter(t.cuda()) for t in init]
+        opts[path] = (OffloadAdamW(params, lr=LR, weight_decay=0.1, offload=config(tmp_path / path, grad_path=path)), params)
+    (auto, auto_params), (host, host_params) = opts["auto"], opts["host_bf16"]
+    assert (auto.grad_path, host.grad_path) == ("gpu_bf16", "host_bf16")
+    assert auto.store.cache.num_slots > host.store.cache.num_slots
+    for s in range(STEPS):
+        for p, q, g in zip(auto_params, host_params, grads(s)):
+            p.grad, q.grad = g.cuda(), g.cuda()
+        auto.step()
+        host.step()
+    a, h = auto.state_dict()["state"], host.state_dict()["state"]
+    for i in range(len(SHAPES)):
+        for key in ("master_param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[i][key], h[i][key]), (i, key)
+        assert torch.equal(auto_params[i].data, host_params[i].data)
+    auto.close()
+    host.close()
 
 
 def test_gpu_fraction_auto_on_cpu_keeps_state_off_the_gpu(tmp_path):

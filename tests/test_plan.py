@@ -104,6 +104,30 @@ def test_gpu_share_is_refused_where_the_optimizer_refuses_it():
     assert fits.ranks[0].gpu_subgroups == 39
 
 
+def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(tmp_path, monkeypatch):
+    """4 ranks of the 1.35B behind 2.5 GiB each, all state off the GPU (gpu_fraction=0): with the grads in
+    host memory the cache spills; "auto" keeps them on the GPU, the cache gets their memory and the
+    tier moves fewer bytes. Not where the GPU share is "auto" (it takes the GPU's room), where nothing
+    spills, where the GPU has no room, or on the CPU."""
+    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
+    machine = MachineConfig(ranks_per_node=4, gpu_gib=139, host_gib=500, cpu_mparams_per_s=5000)
+    speeds = [TierSpeed(2e9, 2e9, 1e-3)]
+
+    def rank0(device: str = "cuda", m: MachineConfig = machine, **kw) -> node_plan.RankPlan:
+        opts = {"host_budget_gb": 2.5, "gpu_fraction": 0.0, "subgroup_numel": 26000384, "tiers": [f"posix:{tmp_path}"], **kw}
+        return make_plan("1b", MODEL_PRESETS["1b"], OffloadConfig(**opts), m, 2048, 1, device, 5e9, speeds).ranks[0]
+
+    auto, host = rank0(), rank0(grad_path="host_bf16")
+    assert (auto.grad_path, host.grad_path) == ("gpu_bf16", "host_bf16")
+    assert auto.cache_slots > host.cache_slots and auto.staging_bytes < host.staging_bytes
+    assert auto.tiers[0].read_bytes_per_step < host.tiers[0].read_bytes_per_step and auto.io_s < host.io_s
+    assert auto.memory_plan(OffloadConfig(gpu_fraction=0.0)).grad_path == "gpu_bf16"  # what the optimizer builds
+    assert rank0(gpu_fraction="auto").grad_path == "host_bf16"
+    assert rank0(host_budget_gb=64).grad_path == "host_bf16"  # the cache holds every subgroup
+    assert rank0(m=dataclasses.replace(machine, gpu_gib=4.5)).grad_path == "host_bf16"  # no room above gpu_headroom_gb
+    assert rank0("cpu", m=dataclasses.replace(machine, gpu_gib=0)).grad_path == "host_bf16"
+
+
 def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
     cfg = offload(str(tmp_path), tiers=[f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"], placement="fixed")
     plan = lambda: make_plan("test", ARGS, cfg, MachineConfig(host_gib=64), 32, 2, "cpu")  # noqa: E731
