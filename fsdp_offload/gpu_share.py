@@ -133,7 +133,8 @@ def grow_gpu_share(
     peak = torch.cuda.max_memory_allocated(device)
     # what this process may still take (free, plus what its allocator caches) beyond its own peak
     available = free + torch.cuda.memory_reserved(device) - peak - headroom
-    moving = moved_staging_itemsize(cfg.grad_path, staging.dtype.itemsize)
+    # the staging parts go along, unless already in GPU memory (grad_path="gpu_bf16", as resolved)
+    moving = 0 if all(staging.on_device(sg) for sg in store.host_subgroups) else staging.dtype.itemsize
     count, used = last_that_fit(layout, store.host_subgroups, available, moving)
     if count:
         copies.wait_host()  # the grads staged for this step are read as they move
