@@ -20,7 +20,7 @@ from .bandwidth import TierSpeed, steady_traffic
 from .cache import HostCache, host_cache_slots
 from .calibrate import BandwidthProfile
 from .config import OffloadConfig
-from .gpu_share import starting_share
+from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .memory import resolve_host_budget
@@ -81,12 +81,16 @@ def build_levels(
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
         try:  # with the grads in host memory, would the cache spill subgroups to the tiers?
-            kept = host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
-                                    off_gpu_grads + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch, len(cfg.tiers))  # fmt: skip
-        except ValueError:  # short of the pipeline's minimum: the grads' host memory would let it be met
-            kept = 0
+            kept, short = host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
+                                           off_gpu_grads + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch,
+                                           len(cfg.tiers)), False  # fmt: skip
+        except ValueError:  # short of the pipeline's minimum: the grads' host memory may let it be met
+            kept, short = 0, True
+        # the GPU's room for them: what is free now, less the sums placed there and the fixed share's state, not yet allocated
+        room = None if free is None else free - (need if accumulation == "gpu" else 0) - sum(
+            gpu_subgroup_bytes(layout, sg, param_dtype.itemsize) for sg in share.subgroups)
         grad_path = resolve_grad_path(cfg.grad_path, device.type, cfg.gpu_fraction != "auto", bool(cfg.tiers) and kept < streamed,
-                                      free, off_gpu_grads)  # fmt: skip
+                                      short, room, off_gpu_grads)  # fmt: skip
         memory = MemoryPlan(*budget, accumulation, None, grad_path)
     if accumulation == "gpu" and device.type != "cuda":
         raise ValueError(f"a memory plan with the grad sums on the GPU, but the params are on {device.type}")

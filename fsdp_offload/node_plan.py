@@ -142,7 +142,8 @@ def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine:
     """One rank's plan (see the module's note); raises PlanError when its host level, or the GPU memory
     its resident state takes, is short. grad_path="auto" is planned with the grads in host memory, and
     again with them on the GPU where staging.resolve_grad_path says that saves tier bytes: the host
-    plan spills (or its staging leaves the budget short) and the GPU plan's estimated peak has room."""
+    plan spills (or its staging leaves the budget short), and the GPU plan keeps more subgroups in host
+    memory (or alone fits) with its estimated peak in the GPU's room."""
     if cfg.grad_path != "auto":
         return _plan_rank(args, shapes, cfg, machine, rank, grad_path=cfg.grad_path, **kw)
     try:
@@ -151,14 +152,18 @@ def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine:
         host, short = None, exc
     gpu_bytes = kw["gpu_bytes"]
     device = "cpu" if gpu_bytes is None else "cuda"
-    spills_ = bool(cfg.tiers) and (short is not None or spills(host.cache_slots, host.subgroups - host.gpu_subgroups))
-    if device == "cuda" and cfg.gpu_fraction != "auto" and spills_:  # worth planning the grads on the GPU
+    spills_ = host is not None and bool(cfg.tiers) and spills(host.cache_slots, host.subgroups - host.gpu_subgroups)
+    fixed = cfg.gpu_fraction != "auto"
+    if resolve_grad_path("auto", device, fixed, spills_, short is not None, 0, 0) == "gpu_bf16":  # worth planning it
         try:
             gpu = _plan_rank(args, shapes, cfg, machine, rank, grad_path="gpu_bf16", **kw)
         except PlanError:
             gpu = None
-        if gpu is not None and resolve_grad_path("auto", device, True, True, gpu_bytes - int(cfg.gpu_headroom_gb * GIB),
-                                                 gpu.gpu_train_bytes) == "gpu_bf16":  # fmt: skip
+        # where the host plan fits, only if this keeps more in host memory (the grads' room on the GPU
+        # may move the sums off it, whose host buffers then take more than the grads gave back)
+        better = gpu is not None and (short is not None or gpu.cache_slots > host.cache_slots)
+        if better and resolve_grad_path("auto", device, fixed, spills_, short is not None,
+                                        gpu_bytes - int(cfg.gpu_headroom_gb * GIB), gpu.gpu_train_bytes) == "gpu_bf16":  # fmt: skip
             return gpu
     if short is not None:
         raise short

@@ -19,17 +19,19 @@ from .subgroups import Segment, SubgroupLayout
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, spills_with_host_grads: bool, gpu_room: int | None,
-                      gpu_need: int) -> str:  # fmt: skip
+def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, host_spills: bool, host_short: bool,
+                      gpu_room: int | None, gpu_need: int) -> str:  # fmt: skip
     """`offload.grad_path` made concrete. "auto" keeps the grads in GPU memory ("gpu_bf16") where the
-    params are on CUDA, the GPU share is a fixed fraction (gpu_fraction="auto" gives the GPU's room to
-    state, which saves the tiers as many bytes and the CPU its update too), the host cache would spill
-    subgroups to the tiers with the grads in host memory, and the GPU has `gpu_need` bytes of
-    `gpu_room` for them: their host memory then goes to the cache, and fewer bytes cross the tiers.
-    Else "host_bf16", which stages them during backward."""
+    params are on CUDA, the GPU has `gpu_need` bytes of `gpu_room` for them, and either the budget is
+    short of the pipeline's minimum with the grads in host memory (`host_short`), or the host cache
+    would spill subgroups to the tiers with them there (`host_spills`) and the GPU share is a fixed
+    fraction (gpu_fraction="auto" gives the GPU's room to state, which saves the tiers as many bytes
+    and the CPU its update too). Their host memory then goes to the cache. Else "host_bf16", which
+    stages them during backward."""
     if mode != "auto":
         return mode
-    if device_type == "cuda" and fixed_gpu_share and spills_with_host_grads and gpu_room is not None and gpu_need <= gpu_room:
+    wanted = host_short or (fixed_gpu_share and host_spills)
+    if device_type == "cuda" and wanted and gpu_room is not None and gpu_need <= gpu_room:
         return "gpu_bf16"
     return "host_bf16"
 

@@ -122,10 +122,31 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(t
     assert auto.cache_slots > host.cache_slots and auto.staging_bytes < host.staging_bytes
     assert auto.tiers[0].read_bytes_per_step < host.tiers[0].read_bytes_per_step and auto.io_s < host.io_s
     assert auto.memory_plan(OffloadConfig(gpu_fraction=0.0)).grad_path == "gpu_bf16"  # what the optimizer builds
-    assert rank0(gpu_fraction="auto").grad_path == "host_bf16"
     assert rank0(host_budget_gb=64).grad_path == "host_bf16"  # the cache holds every subgroup
     assert rank0(m=dataclasses.replace(machine, gpu_gib=4.5)).grad_path == "host_bf16"  # no room above gpu_headroom_gb
     assert rank0("cpu", m=dataclasses.replace(machine, gpu_gib=0)).grad_path == "host_bf16"
+    # where the grads' room on the GPU would push the micro-batch sums off it, the cache would lose: kept in host memory
+    small = dataclasses.replace(machine, gpu_gib=10.4)
+    flip = {"host_budget_gb": 4, "micro_batches": 4}
+    assert rank0(m=small, **flip, grad_path="gpu_bf16").cache_slots < rank0(m=small, **flip).cache_slots
+    assert rank0(m=small, **flip).grad_path == "host_bf16"
+    # the GPU's room for state ("auto" share): it goes to state where the host plan fits, though the grads would free
+    # slots (as many as the state they push off the GPU: no tier byte saved, and more for the CPU to update)
+    one = dataclasses.replace(machine, ranks_per_node=1, gpu_gib=16)
+    share = {"gpu_fraction": "auto", "host_budget_gb": 6}
+    assert spills_(host := rank0(m=one, **share, grad_path="host_bf16"))
+    assert rank0(m=one, **share, grad_path="gpu_bf16").cache_slots > host.cache_slots
+    assert rank0(m=one, **share).grad_path == "host_bf16"
+    # a budget short of the pipeline's minimum with the grads in host memory: the GPU takes them where it can
+    with pytest.raises(PlanError, match="below the pipeline's minimum"):
+        rank0(m=one, host_budget_gb=2, grad_path="host_bf16")
+    assert rank0(m=one, host_budget_gb=2).grad_path == "gpu_bf16"
+    with pytest.raises(PlanError, match="below the pipeline's minimum"):  # no room there either: the host plan's error
+        rank0(m=dataclasses.replace(one, gpu_gib=4.5), host_budget_gb=2)
+
+
+def spills_(r: node_plan.RankPlan) -> bool:
+    return r.cache_slots < r.subgroups - r.gpu_subgroups
 
 
 def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
