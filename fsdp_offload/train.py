@@ -33,7 +33,9 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
-from .checkpoint import check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint
+from .checkpoint import (
+    check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint, supersede_newer,
+)  # fmt: skip
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
 from .job_errors import a_peer_stopped, error_line, printed_by_another_rank
@@ -221,6 +223,10 @@ def _run(cfg: DictConfig) -> list[dict]:
         follow_schedule(optimizer, scheduler, base_lrs, rank)
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
+        if rank == 0 and (moved := supersede_newer(ckcfg.dir, start_step)):
+            log.warning("resumed at step %d: the newer checkpoints in checkpoint.dir=%s belong to the run this one re-does, "
+                        "and a later checkpoint.resume=auto would start from them; moved aside (kept): %s",
+                        start_step, ckcfg.dir, ", ".join(moved))  # fmt: skip
 
     out_dir = run_dir(tcfg.out_dir)
     if rank == 0:

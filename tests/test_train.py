@@ -191,6 +191,21 @@ def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(t
     assert {r["step"]: r["lr"] for r in rows(tmp_path / "again" / "metrics.jsonl")} == {s: whole[s] for s in longer}
 
 
+def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path):
+    """Resumed from step 4 of a run that reached step 8: step 8 belongs to the run being re-done, and a
+    later checkpoint.resume=auto must not go back to it. It is moved aside (kept), said once."""
+    ck = tmp_path / "ck"
+    train(tmp_path / "first", "train.steps=8", "checkpoint.every=4", f"checkpoint.dir={ck}")
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004", "step_00000008"]
+    out = train(tmp_path / "rewound", "train.steps=6", "checkpoint.every=2", f"checkpoint.dir={ck}",
+                f"checkpoint.resume={ck}/step_00000004")  # fmt: skip
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "moved aside (kept)" in line]
+    assert len(said) == 1 and f"{ck}/step_00000008.superseded" in said[0], said
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004", "step_00000006", "step_00000008.superseded"]
+    later = train(tmp_path / "later", "train.steps=7", f"checkpoint.dir={ck}")
+    assert f"resuming from {ck}/step_00000006" in later.stdout, later.stdout[-2000:]
+
+
 @pytest.mark.bad_input
 @pytest.mark.parametrize(
     "overrides, message",

@@ -130,6 +130,25 @@ def _step_dirs(directory: str) -> list[str]:
     return [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if _STEP_DIR.match(d)]
 
 
+def supersede_newer(directory: str | None, step: int) -> list[str]:
+    """Renames the checkpoints in `directory` newer than `step` to `<name>.superseded` and returns
+    their new paths: a run resumed from an older step re-does those steps, and left in place the
+    newest of the abandoned run would be what a later checkpoint.resume=auto starts from (the keep
+    policy deletes older steps, not newer ones). Kept, not deleted: they are the user's to remove."""
+    if not directory or not os.path.isdir(directory):
+        return []
+    moved = []
+    for path in _step_dirs(directory):
+        if int(os.path.basename(path)[len("step_"):]) > step:
+            target = path + ".superseded"
+            n = 1
+            while os.path.exists(target):  # superseded before, by another rewind
+                target, n = f"{path}.superseded{n}", n + 1
+            os.replace(path, target)
+            moved.append(target)
+    return moved
+
+
 def _move_aside(path: str) -> str:
     """Renames a checkpoint out of the way before it is removed, so that a run killed while removing
     it never leaves a step_* dir with a part's .metadata but not all its files."""
