@@ -34,7 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
 from .checkpoint import (
-    check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint, supersede_newer,
+    check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
@@ -47,6 +47,7 @@ from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig, nearest_existing
 from .node_plan import make_plan, preset_name
 from .plan import plan_summary
+from .resume_config import follow_config, train_hyper
 from .recipe import TrainConfig, read_config
 from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, tensorboard_writer
 from .storage import TierError
@@ -64,23 +65,6 @@ def lr_lambda(cfg: TrainConfig):
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return factor
-
-
-def follow_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, base_lrs: list[float],
-                    rank: int) -> None:  # fmt: skip
-    """A resumed run goes on by this run's schedule (train.lr, train.steps, train.warmup_steps, from the
-    resumed step itself): loading put the checkpoint's lr in the optimizer and its base lr in the
-    scheduler, so a changed schedule would start one step late, from the old lr. Said once where it
-    differs; where it does not, every lr is the one the checkpoint holds, bit for bit."""
-    restored = [group["lr"] for group in optimizer.param_groups]
-    scheduler.base_lrs = list(base_lrs)
-    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(scheduler.last_epoch)  # as LambdaLR computes it
-    if rank == 0 and restored != [group["lr"] for group in optimizer.param_groups]:
-        log.warning("resumed at step %d with a schedule other than the checkpoint's (train.lr, train.steps or "
-                    "train.warmup_steps changed): this step takes lr %.6g from this run's schedule, not the "
-                    "checkpoint's %.6g", scheduler.last_epoch, optimizer.param_groups[0]["lr"], restored[0])  # fmt: skip
 
 
 def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
@@ -220,13 +204,9 @@ def _run(cfg: DictConfig) -> list[dict]:
         batches.load_state_dict(rank_state["data"])
         base_lrs = list(scheduler.base_lrs)  # this run's, before the checkpoint's replace them
         scheduler.load_state_dict(rank_state["scheduler"])
-        follow_schedule(optimizer, scheduler, base_lrs, rank)
+        follow_config(optimizer, scheduler, base_lrs, tcfg, rank_state.get("hyper"), rank)
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
-        if rank == 0 and (moved := supersede_newer(ckcfg.dir, start_step)):
-            log.warning("resumed at step %d: the newer checkpoints in checkpoint.dir=%s belong to the run this one re-does, "
-                        "and a later checkpoint.resume=auto would start from them; moved aside (kept): %s",
-                        start_step, ckcfg.dir, ", ".join(moved))  # fmt: skip
 
     out_dir = run_dir(tcfg.out_dir)
     if rank == 0:
@@ -285,7 +265,8 @@ def _run(cfg: DictConfig) -> list[dict]:
             bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)
             if save:
-                rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()}
+                rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                              "hyper": train_hyper(tcfg)}  # fmt: skip
                 t0 = time.perf_counter()
                 path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,
                                        io_threads=ckcfg.io_threads)

@@ -174,7 +174,7 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
 def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(tmp_path):
     """Trained 4 steps of a 4-step schedule, then resumed with train.steps=8: the resumed steps take the
     8-step schedule's lr from the first of them (loading had put the checkpoint's lr in the optimizer,
-    a step late otherwise), said once."""
+    a step late otherwise), said once, naming the change; a changed weight decay is said and applied too."""
     train(tmp_path / "whole", "train.steps=8", "train.warmup_steps=2", "checkpoint.every=4", f"checkpoint.dir={tmp_path}/ck_whole")
     common = ["train.warmup_steps=2", "checkpoint.every=4", f"checkpoint.dir={tmp_path}/ck"]
     train(tmp_path / "short", "train.steps=4", *common)
@@ -182,13 +182,19 @@ def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(t
     whole = {r["step"]: r["lr"] for r in rows(tmp_path / "whole" / "metrics.jsonl")}
     longer = {r["step"]: r["lr"] for r in rows(tmp_path / "longer" / "metrics.jsonl")}
     assert sorted(longer) == [4, 5, 6, 7] and all(longer[s] == whole[s] for s in longer), (whole, longer)
-    said = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "a schedule other than the checkpoint's" in line]
-    assert len(said) == 1 and "resumed at step 4" in said[0], said
+    said = [line for line in (resumed.stdout + resumed.stderr).splitlines() if "other hyperparameters than the checkpoint's" in line]
+    assert len(said) == 1 and "resumed at step 4" in said[0] and "train.steps 4 -> 8" in said[0], said
     # the same schedule: every lr as the checkpoint holds it, nothing said
     again = train(tmp_path / "again", "train.steps=8", "train.warmup_steps=2", f"checkpoint.dir={tmp_path}/ck_whole",
                   f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
-    assert "a schedule other than" not in again.stdout + again.stderr
+    assert "other hyperparameters" not in again.stdout + again.stderr
     assert {r["step"]: r["lr"] for r in rows(tmp_path / "again" / "metrics.jsonl")} == {s: whole[s] for s in longer}
+    decay = train(tmp_path / "decay", "train.steps=8", "train.warmup_steps=2", "train.weight_decay=0.0",
+                  f"checkpoint.dir={tmp_path}/ck_whole", f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
+    assert "train.weight_decay 0.1 -> 0.0" in decay.stdout + decay.stderr
+    loss = {r["step"]: r["loss"] for r in rows(tmp_path / "decay" / "metrics.jsonl")}
+    assert loss[4] == {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[4]  # same params going in
+    assert loss[5] != {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[5]  # step 4 decayed them less
 
 
 def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path):
@@ -199,7 +205,7 @@ def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_pat
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004", "step_00000008"]
     out = train(tmp_path / "rewound", "train.steps=6", "checkpoint.every=2", f"checkpoint.dir={ck}",
                 f"checkpoint.resume={ck}/step_00000004")  # fmt: skip
-    said = [line for line in (out.stdout + out.stderr).splitlines() if "moved aside (kept)" in line]
+    said = [line for line in (out.stdout + out.stderr).splitlines() if "moved aside, kept" in line]
     assert len(said) == 1 and f"{ck}/step_00000008.superseded" in said[0], said
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004", "step_00000006", "step_00000008.superseded"]
     later = train(tmp_path / "later", "train.steps=7", f"checkpoint.dir={ck}")

@@ -21,11 +21,11 @@ from .files import FileOps
 from .manifest import MANIFEST
 from .run import (
     RUN_FILE, check_checkpoint, is_checkpoint, latest_checkpoint, load_checkpoint,
-    resume_point, save_checkpoint, supersede_newer,
+    resume_point, save_checkpoint,
 )  # fmt: skip
 
 __all__ = [
     "CheckpointConfig", "CheckpointDirBusy", "CheckpointDirLock", "FileOps", "MANIFEST", "RUN_FILE", "check_checkpoint",
     "hold_checkpoint_dir", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "release_checkpoint_dir", "resume_point",
-    "save_checkpoint", "supersede_newer",
+    "save_checkpoint",
 ]  # fmt: skip

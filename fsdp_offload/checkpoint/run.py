@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -35,6 +36,7 @@ from .files import FileOps, commit_dir
 from .manifest import PARTS, check_manifest, write_manifest
 
 RUN_FILE = "run.json"
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
 _OLD_DIR = re.compile(r"^step_\d+\.old$")  # one being removed
 
@@ -130,18 +132,16 @@ def _step_dirs(directory: str) -> list[str]:
     return [os.path.join(directory, d) for d in sorted(os.listdir(directory)) if _STEP_DIR.match(d)]
 
 
-def supersede_newer(directory: str | None, step: int) -> list[str]:
-    """Renames the checkpoints in `directory` newer than `step` to `<name>.superseded` and returns
-    their new paths: a run resumed from an older step re-does those steps, and left in place the
-    newest of the abandoned run would be what a later checkpoint.resume=auto starts from (the keep
-    policy deletes older steps, not newer ones). Kept, not deleted: they are the user's to remove."""
-    if not directory or not os.path.isdir(directory):
-        return []
+def _supersede_newer(directory: str, step: int) -> list[str]:
+    """Renames the checkpoints in `directory` newer than `step` to `<name>.superseded` and returns their
+    new paths. A run saving step k while a newer one is there re-does steps another run went past (it
+    resumed from an older checkpoint): left in place, the keep policy would delete this run's saves
+    before them, and a later checkpoint.resume=auto would go back to the other run. Kept, not deleted:
+    they are the user's to remove."""
     moved = []
     for path in _step_dirs(directory):
         if int(os.path.basename(path)[len("step_"):]) > step:
-            target = path + ".superseded"
-            n = 1
+            target, n = path + ".superseded", 1
             while os.path.exists(target):  # superseded before, by another rewind
                 target, n = f"{path}.superseded{n}", n + 1
             os.replace(path, target)
@@ -209,6 +209,12 @@ def save_checkpoint(
         # Saving a step again (a run resumed from an earlier one): the complete old one goes aside and
         # only then away, so there is always a complete copy of the step on disk.
         replaced = _move_aside(final) if os.path.exists(final) else None
+        superseded = _supersede_newer(directory, step)
+        if superseded:
+            log.warning("checkpoint %s: the newer ones in checkpoint.dir=%s are from a run that went further than this "
+                        "one (which started from an older step, or afresh); moved aside, kept, so that "
+                        "checkpoint.resume=auto starts from this run's: %s (remove them when no longer needed)",
+                        final, directory, ", ".join(superseded))  # fmt: skip
         commit_dir(tmp, final, ops)  # every file and dir fsynced, renamed, the rename fsynced
         others = [d for d in _step_dirs(directory) if d != final]
         gone = [_move_aside(d) for d in others[: max(0, len(others) - (keep - 1))]]  # the one just written stays
