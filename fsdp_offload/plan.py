@@ -25,6 +25,8 @@ This module is the command and the plan's text; machine.py reads the machine, no
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 import sys
 
 import torch
@@ -144,6 +146,27 @@ def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str 
                            args.activation_checkpointing, speeds)  # fmt: skip
 
 
+def did_you_mean(exc: HydraException, overrides: list[str]) -> str:
+    """'; did you mean offload.gpu_fraction?' for an override whose key the config lacks where a key of
+    the same group is close to it (the config composed from the other overrides), else ''."""
+    missing = re.search(r"Could not override '([^']+)'", str(exc))
+    if missing is None:
+        return ""
+    *group, key = missing.group(1).split(".")
+    others = [o for o in overrides if not o.startswith("machine.") and o.lstrip("+~").partition("=")[0] != missing.group(1)]
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+            node = compose("train", overrides=others)
+        for part in group:
+            node = node[part]
+    except (HydraException, KeyError, TypeError):  # another override is wrong too: no suggestion
+        return ""
+    close = difflib.get_close_matches(key, [str(k) for k in node.keys()], n=1)
+    return f"; did you mean {'.'.join([*group, close[0]])}?" if close else ""
+
+
 def hydra_error_line(exc: HydraException) -> str:
     """Hydra's message on one line: its config search path left out, the options it lists joined."""
     text = str(exc).split("Config search path:")[0].replace(":\n\t", ": ").replace("\n\t", ", ")
@@ -168,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine) or 'none'}", file=sys.stderr)
         return 2
     except HydraException as exc:  # a recipe or an option that is not there, an override that does not parse
-        print(f"error: {hydra_error_line(exc)}", file=sys.stderr)
+        print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, argv)}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TierError) as exc:  # a bad option, or a tier dir that is not there
         print(f"error: {exc}", file=sys.stderr)

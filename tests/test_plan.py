@@ -299,6 +299,10 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("does not fit: host memory, rank 0: offload.host_budget_gb=1KiB is below the pipeline's minimum")
     assert err[1] == "largest preset that fits this recipe and machine: none"
+    assert main(["offload=disk", "offload.gpu_fractoin=0.5"]) == 2  # a misspelt option: the close one named
+    assert capsys.readouterr().err.strip().endswith("; did you mean offload.gpu_fraction?")
+    assert main(["modle=15b"]) == 2
+    assert capsys.readouterr().err.strip().endswith("; did you mean model?")
     assert main(["machine.gpu=3"]) == 2
     assert "machine.gpu=3: unknown machine option; known: ['cpu_mparams_per_s', 'gpu_gib'" in capsys.readouterr().err
     assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
