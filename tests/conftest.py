@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_bench_peers.py::", "test_package.py::", "test_bench_local_ranks.py::", "test_lock.py::test_four_processes",
     "test_hf_clients.py::", "test_job_faults.py::test_a_second_run", "test_train.py::test_a_run_resumed_into_its_own_dir",
     "test_hf_llama.py::", "test_overlap.py::test_overlapped_update_is_bit_exact", "test_campaign.py::test_whole_runs",
+    "test_train.py::test_a_run_resumed_with_a_longer_schedule", "test_train.py::test_a_run_rewound",
 )  # fmt: skip
 
 
