@@ -38,7 +38,8 @@ the same round where it ran, else the system's own; `compute_limit_from` says wh
 iteration_over_compute_limit; host_peak_gib (each rank's own ru_maxrss, summed over the node's ranks:
 `host_peak_gib_per_rank`), gpu_peak_gib (torch.cuda.max_memory_allocated of the fullest GPU);
 grad_accumulation (this product's resolved offload.grad_accumulation, from its metrics rows or its log
-line; null for the others, `grad_accumulation_from` says why).
+line; null for the others, `grad_accumulation_from` says why), grad_path (this product's resolved
+offload.grad_path from every rank's metrics rows: one value, or the list where ranks differ).
 
 The machines are shared and a system's step moves by 10-15% from one process to the next, so one
 call can run the systems --rounds times, taking turns (each round in the opposite order of the one

@@ -113,6 +113,8 @@ def summarize(system: System, ranks: list[tuple[dict, list[dict]]], args: argpar
     out["loss_first"], out["loss_last"] = rows[0].get("loss"), rows[-1].get("loss")
     out["max_grad_norm"] = args.max_grad_norm if system.clip else None
     out["grad_accumulation"], out["grad_accumulation_from"] = grad_accumulation(system, rows, base.get("logged_grad_accumulation"), args.micro_batches)
+    paths = {r["grad_path"] for _, rank_rows in ranks for r in rank_rows if "grad_path" in r}  # this product's, as resolved
+    out["grad_path"] = paths.pop() if len(paths) == 1 else sorted(paths) or None  # a list where ranks differ
 
     # I/O: what moved through the tier dir per step (the node's: every rank's), and how fast
     out["effective_io_gbps"] = out["raw_mixed_io_gbps"] = out["physical_limit_s"] = None

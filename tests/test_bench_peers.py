@@ -85,6 +85,7 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
         check_row(runs[name], steps=3, ranks=1, gpu_only=None)
         assert runs[name]["steps_averaged"] == [2, 3]
         assert runs[name]["grad_accumulation"] == "host", runs[name]["grad_accumulation_from"]  # on CPU: the host
+        assert runs[name]["grad_path"] == "host_bf16"  # "auto" on CPU
     disk = runs["disk"]
     assert disk["effective_io_gbps"] > 0 and disk["disk_bytes_per_step"] > 0
     assert disk["raw_mixed_io_gbps"] == disk["raw_io"]["mixed_gbps"] > 0
