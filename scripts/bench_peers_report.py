@@ -20,6 +20,7 @@ RATIOS = {
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
     "ratio_host_gpu0_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_gpu0"),
     "ratio_disk_gpu0_vs_zero_infinity": ("zero_infinity", "disk_gpu0"),
+    "ratio_disk_gpu0_host_grads_vs_zero_infinity": ("zero_infinity", "disk_gpu0_host_grads"),
 }
 MODEL_TFLOPS_FORMULA = "(6 * params + 12 * n_layers * dim * seq) * tokens_per_step / iteration_s / 1e12"
 

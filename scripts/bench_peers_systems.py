@@ -71,7 +71,11 @@ SYSTEMS = {
         System("host_gpu0", "this product, offload=host, no state on the GPU (offload.gpu_fraction=0; the recipe's is auto)",
                "train.py", offload="host", overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
         System("disk_gpu0", "this product, offload=disk, no state on the GPU (offload.gpu_fraction=0): every byte of state "
-               "streams through the disk", "train.py", offload="disk", disk=True, overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
+               "streams through the disk (grad_path=auto: the grads wait on the GPU where the cache would spill)", "train.py",
+               offload="disk", disk=True, overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
+        System("disk_gpu0_host_grads", "disk_gpu0 with the grads in host memory (offload.grad_path=host_bf16, the default "
+               "before grad_path=auto)", "train.py", offload="disk", disk=True,
+               overrides=("++offload.gpu_fraction=0", "++offload.grad_path=host_bf16")),  # fmt: skip
         System("fsdp_cpu_offload", "FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU, no clipping", "fsdp", clip=False),
         System("zero_offload", "DeepSpeed ZeRO-3, offload_optimizer cpu, DeepSpeedCPUAdam", "deepspeed", offload="cpu"),
         System("multipath", "this product, scripts/train.py offload=multipath (tier dir + shm dir, host budget)", "train.py",
