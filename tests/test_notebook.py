@@ -23,13 +23,13 @@ LADDER_KEYS = {"name", "options", "iteration_s", "forward_s", "backward_s", "upd
 
 def test_ablation_notebook_runs_the_ladder_and_draws_every_figure(tmp_path):
     executed = tmp_path / "executed.ipynb"  # run as a user would on the GPU machine, with its parameters changed
-    subprocess.run([sys.executable, str(RUNNER), str(NOTEBOOK), str(executed), "--set", "STEPS = 4", "--set", "SKIP = 1", "--set", "NPROC = 2",
+    subprocess.run([sys.executable, str(RUNNER), str(NOTEBOOK), str(executed), "--set", "STEPS = 3", "--set", "SKIP = 1", "--set", "NPROC = 2",
                     "--set", "HOST_BUDGET = \"0.00075\"",  # a rank holds half the state: the same share of it on the tiers
                     "--set", f"OUT = {str(tmp_path / 'runs')!r}", "--set", f"RESULTS = {str(tmp_path / 'results')!r}",
                     "--timeout", "600"], check=True)  # fmt: skip
     nb = nbformat.read(executed, as_version=4)
     [injected] = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
-    assert "STEPS = 4" in injected.source
+    assert "STEPS = 3" in injected.source
     [record] = (tmp_path / "results").glob("ablations_cpu_*.json")
     result = json.loads(record.read_text())
     assert {"command", "device", "commit"} <= set(result)
