@@ -151,18 +151,16 @@ def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine:
     except PlanError as exc:  # the budget may hold the cache's minimum once the grads are off it
         host, short = None, exc
     gpu_bytes = kw["gpu_bytes"]
-    device = "cpu" if gpu_bytes is None else "cuda"
-    spills_ = host is not None and bool(cfg.tiers) and spills(host.cache_slots, host.subgroups - host.gpu_subgroups)
-    fixed = cfg.gpu_fraction != "auto"
-    if resolve_grad_path("auto", device, fixed, spills_, short is not None, 0, 0) == "gpu_bf16":  # worth planning it
+    if gpu_bytes is not None:  # the GPU plan beside it, and staging.resolve_grad_path picks one of the two
         try:
             gpu = _plan_rank(args, shapes, cfg, machine, rank, grad_path="gpu_bf16", **kw)
         except PlanError:
             gpu = None
+        spills_ = host is not None and bool(cfg.tiers) and spills(host.cache_slots, host.subgroups - host.gpu_subgroups)
         # where the host plan fits, only if this keeps more in host memory (the grads' room on the GPU
         # may move the sums off it, whose host buffers then take more than the grads gave back)
         better = gpu is not None and (short is not None or gpu.cache_slots > host.cache_slots)
-        if better and resolve_grad_path("auto", device, fixed, spills_, short is not None,
+        if better and resolve_grad_path("auto", "cuda", cfg.gpu_fraction != "auto", spills_, short is not None,
                                         gpu_bytes - int(cfg.gpu_headroom_gb * GIB), gpu.gpu_train_bytes) == "gpu_bf16":  # fmt: skip
             return gpu
     if short is not None:
