@@ -20,7 +20,7 @@ from .kernels import KERNEL_NAMES
 from .order import UPDATE_ORDERS
 from .storage import TierSpec
 from .storage.lock import access_slots
-from .subgroups import ALIGN_NUMEL
+from .subgroups import check_subgroup_numel
 from .units import GIB, SIZE_UNITS, parse_size, readable_size
 
 NULL = "null (None in Python)"  # how an error names an unset option: recipes and the command line write null
@@ -158,11 +158,8 @@ class OffloadConfig:
         self.host_budget  # read once here: a bad size fails now, naming the option
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
-        if not is_whole(self.subgroup_numel) or self.subgroup_numel <= 0 or self.subgroup_numel % ALIGN_NUMEL:
-            raise ValueError(
-                f"offload.subgroup_numel={self.subgroup_numel!r} must be a positive multiple of {ALIGN_NUMEL} "
-                "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
-            )
+        check_subgroup_numel(int(self.subgroup_numel) if is_whole(self.subgroup_numel) else self.subgroup_numel,
+                             "offload.subgroup_numel")
         if not is_whole(self.micro_batches) or self.micro_batches < 1:
             raise ValueError(f"offload.micro_batches={self.micro_batches!r} must be a whole number >= 1 (backward calls per step)")
         if self.grad_accumulation == "gpu" and self.micro_batches == 1:

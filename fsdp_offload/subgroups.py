@@ -16,6 +16,17 @@ ALIGN_NUMEL = 1024  # 4 KiB of FP32
 STATE_PARTS = 3  # master params, exp_avg, exp_avg_sq
 
 
+def check_subgroup_numel(value: object, name: str = "subgroup_numel") -> None:
+    """A subgroup size is a positive multiple of ALIGN_NUMEL; the error names the nearest one."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % ALIGN_NUMEL == 0:
+        return
+    hint = ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        nearest = max(ALIGN_NUMEL, round(value / ALIGN_NUMEL) * ALIGN_NUMEL)
+        hint = f"; the nearest is {nearest}"
+    raise ValueError(f"{name}={value!r} must be a positive multiple of {ALIGN_NUMEL} (4 KiB of FP32){hint}")
+
+
 @dataclass(frozen=True)
 class Segment:
     """The part of one param that lives in one subgroup."""
@@ -58,11 +69,7 @@ class SubgroupLayout:
     """Deterministic cut of params (given by their element counts) into subgroups."""
 
     def __init__(self, numels: list[int], subgroup_numel: int) -> None:
-        if subgroup_numel <= 0 or subgroup_numel % ALIGN_NUMEL:
-            raise ValueError(
-                f"subgroup_numel={subgroup_numel} must be a positive multiple of {ALIGN_NUMEL} "
-                "(4 KiB of FP32); round it, e.g. to 100_000_768 for ~100M"
-            )
+        check_subgroup_numel(subgroup_numel)
         total = sum(numels)
         if total == 0:
             raise ValueError("the optimizer got no parameter elements to manage")
