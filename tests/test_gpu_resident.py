@@ -21,8 +21,8 @@ def config(tmp_path, **kw) -> OffloadConfig:
     # host budget: bf16 staging for all + 3 slots, so most host subgroups stream through the tier; the
     # grads in host memory unless a test says otherwise ("auto" would keep them on the GPU here)
     kw.setdefault("grad_path", "host_bf16")
-    return OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, gpu_fraction=0.5,
-                         host_budget_gb=(2 * 11 * SG + 3 * 12 * SG) / 2**30, **kw)  # fmt: skip
+    kw.setdefault("host_budget_gb", (2 * 11 * SG + 3 * 12 * SG) / 2**30)
+    return OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, gpu_fraction=0.5, **kw)
 
 
 def grads(step: int) -> list[torch.Tensor]:
@@ -84,10 +84,15 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_the_cache_would_spill(t
     for path in ("auto", "host_bf16"):
         (tmp_path / path).mkdir()
         params = [torch.nn.Parameter(t.cuda()) for t in init]
-        opts[path] = (OffloadAdamW(params, lr=LR, weight_decay=0.1, offload=config(tmp_path / path, grad_path=path)), params)
+        # gpu_fraction=0.5 keeps 6 of the 11 subgroups on the GPU; the budget holds the 5 others' bf16 grads
+        # and 3 slots and a bit (3 slots), or a window of one subgroup's grads and 4 slots (auto's choice)
+        budget = (2 * 5 * SG + 3 * 12 * SG + 11 * SG) / 2**30
+        offload = config(tmp_path / path, grad_path=path, host_budget_gb=budget)
+        opts[path] = (OffloadAdamW(params, lr=LR, weight_decay=0.1, offload=offload), params)
     (auto, auto_params), (host, host_params) = opts["auto"], opts["host_bf16"]
     assert (auto.grad_path, host.grad_path) == ("gpu_bf16", "host_bf16")
-    assert auto.store.cache.num_slots > host.store.cache.num_slots
+    assert (len(auto.store.gpu_state), len(host.store.gpu_state)) == (6, 6)
+    assert (auto.store.cache.num_slots, host.store.cache.num_slots) == (4, 3)
     for s in range(STEPS):
         for p, q, g in zip(auto_params, host_params, grads(s)):
             p.grad, q.grad = g.cuda(), g.cuda()
