@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .cache import aligned_host_buffer, host_buffer, unpin
+from .host_windows import HostWindows
 from .staging import LowpStaging
 from .subgroups import Segment, SubgroupLayout
 
@@ -92,7 +93,7 @@ class GradSums:
         self._pieces: list[list[tuple[torch.Tensor, int, Segment, torch.Tensor | None]]] | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._taken: list[Future | None] = [None] * n  # the worker's last add of param i
-        self._windows: SumsWindows | None = None  # where CPU updates read sums kept on the GPU
+        self._windows: HostWindows | None = None  # where CPU updates read sums kept on the GPU
         self._raw: list[torch.Tensor] = []  # buffers to unpin at close
         self._planned = planned
         if planned:
@@ -126,7 +127,7 @@ class GradSums:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-grad-sums")
             self._scratch = torch.empty(fold_chunk(self.layout), dtype=torch.float32)  # the worker's alone
         if self.device.type == "cuda" and any(sg not in self.gpu_resident for sg in device_sgs):  # CPU updates read them
-            self._windows = SumsWindows(max(sg.padded for sg in self.layout.subgroups), self.completed)
+            self._windows = HostWindows(max(sg.padded for sg in self.layout.subgroups), torch.float32, self.completed)
 
     def _land(self, sg: int, seg: Segment) -> torch.Tensor | None:
         landing = self._views[sg][1]
@@ -231,74 +232,6 @@ class GradSums:
         for raw in self._raw:
             if self._pin and raw.numel():
                 unpin(raw)
-        self._raw = []
-
-
-class SumsWindows:
-    """Two page-locked FP32 windows through which CPU updates read sums kept on the GPU: while one
-    subgroup is updated from one window, the next subgroup's sums come down into the other (on the
-    update's stream, so after backward's adds). A subgroup taken out of the planned order is copied
-    when it is asked for, the newest prefetch giving its window back."""
-
-    def __init__(self, numel: int, sums_of, count: int = 2) -> None:
-        self._raw = [host_buffer(4 * numel, pin=True) for _ in range(count)]
-        self._free = [raw.view(torch.float32) for raw in self._raw]
-        self._sums_of = sums_of
-        self._queue: list[int] = []
-        self._coming: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # in insertion order
-        self._in_use: dict[int, torch.Tensor] = {}  # a window and the part of it the update reads
-
-    def plan(self, order: list[int]) -> None:
-        self.reset()
-        self._queue = list(order)
-        self._fill()
-
-    def _start(self, sg: int) -> None:
-        window, sums = self._free.pop(), self._sums_of(sg)
-        part = window[: sums.numel()]
-        part.copy_(sums, non_blocking=True)
-        landed = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
-        landed.record(torch.cuda.current_stream(sums.device))
-        self._coming[sg] = (window, part, landed)
-
-    def _fill(self) -> None:
-        while self._free and self._queue:
-            self._start(self._queue.pop(0))
-
-    def take(self, sg: int) -> torch.Tensor:
-        if sg not in self._coming:
-            if sg in self._queue:
-                self._queue.remove(sg)
-            if not self._free:
-                newest = next(reversed(self._coming))
-                window, _, landed = self._coming.pop(newest)
-                landed.synchronize()
-                self._free.append(window)
-                self._queue.insert(0, newest)
-            self._start(sg)
-        window, part, landed = self._coming.pop(sg)
-        landed.synchronize()
-        self._in_use[sg] = window
-        return part
-
-    def release(self, sg: int) -> None:
-        window = self._in_use.pop(sg, None)
-        if window is not None:
-            self._free.append(window)
-            self._fill()
-
-    def reset(self) -> None:
-        """Every window free (after a step, or before a retry plans again)."""
-        for window, _, landed in self._coming.values():
-            landed.synchronize()
-            self._free.append(window)
-        self._free += self._in_use.values()
-        self._coming, self._in_use, self._queue = {}, {}, []
-
-    def close(self) -> None:
-        self.reset()
-        for raw in self._raw:
-            unpin(raw)
         self._raw = []
 
 

@@ -263,8 +263,10 @@ class StepGrads:
         self._total = None
 
     def plan_cpu_updates(self, order: list[int]) -> None:
-        """The subgroups the CPU is about to update, in order (their grads can start towards it)."""
+        """The subgroups the CPU is about to update, in order, every grad of theirs in: those kept on the
+        GPU start down towards it."""
         self.sums.plan_cpu_updates(order)
+        self.staging.plan_cpu_updates(order)
 
     def after_update(self, sg: int) -> None:
         """Subgroup `sg`'s update has read its grads."""

@@ -209,8 +209,8 @@ def _plan_rank(
         ) from None
     gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
-    if grads_on_gpu:  # the host window that a CPU-updated subgroup's grads and params pass through
-        staging = itemsize * max(sg.padded for sg in layout.subgroups) if host_sgs else 0
+    if grads_on_gpu:  # the two host windows that CPU-updated subgroups' grads and params pass through
+        staging = 2 * itemsize * max(sg.padded for sg in layout.subgroups) if host_sgs else 0
     else:
         staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer

@@ -5,8 +5,9 @@ that subgroup's grads with the new bf16/fp16 params, which are copied from here 
 One buffer does both jobs, so no FP32 grad and no second low-precision copy is ever held.
 
 A subgroup's part lives in host memory, or in GPU memory (GPU-resident state, or grad_path="gpu_bf16").
-A part in GPU memory whose subgroup is updated on the CPU passes through a page-locked window of one
-subgroup: its grads come down into it just before the update, its new params go back up from it.
+A part in GPU memory whose subgroup is updated on the CPU passes through one of two page-locked
+windows (`host_windows.py`): its grads come down into one while the subgroup before it is updated from
+the other, and its new params go back up from it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .cache import host_buffer, unpin
+from .host_windows import HostWindows
 from .subgroups import Segment, SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -47,7 +49,7 @@ class LowpStaging:
         host_window: bool = False,
     ) -> None:
         """`on_device`: subgroups whose part of the buffer lives on `device`; `host_window`: some of them
-        are updated on the CPU (grad_path="gpu_bf16"), through a host window of the largest subgroup."""
+        are updated on the CPU (grad_path="gpu_bf16"), through two host windows of the largest subgroup."""
         if dtype not in LOWP_DTYPES:
             raise ValueError(f"param_dtype must be one of {LOWP_DTYPES}, got {dtype}")
         self.layout = layout
@@ -62,11 +64,10 @@ class LowpStaging:
             else:
                 self._where.append((False, host_numel))
                 host_numel += sg.padded
-        window_numel = max(sg.padded for sg in layout.subgroups) if host_window else 0
-        self._raw = host_buffer((host_numel + window_numel) * itemsize, pin)
+        self._raw = host_buffer(host_numel * itemsize, pin)
         self._pinned = pin and self._raw.numel() > 0
-        self.buffer = self._raw.view(dtype)[:host_numel]
-        self._window = self._raw.view(dtype)[host_numel:]
+        self.buffer = self._raw.view(dtype)
+        self._windows = HostWindows(max(sg.padded for sg in layout.subgroups), dtype, self.view) if host_window else None
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         self._make_pieces()
@@ -103,34 +104,33 @@ class LowpStaging:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes (the host parts and the window)."""
-        return self._raw.numel()
+        """Host bytes (the host parts and the windows)."""
+        return self._raw.numel() + (0 if self._windows is None else self._windows.nbytes)
 
     def view(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part of the buffer (padded length)."""
         on_device, lo = self._where[sg]
         return (self.device_buffer if on_device else self.buffer)[lo : lo + self.layout.subgroups[sg].padded]
 
+    def plan_cpu_updates(self, order: list[int]) -> None:
+        """The subgroups the CPU is about to update, in order: those whose part is in device memory start
+        down into the windows now (on the caller's current stream, after backward's copies)."""
+        if self._windows is not None:
+            self._windows.plan([sg for sg in order if self._where[sg][0]])
+
     def for_cpu_update(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part in host memory, for a CPU update that reads grads from it and writes new
-        params over them: the part itself, or the host window with the part's grads copied into it
-        (on the caller's current stream; waited for here)."""
-        on_device, _ = self._where[sg]
-        if not on_device:
+        params over them: the part itself, or a host window holding a copy of the part (landed)."""
+        if not self._where[sg][0]:
             return self.view(sg)
-        part = self.view(sg)
-        window = self._window[: part.numel()]
-        window.copy_(part, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
-        done.record()
-        done.synchronize()
-        return window
+        return self._windows.take(sg)
 
     def after_cpu_update(self, sg: int, lowp: torch.Tensor) -> None:
-        """Puts the new params of a part updated through the host window back into the part (queued on
-        the current stream, before anything that reuses the window)."""
+        """Puts the new params of a part updated through a host window back into the part (queued on the
+        current stream, before anything that reuses the window), and gives the window back."""
         if self._where[sg][0]:
             self.view(sg).copy_(lowp, non_blocking=True)
+            self._windows.release(sg)
 
     def stage(self, param: int, grad: torch.Tensor) -> None:
         """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer: its first of
@@ -171,9 +171,13 @@ class LowpStaging:
 
     def clear(self) -> None:
         self.staged = [False] * len(self.staged)
+        if self._windows is not None:
+            self._windows.reset()
 
     def close(self) -> None:
         """Unregisters the pinned pages (before the memory can be reused by another buffer)."""
+        if self._windows is not None:
+            self._windows.close()
         if self._pinned:
             unpin(self._raw)
             self._pinned = False

@@ -242,7 +242,8 @@ class StepEngine:
                 if self.during_backward:
                     self._update_as_grads_arrive(update)
                 left = [sg for sg in self.pending if sg not in updated]
-                self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state])
+                if not self.during_backward:  # (there grads still arrive: each subgroup's come down when it is updated)
+                    self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state])
                 self.store.run_update(left, update)
             finally:
                 # [] until _finish: every subgroup is new, the step is not closed (a retry closes it)

@@ -222,7 +222,7 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
 
 
 def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
-    """grad_path="gpu_bf16": the host keeps one subgroup's window instead of every grad, so the same
+    """grad_path="gpu_bf16": the host keeps two windows of one subgroup instead of every grad, so the same
     budget holds more of the FP32 state, and the GPU holds the grads instead."""
     monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
     machine = MachineConfig(gpu_gib=80, host_gib=512)
@@ -233,7 +233,7 @@ def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
 
     host, gpu = plan("host_bf16"), plan("gpu_bf16")
     assert host.staging_bytes >= 2 * host.params  # every grad, bf16
-    assert gpu.staging_bytes == 2 * 100 * (1 << 20)  # one subgroup's window
+    assert gpu.staging_bytes == 2 * 2 * 100 * (1 << 20)  # two windows of one subgroup's bf16
     assert (host.cache_slots, gpu.cache_slots) == (4, 6)
     assert gpu.gpu_train_bytes - host.gpu_train_bytes == gpu.gpu_state_bytes == host.staging_bytes
 

@@ -1,0 +1,93 @@
+"""Page-locked host windows through which CPU updates read data kept on the GPU, fetched ahead.
+
+A CPU update of a subgroup whose grads (FP32 micro-batch sums, or the bf16 grads of
+grad_path="gpu_bf16") stay in GPU memory reads them from a host window. With two windows, while one
+subgroup is updated from one, the next subgroup's data comes down into the other, so the copy is off
+the update's critical path. Copies go on the caller's current stream (the update's copy stream, after
+backward), so anything queued there after a window is released (the new params going back up from it)
+lands before the window is filled again.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .cache import host_buffer, unpin
+
+
+class HostWindows:
+    """`count` page-locked windows of `numel` elements of `dtype`, filled from `source_of(sg)` (a GPU
+    tensor of at most `numel` elements) in the planned order. A subgroup taken out of that order is
+    copied when it is asked for, the newest prefetch giving its window back."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, source_of: Callable[[int], torch.Tensor], count: int = 2) -> None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self._raw = [host_buffer(itemsize * numel, pin=True) for _ in range(count)]
+        self._free = [raw.view(dtype) for raw in self._raw]
+        self._source_of = source_of
+        self._queue: list[int] = []
+        self._coming: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # in insertion order
+        self._in_use: dict[int, torch.Tensor] = {}  # a window and the part of it the update reads
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.numel() for raw in self._raw)
+
+    def plan(self, order: list[int]) -> None:
+        """The subgroups the CPU will update, in order: the first ones start down now."""
+        self.reset()
+        self._queue = list(order)
+        self._fill()
+
+    def _start(self, sg: int) -> None:
+        window, source = self._free.pop(), self._source_of(sg)
+        part = window[: source.numel()]
+        part.copy_(source, non_blocking=True)
+        landed = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
+        landed.record(torch.cuda.current_stream(source.device))
+        self._coming[sg] = (window, part, landed)
+
+    def _fill(self) -> None:
+        while self._free and self._queue:
+            self._start(self._queue.pop(0))
+
+    def take(self, sg: int) -> torch.Tensor:
+        """Subgroup `sg`'s data in a window, landed (valid until `release(sg)`)."""
+        if sg not in self._coming:
+            if sg in self._queue:
+                self._queue.remove(sg)
+            if not self._free:
+                newest = next(reversed(self._coming))
+                window, _, landed = self._coming.pop(newest)
+                landed.synchronize()
+                self._free.append(window)
+                self._queue.insert(0, newest)
+            self._start(sg)
+        window, part, landed = self._coming.pop(sg)
+        landed.synchronize()
+        self._in_use[sg] = window
+        return part
+
+    def release(self, sg: int) -> None:
+        """Subgroup `sg`'s update is done with its window (what it queued from it is queued): the window
+        takes the next planned subgroup's data."""
+        window = self._in_use.pop(sg, None)
+        if window is not None:
+            self._free.append(window)
+            self._fill()
+
+    def reset(self) -> None:
+        """Every window free (after a step, or before a retry plans again)."""
+        for window, _, landed in self._coming.values():
+            landed.synchronize()
+            self._free.append(window)
+        self._free += self._in_use.values()
+        self._coming, self._in_use, self._queue = {}, {}, []
+
+    def close(self) -> None:
+        self.reset()
+        for raw in self._raw:
+            unpin(raw)
+        self._raw = []
