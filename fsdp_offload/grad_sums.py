@@ -193,7 +193,7 @@ class GradSums:
     def for_update(self, sg: int, on_gpu: bool) -> torch.Tensor:
         """Subgroup `sg`'s FP32 grads for its update, on the GPU (`on_gpu`) or in host memory: its
         params' sums, and the upcast staged grads of those with one grad this step. A CPU update of
-        sums kept on the GPU reads them through the window (valid until the next call)."""
+        sums kept on the GPU reads them through a window (valid until `after_update(sg)`)."""
         sums = self.completed(sg)
         if on_gpu:  # (host sums of a subgroup that gpu_fraction="auto" moved to the GPU go up)
             return sums if sums.is_cuda else sums.to(self.device)

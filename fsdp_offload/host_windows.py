@@ -3,9 +3,10 @@
 A CPU update of a subgroup whose grads (FP32 micro-batch sums, or the bf16 grads of
 grad_path="gpu_bf16") stay in GPU memory reads them from a host window. With two windows, while one
 subgroup is updated from one, the next subgroup's data comes down into the other, so the copy is off
-the update's critical path. Copies go on the caller's current stream (the update's copy stream, after
-backward), so anything queued there after a window is released (the new params going back up from it)
-lands before the window is filled again.
+the update's critical path (where the update is planned with every grad in: with overlap="backward" each
+subgroup's data comes down when it is asked for). Copies go on the caller's current stream (the
+update's: the copy stream after backward when it runs in flight), so anything queued there after a
+window is released (the new params going back up from it) lands before the window is filled again.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ class HostWindows:
 
     def __init__(self, numel: int, dtype: torch.dtype, source_of: Callable[[int], torch.Tensor], count: int = 2) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self._raw = [host_buffer(itemsize * numel, pin=True) for _ in range(count)]
+        self._raw: list[torch.Tensor] = []
+        try:
+            for _ in range(count):
+                self._raw.append(host_buffer(itemsize * numel, pin=True))
+        except BaseException:  # (page-locking can fail, e.g. at the locked-memory limit): unpin what was
+            for raw in self._raw:
+                unpin(raw)
+            raise
         self._free = [raw.view(dtype) for raw in self._raw]
         self._source_of = source_of
         self._queue: list[int] = []

@@ -80,17 +80,24 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
-        try:  # with the grads in host memory, would the cache spill subgroups to the tiers?
-            kept, short = host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
-                                           off_gpu_grads + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch,
-                                           len(cfg.tiers)), False  # fmt: skip
-        except ValueError:  # short of the pipeline's minimum: the grads' host memory may let it be met
-            kept, short = 0, True
+        windows = 2 * param_dtype.itemsize * max(sg.padded for sg in layout.subgroups) if streamed else 0
+
+        def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
+            try:
+                return host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
+                                        staged_bytes + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch,
+                                        len(cfg.tiers))  # fmt: skip
+            except ValueError:
+                return None
+
+        # with the grads in host memory, and on the GPU (two host windows instead): what each leaves the cache
+        kept_host, kept_gpu = slots(off_gpu_grads), slots(windows)
+        short = kept_host is None and kept_gpu is not None  # the grads' host memory lets the minimum be met
+        spill = bool(cfg.tiers) and kept_host is not None and kept_host < streamed and (kept_gpu or 0) > kept_host
         # the GPU's room for them: what is free now, less the sums placed there and the fixed share's state, not yet allocated
         room = None if free is None else free - (need if accumulation == "gpu" else 0) - sum(
             gpu_subgroup_bytes(layout, sg, param_dtype.itemsize) for sg in share.subgroups)
-        grad_path = resolve_grad_path(cfg.grad_path, device.type, cfg.gpu_fraction != "auto", bool(cfg.tiers) and kept < streamed,
-                                      short, room, off_gpu_grads)  # fmt: skip
+        grad_path = resolve_grad_path(cfg.grad_path, device.type, cfg.gpu_fraction != "auto", spill, short, room, off_gpu_grads)
         memory = MemoryPlan(*budget, accumulation, None, grad_path)
     if accumulation == "gpu" and device.type != "cuda":
         raise ValueError(f"a memory plan with the grad sums on the GPU, but the params are on {device.type}")

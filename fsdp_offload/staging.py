@@ -7,7 +7,8 @@ One buffer does both jobs, so no FP32 grad and no second low-precision copy is e
 A subgroup's part lives in host memory, or in GPU memory (GPU-resident state, or grad_path="gpu_bf16").
 A part in GPU memory whose subgroup is updated on the CPU passes through one of two page-locked
 windows (`host_windows.py`): its grads come down into one while the subgroup before it is updated from
-the other, and its new params go back up from it.
+the other (except with overlap="backward", where they come down when its update starts), and its new
+params go back up from it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, host_s
                       gpu_room: int | None, gpu_need: int) -> str:  # fmt: skip
     """`offload.grad_path` made concrete. "auto" keeps the grads in GPU memory ("gpu_bf16") where the
     params are on CUDA, the GPU has `gpu_need` bytes of `gpu_room` for them, and either the budget is
-    short of the pipeline's minimum with the grads in host memory (`host_short`), or the host cache
-    would spill subgroups to the tiers with them there (`host_spills`) and the GPU share is a fixed
+    short of the pipeline's minimum with the grads in host memory and not without (`host_short`), or
+    the host cache would spill subgroups to the tiers with them there and hold more without
+    (`host_spills`; the caller weighs both plans) and the GPU share is a fixed
     fraction (gpu_fraction="auto" gives the GPU's room to state, which saves the tiers as many bytes
     and the CPU its update too). Their host memory then goes to the cache. Else "host_bf16", which
     stages them during backward."""
