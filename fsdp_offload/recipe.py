@@ -3,6 +3,7 @@ and what the planner plans, read by one function so that both see the same run."
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -76,9 +77,23 @@ def to_dataclass(cls, node: DictConfig | dict, option: str):
     return dataclass_from(cls, OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node, option)
 
 
+SECTIONS = ("model", "offload", "data", "train", "checkpoint")  # the composed config's top-level keys
+
+
+def check_sections(cfg: DictConfig) -> None:
+    """A top-level key of the composed config that no section reads is an error: Hydra's answer to a
+    misspelt option (`modle=1b`) is to suggest appending it (`+modle=1b`), which would then be ignored."""
+    for key in cfg.keys():
+        if key not in SECTIONS:
+            close = difflib.get_close_matches(str(key), SECTIONS, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the sections are {', '.join(SECTIONS)}"
+            raise ValueError(f"{key}: not an option of the recipes, and nothing would read it; {hint}")
+
+
 @job_wide
 def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, OffloadRecipe, CheckpointConfig]:
     """The composed config as its dataclasses, checked (train.py and the planner read it the same way)."""
+    check_sections(cfg)
     tcfg = to_dataclass(TrainConfig, cfg.train, "train")
     margs = to_dataclass(LlamaArgs, cfg.model, "model")
     dcfg = to_dataclass(DataConfig, cfg.data, "data")

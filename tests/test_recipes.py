@@ -68,6 +68,19 @@ def test_every_option_is_settable_without_a_plus_and_typos_are_refused(offload):
         composed(f"offload={offload}", "offload.tierz=1")
 
 
+@pytest.mark.bad_input
+def test_an_appended_key_that_nothing_reads_is_refused_naming_the_close_section():
+    """Hydra answers `modle=1b` with "To append to your config use +modle=1b"; done, the key would be
+    ignored and the run would train the default model."""
+    from fsdp_offload.recipe import read_config
+
+    with pytest.raises(ValueError, match=r"^modle: not an option of the recipes, and nothing would read it; did you mean model\?"):
+        read_config(composed("+modle=1b"))
+    with pytest.raises(ValueError, match="the sections are model, offload, data, train, checkpoint"):
+        read_config(composed("+zzz=1"))
+    read_config(composed("+experiment=baseline"))  # an experiment merges into the sections: no key of its own
+
+
 @pytest.mark.parametrize(
     "overrides, overlap",
     [
