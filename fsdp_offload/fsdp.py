@@ -127,8 +127,8 @@ def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.T
     """Hooks that hand each param's reduced grad shard to the optimizer and free it, leaving a HeldGrad
     in `p.grad`, which refuses every read with an error naming the optimizer's own clip (with None
     there torch's clip_grad_norm_ would see no grad and clip nothing). A grad that finds `p.grad` empty
-    goes to `fresh(index, local_grad)` (the step's first, or the first after p.grad was cleared); the
-    next backward's, which FSDP2 adds to the HeldGrad, goes to `added(index, local_grad)`.
+    or zeroed goes to `fresh(index, local_grad)` (the step's first, or the first after p.grad was
+    cleared); the next backward's, which FSDP2 adds to the HeldGrad, goes to `added(index, local_grad)`.
 
     FSDP2 runs these on its post-reduce stream, right after the reduction that made the grad, so the
     optimizer queues its copies there: they wait for nothing else, backward's compute never waits for
@@ -145,15 +145,17 @@ def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.T
             added(index, local)
             keep_until_used(local)
 
+        def restart(local: torch.Tensor) -> None:
+            fresh(index, local)
+            keep_until_used(local)
+
         # Runs once per param in the middle of backward, so it is kept to a few calls.
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if is_held(grad):
-                return  # FSDP2 added this backward's grad to the held one: `take` has handed it in
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            fresh(index, local)
-            keep_until_used(local)
-            param.grad = held_like(grad, micro_batches, take)
+                return  # FSDP2 added this backward's grad to the held one: `take` (or `restart`) has handed it in
+            restart(grad.to_local() if isinstance(grad, DTensor) else grad)
+            param.grad = held_like(grad, micro_batches, take, restart)
 
         return hook
 

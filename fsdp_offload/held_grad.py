@@ -7,12 +7,16 @@ torchtitan's and HF's clipping, a NaN check or a user's own clip would see no gr
 and clip nothing, silently (after the last micro-batch, or after fewer backwards than
 offload.micro_batches). A grad written in place would be lost the same way.
 
-One operation is taken rather than refused: adding a grad to it in place, which is what FSDP2 does
-with the next backward's grad while `p.grad` is set. The added grad goes to the optimizer (`take`),
-which sums it in FP32 as it sums every micro-batch. A `p.grad` cleared between backwards
-(model.zero_grad()) leaves None there, so the next backward's grad comes in fresh and the optimizer
-drops the earlier ones, as torch does. The optimizer sets `p.grad` back to None when the step
-consumes the grads (step() and zero_grad()).
+Two operations are taken rather than refused: adding a grad to it in place, which is what FSDP2 does
+with the next backward's grad while `p.grad` is set, and zeroing it. The added grad goes to the
+optimizer (`take`), which sums it in FP32 as it sums every micro-batch. A `p.grad` cleared between
+backwards (model.zero_grad(): None, or zeroed with set_to_none=False) makes the next backward's grad
+come in fresh (`restart`), and the optimizer drops the earlier ones, as torch does.
+
+step() uses the grads but leaves the HeldGrad, marked consumed: torch would add the next backward's
+grads to them until a zero_grad(), which the optimizer cannot do once it has stepped with them, so a
+backward that finds it still there is an error naming zero_grad(). zero_grad() (the optimizer's or the
+model's) clears it, as torch's does.
 """
 
 from __future__ import annotations
@@ -28,14 +32,42 @@ _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 
 
+_ZERO_IN_PLACE = torch.ops.aten.zero_.default
+
+
+class GradHold:
+    """What one param's HeldGrad (and every alias autograd or DTensor makes of it) shares: where an
+    added grad goes, and whether the grad was zeroed or consumed by a step since."""
+
+    def __init__(self, micro_batches: int, take: Callable[[torch.Tensor], None], restart: Callable[[torch.Tensor], None]) -> None:
+        self.micro_batches = micro_batches
+        self.take = take  # a grad added in place, summed with the ones before it
+        self.restart = restart  # a grad added after p.grad was zeroed: the first again
+        self.cleared = False
+        self.consumed = False  # step() has used the grads
+
+    def add(self, grad: torch.Tensor) -> None:
+        if self.cleared:
+            self.cleared = self.consumed = False
+            self.restart(grad)
+        elif self.consumed:
+            raise RuntimeError(
+                "a backward after step() with no zero_grad() in between: torch would add its grads to the ones the "
+                "step used, and keep summing them into the next step; OffloadAdamW consumed those at step(). Call "
+                "opt.zero_grad() (or model.zero_grad()) after step(); to sum several backwards into one step, call "
+                f"step() once per offload.micro_batches={self.micro_batches} backward call(s)"
+            )
+        else:
+            self.take(grad)
+
+
 class HeldGrad(torch.Tensor):
     """A grad OffloadAdamW holds: the shape, dtype and device of the real one, no storage."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, micro_batches: int, take: Callable[[torch.Tensor], None]) -> HeldGrad:
+    def __new__(cls, like: torch.Tensor, hold: GradHold) -> HeldGrad:
         held = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device)
-        held.micro_batches = micro_batches
-        held.take = take  # hands a grad added in place to the optimizer
+        held.hold = hold
         return held
 
     def __repr__(self) -> str:
@@ -45,13 +77,17 @@ class HeldGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         held = next(a for a in _flat(args, kwargs) if isinstance(a, HeldGrad))
         if func in _METADATA_OPS:
-            return HeldGrad(held, held.micro_batches, held.take)
+            return HeldGrad(held, held.hold)
         if func is _ADD_IN_PLACE and args[0] is held and _takeable(args[1], held, kwargs):
-            held.take(args[1])  # the next backward's grad (FSDP2 adds it to p.grad): summed by the optimizer
+            held.hold.add(args[1])  # the next backward's grad (FSDP2 adds it to p.grad): summed by the optimizer
             return held
+        if func is _ZERO_IN_PLACE and args[0] is held:  # model.zero_grad(set_to_none=False): the next grad starts afresh
+            held.hold.cleared = True
+            return held
+        when = "the step has used" if held.hold.consumed else "OffloadAdamW took"
         raise RuntimeError(
-            f"{func.__name__} on a param's grad: OffloadAdamW took this step's grads during backward (summed in FP32 "
-            f"over offload.micro_batches={held.micro_batches} backward call(s)), so p.grad cannot be read or changed "
+            f"{func.__name__} on a param's grad: {when} this step's grads during backward (summed in FP32 "
+            f"over offload.micro_batches={held.hold.micro_batches} backward call(s)), so p.grad cannot be read or changed "
             "here and torch's clip_grad_norm_/get_total_norm would see nothing. Clip with opt.clip_grad_norm_(max_norm) "
             "(it returns the global norm) or offload.max_grad_norm, and read the last norm from opt.last_grad_norm"
         )
@@ -63,22 +99,37 @@ def _takeable(added: object, held: HeldGrad, kwargs: dict | None) -> bool:
             and added.dtype == held.dtype and not kwargs)  # fmt: skip
 
 
-def held_like(grad: torch.Tensor, micro_batches: int, take: Callable[[torch.Tensor], None]) -> torch.Tensor:
+def held_like(grad: torch.Tensor, micro_batches: int, take: Callable[[torch.Tensor], None],
+              restart: Callable[[torch.Tensor], None]) -> torch.Tensor:  # fmt: skip
     """A HeldGrad standing for `grad` (a DTensor stays a DTensor, its local part held); a grad added to it
-    in place goes to `take` (its local part)."""
+    in place goes to `take` (its local part), or to `restart` after the HeldGrad was zeroed."""
+    hold = GradHold(micro_batches, take, restart)
     if not isinstance(grad, DTensor):
-        return HeldGrad(grad, micro_batches, take)
+        return HeldGrad(grad, hold)
     spec = DTensorSpec(grad.device_mesh, grad.placements, tensor_meta=TensorMeta(grad.shape, grad.stride(), grad.dtype))
-    return DTensor(HeldGrad(grad.to_local(), micro_batches, take), spec, requires_grad=False)
+    return DTensor(HeldGrad(grad.to_local(), hold), spec, requires_grad=False)
+
+
+def _held(grad: torch.Tensor | None) -> HeldGrad | None:
+    local = grad._local_tensor if isinstance(grad, DTensor) else grad  # (to_local() would run an op on it)
+    return local if isinstance(local, HeldGrad) else None
 
 
 def is_held(grad: torch.Tensor | None) -> bool:
-    local = grad._local_tensor if isinstance(grad, DTensor) else grad  # (to_local() would run an op on it)
-    return isinstance(local, HeldGrad)
+    return _held(grad) is not None
+
+
+def consume_held_grads(params: list[torch.Tensor]) -> None:
+    """Marks the HeldGrads of `params` consumed: the step has used their grads, and a backward before
+    the next zero_grad() would have torch sum into them."""
+    for p in params:
+        held = _held(p.grad)
+        if held is not None:
+            held.hold.consumed, held.hold.cleared = True, False
 
 
 def release_held_grads(params: list[torch.Tensor]) -> None:
-    """Sets the HeldGrads of `params` back to None: the step consumed (or zero_grad() dropped) the grads."""
+    """Sets the HeldGrads of `params` back to None: zero_grad() dropped the grads, or the optimizer closed."""
     for p in params:
         if p.grad is not None and is_held(p.grad):
             p.grad = None

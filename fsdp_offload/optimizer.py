@@ -23,7 +23,7 @@ from .fsdp import (
     CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
     root_fsdp_module,
 )  # fmt: skip
-from .held_grad import release_held_grads
+from .held_grad import consume_held_grads, release_held_grads
 from .kernels import get_adamw_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
@@ -273,7 +273,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._no_grad_steps.skip()
         if has_step_post_hooks(self):  # they read params as torch leaves them: updated
             self.engine.finish_update()
-        release_held_grads(self._params)  # the step has the grads: p.grad is None again, as after torch's zero_grad()
+        consume_held_grads(self._params)  # a backward before the next zero_grad() would sum into them: refused
         return loss
 
     def finish_update(self) -> None:

@@ -123,25 +123,28 @@ def test_gpu_sums_need_several_micro_batches():
 
 
 def cleared_between_backwards(rank: int, world: int, tmp: str) -> None:
-    """model.zero_grad() between two backwards drops the first one's grads, as torch does; close() leaves
-    no held grad behind."""
+    """model.zero_grad() between two backwards (p.grad set to None, or zeroed in place) drops the first
+    one's grads, as torch does; close() leaves no held grad behind."""
     from test_fsdp import batch, build_model, loss_of
 
-    def trained(clear_first: bool) -> list[torch.Tensor]:
+    def trained(set_to_none: bool | None) -> list[torch.Tensor]:
         model = build_model(rank)
         opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
-        if clear_first:
+        if set_to_none is not None:
             loss_of(model, batch(rank, 0)).backward()  # a bad batch, dropped
-            model.zero_grad()
+            model.zero_grad(set_to_none=set_to_none)
         loss_of(model, batch(rank, 1)).backward()
         opt.step()
         masters = [t.clone() for t in opt.full_fp32_state_dict(rank0_only=False).values()]
+        opt.zero_grad()
         loss_of(model, batch(rank, 2)).backward()
         opt.close()
         assert all(p.grad is None for p in model.parameters()), "close() left held grads"
         return masters
 
-    assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False)))
+    kept = trained(None)
+    for set_to_none in (True, False):
+        assert all(torch.equal(a, b) for a, b in zip(trained(set_to_none), kept)), set_to_none
 
 
 def test_a_cleared_grad_is_dropped_as_torch_drops_it(tmp_path):

@@ -3,7 +3,8 @@
 On 2 gloo ranks, with the update in flight on a slow (throttled) tier: `model.state_dict()`, torch's
 `get_model_state_dict`, a step post-hook (the optimizer's own and torch's global one) and an eval
 forward all see the updated params, as with torch's AdamW, while a loop that reads nothing is not
-made to wait; `full_fp32_state_dict()` works after an eval forward; step() consumes the grads. A
+made to wait; `full_fp32_state_dict()` works after an eval forward; step() consumes the grads, and a
+backward after it with no zero_grad() (torch would sum into them) is refused. A
 frozen param passed in is refused before anything is cast, a trainable one left out beside cast params
 is refused by name. On plain params: a step with no grads does nothing (said once), `opt.state[p]`
 refuses writes, copy/pickle refuse clearly.
@@ -27,6 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
+from fsdp_offload.held_grad import is_held
 
 
 def slow_optimizer(model: torch.nn.Module, tier: str) -> OffloadAdamW:
@@ -43,7 +45,8 @@ def raw_params(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def step_on(model, opt, rank: int, step: int) -> list[torch.Tensor]:
-    """A backward and step(); the params before the step."""
+    """zero_grad(), a backward and step(); the params before the step."""
+    opt.zero_grad()
     loss_of(model, batch(rank, step)).backward()
     before = raw_params(model)
     opt.step()
@@ -65,7 +68,7 @@ def reads_after_step(rank: int, world: int, tmp: str) -> None:
     step_on(model, opt, rank, 0)
     # nothing reads: step() returns with the update in flight (no extra wait in the training loop)
     assert opt.engine.inflight.busy
-    assert all(p.grad is None for p in model.parameters())  # consumed: no zero_grad() needed, nothing summed
+    assert all(is_held(p.grad) for p in model.parameters())  # consumed, until a zero_grad()
     # model.state_dict()
     before = step_on(model, opt, rank, 1)
     sd = [local_data(t).clone() for t in model.state_dict().values() if t.is_floating_point() and t.dtype == torch.bfloat16]
@@ -107,6 +110,37 @@ def reads_after_step(rank: int, world: int, tmp: str) -> None:
     opt.close()
 
 
+def backward_after_step(rank: int, world: int, tmp: str) -> None:
+    clears = {"opt.zero_grad()": lambda model, opt: opt.zero_grad(), "model.zero_grad()": lambda model, opt: model.zero_grad(),
+              "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False)}  # fmt: skip
+    runs = {}
+    for name, clear in [*clears.items(), ("no zero_grad()", None)]:
+        model = build_model(rank)
+        os.makedirs(f"{tmp}/tier{len(runs)}_{rank}")
+        cfg = OffloadConfig(tiers=[f"posix:{tmp}/tier{len(runs)}_{rank}"], host_budget_gb=(2 * 40 * SG + 3 * 12 * SG) / 2**30,
+                            subgroup_numel=SG, kernel="torch")  # fmt: skip
+        opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
+        losses = []
+        for step in range(3):
+            loss = loss_of(model, batch(rank, step))
+            if clear is None and step == 1:  # torch would add these grads to step 0's: refused, naming the fix
+                with pytest.raises(RuntimeError, match=r"a backward after step\(\) with no zero_grad\(\) in between.*opt\.zero_grad\(\)"):
+                    loss.backward()
+                return
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            assert all(is_held(p.grad) for p in model.parameters())  # consumed, not None: torch would still hold them
+            if clear is not None:
+                clear(model, opt)
+        opt.finish_update()
+        runs[name] = (losses, raw_params(model))
+        for other, (want_losses, want_params) in runs.items():  # each way of clearing: the same run, bit for bit
+            assert losses == want_losses, (name, other)
+            same(runs[name][1], want_params, f"{name} against {other}")
+        opt.close()
+
+
 def frozen_params(rank: int, world: int, tmp: str) -> None:
     model = build_model(rank)
     frozen = model.layers[0].attention.wq.weight
@@ -133,6 +167,10 @@ def frozen_params(rank: int, world: int, tmp: str) -> None:
 
 def test_reads_right_after_step_see_the_updated_params(tmp_path):
     run_ranks(2, reads_after_step, str(tmp_path))
+
+
+def test_a_backward_after_step_needs_a_zero_grad_of_either_kind_first(tmp_path):
+    run_ranks(2, backward_after_step, str(tmp_path))
 
 
 def test_frozen_params_are_left_as_they_are_and_exported(tmp_path):
