@@ -209,3 +209,24 @@ def install_forward_waits(units: list[list[nn.Module]], wait: Callable[[int], No
 
     return [m.register_forward_pre_hook(make_hook(u, m), prepend=True) for u, modules in enumerate(units) for m in modules]
 
+
+def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> list:
+    """Forward pre-hooks that refuse a training forward while FSDP2's gradient sync is off
+    (`set_requires_gradient_sync(False)`, which accelerate's `accumulate()` and `no_sync` call): FSDP2
+    would then sum the micro-batches' unsharded grads in the params' low precision and reduce-scatter
+    once, where the optimizer sums every backward's grads in FP32, as torch AdamW's FP32 grads are."""
+
+    def check(module: nn.Module, _args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return  # no grads come of it
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
+        if any(not g.reduce_grads for g in groups):
+            raise RuntimeError(
+                f"{type(module).__name__}: a forward with FSDP2's gradient sync off (set_requires_gradient_sync(False), "
+                "or accelerate's accumulate()/no_sync): FSDP2 would sum the micro-batches' grads in the params' "
+                "low precision, not in FP32 as OffloadAdamW sums them. Leave the sync on and let the optimizer sum "
+                f"the backwards (offload.micro_batches, now {micro_batches}); with accelerate, "
+                "GradientAccumulationPlugin(sync_each_batch=True)"
+            )
+
+    return [m.register_forward_pre_hook(check, prepend=True) for modules in units for m in modules]  # before FSDP2 gathers

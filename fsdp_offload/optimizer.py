@@ -20,8 +20,8 @@ import torch
 from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
-    CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, local_data, mesh_group,
-    root_fsdp_module,
+    CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, install_sync_checks,
+    local_data, mesh_group, root_fsdp_module,
 )  # fmt: skip
 from .held_grad import consume_held_grads, release_held_grads
 from .kernels import get_adamw_kernel
@@ -160,6 +160,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
+            self._hooks += install_sync_checks([modules for modules, _ in units], cfg.micro_batches)
             self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
@@ -205,7 +206,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if getattr(self, "_frozen", False):
             raise RuntimeError(
                 "OffloadAdamW lays out its subgroups when it is built; params cannot be added later. "
-                "Build a new optimizer over all params"
+                "Pass every param group to its constructor (OffloadAdamW([{'params': ...}, {'params': ..., 'lr': ...}], ...))"
             )
         refuse_torch_options(**{k: param_group[k] for k in TORCH_OPTIONS if k in param_group})
         check_hyperparameters(param_group, f"param group {len(self.param_groups)}")

@@ -4,7 +4,8 @@ On 2 gloo ranks, with the update in flight on a slow (throttled) tier: `model.st
 `get_model_state_dict`, a step post-hook (the optimizer's own and torch's global one) and an eval
 forward all see the updated params, as with torch's AdamW, while a loop that reads nothing is not
 made to wait; `full_fp32_state_dict()` works after an eval forward; step() consumes the grads, and a
-backward after it with no zero_grad() (torch would sum into them) is refused. A
+backward after it with no zero_grad() (torch would sum into them) is refused, and so is a forward with
+FSDP2's gradient sync off (its low-precision sums). A
 frozen param passed in is refused before anything is cast, a trainable one left out beside cast params
 is refused by name. On plain params: a step with no grads does nothing (said once), `opt.state[p]`
 refuses writes, copy/pickle refuse clearly.
@@ -141,6 +142,21 @@ def backward_after_step(rank: int, world: int, tmp: str) -> None:
         opt.close()
 
 
+def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2))
+    model.set_requires_gradient_sync(False)  # as accelerate's accumulate() does for all micro-batches but the last
+    with torch.no_grad():
+        loss_of(model, batch(rank, 0))  # an eval forward makes no grads: let be
+    with pytest.raises(RuntimeError, match=r"gradient sync off.*Leave the sync on.*offload\.micro_batches, now 2.*sync_each_batch=True"):
+        loss_of(model, batch(rank, 0))
+    model.set_requires_gradient_sync(True)
+    for micro in range(2):  # the sync on: the optimizer sums both backwards in FP32
+        loss_of(model, batch(rank, micro)).backward()
+    opt.step()
+    opt.close()
+
+
 def frozen_params(rank: int, world: int, tmp: str) -> None:
     model = build_model(rank)
     frozen = model.layers[0].attention.wq.weight
@@ -171,6 +187,10 @@ def test_reads_right_after_step_see_the_updated_params(tmp_path):
 
 def test_a_backward_after_step_needs_a_zero_grad_of_either_kind_first(tmp_path):
     run_ranks(2, backward_after_step, str(tmp_path))
+
+
+def test_fsdp2_gradient_sync_off_is_refused_naming_the_optimizers_own_accumulation(tmp_path):
+    run_ranks(2, no_sync_accumulation, str(tmp_path))
 
 
 def test_frozen_params_are_left_as_they_are_and_exported(tmp_path):
