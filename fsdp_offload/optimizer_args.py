@@ -3,13 +3,17 @@ refuses (each with why), and the params it can own. (The `offload=` config is co
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .fsdp import local_data
 from .torch_idioms import refuse_accelerate_fsdp2
+
+log = logging.getLogger(__name__)
 
 CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
 TORCH_OPTIONS = {
@@ -103,8 +107,10 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     all-gathers a unit of mixed dtypes as bytes.)"""
     mine = {id(p) for p in params}
     names = {id(p): n for n, p in model.named_parameters()}
+    uncast = []  # units of none of this optimizer's params that compute trainable params in another dtype
     for modules, unit_params in units:
         if not any(id(p) in mine for p in unit_params):
+            uncast += uncast_params(modules, [p for p in unit_params if p.requires_grad], param_dtype, names)
             continue
         for p in unit_params:
             if id(p) not in mine and p.requires_grad and p.dtype != param_dtype:
@@ -114,3 +120,31 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
+    warn_uncast(uncast, param_dtype)
+
+
+def uncast_params(modules: list[torch.nn.Module], trainable: list[torch.nn.Parameter], param_dtype: torch.dtype,
+                  names: dict[int, str]) -> list[str]:  # fmt: skip
+    """The first trainable param of a unit that computes in another dtype than `param_dtype` (its own,
+    where its MixedPrecisionPolicy sets none), described; or nothing."""
+    policy = getattr(modules[0]._get_fsdp_state(), "_mp_policy", None)
+    computes_in = getattr(policy, "param_dtype", None)
+    other = [p for p in trainable if (computes_in or p.dtype) != param_dtype]
+    if not other:
+        return []
+    return [f"{names.get(id(other[0]), tuple(other[0].shape))} in {type(modules[0]).__name__}, computed in {computes_in or other[0].dtype}"]
+
+
+def warn_uncast(uncast: list[str], param_dtype: torch.dtype) -> None:
+    """A unit none of whose params are this optimizer's (another optimizer's, say) computes in its params'
+    dtype unless its MixedPrecisionPolicy says otherwise: trainable FP32 params there, beside units
+    this optimizer casts, make most forwards fail on mixed dtypes (a matmul of FP32 and bf16), with an
+    error that does not say why. Said once, at construction, by rank 0."""
+    if not uncast or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    log.warning(
+        "FSDP units hold trainable params this optimizer does not manage, computed in another dtype than the %s of "
+        "the units it manages (%s): a forward that mixes them fails on the dtypes. Give those units "
+        "MixedPrecisionPolicy(param_dtype=%s) in fully_shard, or pass their params to this optimizer",
+        param_dtype, "; ".join(uncast), param_dtype,
+    )  # fmt: skip

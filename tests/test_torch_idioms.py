@@ -157,6 +157,22 @@ def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
     opt.close()
 
 
+def unit_left_to_another_optimizer(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("fsdp_offload.optimizer_args").addHandler(handler)
+    blocks = [p for name, p in model.named_parameters() if name.startswith("layers.")]  # the root unit's are left out
+    opt = OffloadAdamW(blocks, lr=3e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    if rank == 0:  # said once, by rank 0, naming the unit's fix
+        assert len(said) == 1 and "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in said[0], said
+        assert all(name in said[0] for name in ("tok_embeddings.weight", "norm.weight")), said  # (a unit by its first)
+    else:
+        assert said == []
+    opt.close()
+
+
 def frozen_params(rank: int, world: int, tmp: str) -> None:
     model = build_model(rank)
     frozen = model.layers[0].attention.wq.weight
@@ -191,6 +207,10 @@ def test_a_backward_after_step_needs_a_zero_grad_of_either_kind_first(tmp_path):
 
 def test_fsdp2_gradient_sync_off_is_refused_naming_the_optimizers_own_accumulation(tmp_path):
     run_ranks(2, no_sync_accumulation, str(tmp_path))
+
+
+def test_a_trainable_fp32_unit_left_to_another_optimizer_is_named_at_construction(tmp_path):
+    run_ranks(2, unit_left_to_another_optimizer, str(tmp_path))
 
 
 def test_frozen_params_are_left_as_they_are_and_exported(tmp_path):
