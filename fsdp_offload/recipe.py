@@ -33,16 +33,18 @@ class TrainConfig:
     tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
     progress: bool = True
     kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
+    profile_step: int | None = None  # this step run under torch.profiler: a trace per rank in the run dir
     collective_timeout_s: float = 1800  # a collective that waits longer fails (gloo/NCCL name it); ends a hung job
     watchdog_s: float | None = 60  # a rank silent this long is named in the log by the others; null or 0: no watchdog
 
     def __post_init__(self) -> None:  # a bad recipe fails here, before a process group or a model exists
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r}: choose auto, cpu or cuda")
-        counts = {"steps": 1, "micro_batches": 1, "log_every": 1, "warmup_steps": 0, "cpu_threads": 1, "kill_at_step": 0}
+        counts = {"steps": 1, "micro_batches": 1, "log_every": 1, "warmup_steps": 0, "cpu_threads": 1, "kill_at_step": 0,
+                  "profile_step": 0}  # fmt: skip
         for name, least in counts.items():
             value = getattr(self, name)
-            if value is None and name in ("cpu_threads", "kill_at_step"):  # null: not set
+            if value is None and name in ("cpu_threads", "kill_at_step", "profile_step"):  # null: not set
                 continue
             if not (is_whole(value) and value >= least):
                 raise ValueError(f"train.{name}={value!r} must be a whole number >= {least}")

@@ -244,7 +244,8 @@ def _run(cfg: DictConfig) -> list[dict]:
                         add_scalars(board, row)
 
         for step in range(start_step, tcfg.steps):
-            row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
+            with profiled(os.path.join(out_dir, f"trace_step{step}_rank{rank}"), device) if step == tcfg.profile_step else contextlib.nullcontext():
+                row = run_step(model, optimizer, batches, tcfg, recipe.config.max_grad_norm, device)
             lr = optimizer.param_groups[0]["lr"]  # the lr this step's update took
             scheduler.step()
             row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
@@ -283,6 +284,20 @@ def _run(cfg: DictConfig) -> list[dict]:
     if isinstance(optimizer, OffloadAdamW):
         optimizer.close()
     return rows
+
+
+@contextlib.contextmanager
+def profiled(prefix: str, device: torch.device):
+    """One step under torch.profiler: `<prefix>.json` (a Chrome/Perfetto trace: the GPU's streams, the
+    copies and collectives, the CPU ops of the training thread) and `<prefix>.txt`, its ops by time."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    prof.export_chrome_trace(f"{prefix}.json")
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(f"{prefix}.txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+    log.info("profiled this step: %s.json", prefix)
 
 
 def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:

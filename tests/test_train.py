@@ -224,6 +224,7 @@ def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_pat
         (["checkpoint.dir={tmp}/afile"], "checkpoint.dir={tmp}/afile: {tmp}/afile is a file, not a directory"),
         (["checkpoint.dir={tmp}/afile/ck"], "checkpoint.dir={tmp}/afile/ck: {tmp}/afile is a file, not a directory"),
         (["offload.max_grad_norm=None"], "offload.max_grad_norm='None' must be a positive number, or null"),
+        (["train.profile_step=-1"], "train.profile_step=-1 must be a whole number >= 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
@@ -300,6 +301,14 @@ def test_tensorboard_gets_every_logged_row(tmp_path):
     losses = [e.value for e in board.Scalars("train/loss")]
     assert losses == pytest.approx([r["loss"] for r in rows(tmp_path / "run" / "metrics.jsonl")])
     assert {"train/update_s", "train/exposed_update_s", "train/bytes_read"} <= set(board.Tags()["scalars"])
+
+
+def test_a_profiled_step_leaves_its_trace_and_table_in_the_run_dir(tmp_path):
+    train(tmp_path / "run", "train.steps=3", "train.profile_step=1")
+    trace = json.loads((tmp_path / "run" / "trace_step1_rank0.json").read_text())
+    assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])  # the step's forward and backward ops
+    assert "aten::mm" in (tmp_path / "run" / "trace_step1_rank0.txt").read_text()
+    assert not list((tmp_path / "run").glob("trace_step0*")) and not list((tmp_path / "run").glob("trace_step2*"))
 
 
 def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
