@@ -210,23 +210,48 @@ def install_forward_waits(units: list[list[nn.Module]], wait: Callable[[int], No
     return [m.register_forward_pre_hook(make_hook(u, m), prepend=True) for u, modules in enumerate(units) for m in modules]
 
 
+def _param_groups(module: nn.Module) -> list:
+    """FSDP2's param groups of a unit (its private state: checked where the hooks are installed, so a
+    torch that renamed it fails then, by name, rather than the checks going quiet)."""
+    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+    if groups is None or any(not hasattr(g, "reduce_grads") for g in groups):
+        raise RuntimeError(f"this torch ({torch.__version__}) keeps FSDP2's gradient-sync state elsewhere: fsdp_offload "
+                           "cannot check it; use torch 2.11-2.13")  # fmt: skip
+    return groups
+
+
+def _sync_off_error(module: nn.Module, when: str, micro_batches: int) -> RuntimeError:
+    return RuntimeError(
+        f"{type(module).__name__}: {when} with FSDP2's gradient sync off (set_requires_gradient_sync(False), or "
+        "accelerate's accumulate()/no_sync): FSDP2 would sum the micro-batches' grads in the params' low precision, "
+        "not in FP32 as OffloadAdamW sums them. Leave the sync on and let the optimizer sum the backwards "
+        f"(offload.micro_batches, now {micro_batches}); with accelerate, GradientAccumulationPlugin(sync_each_batch=True)"
+    )
+
+
 def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> list:
-    """Forward pre-hooks that refuse a training forward while FSDP2's gradient sync is off
-    (`set_requires_gradient_sync(False)`, which accelerate's `accumulate()` and `no_sync` call): FSDP2
-    would then sum the micro-batches' unsharded grads in the params' low precision and reduce-scatter
-    once, where the optimizer sums every backward's grads in FP32, as torch AdamW's FP32 grads are."""
+    """Forward pre-hooks on the units that hold the optimizer's params that refuse a training forward
+    while FSDP2's gradient sync is off (`set_requires_gradient_sync(False)`, which accelerate's
+    `accumulate()` and `no_sync` call): FSDP2 would then sum the micro-batches' unsharded grads in the
+    params' low precision and reduce-scatter once, where the optimizer sums every backward's grads in
+    FP32, as torch AdamW's FP32 grads are. (`check_grads_synced` catches the sync turned off after the
+    forward, at the step.)"""
+    for modules in units:
+        _param_groups(modules[0])
 
     def check(module: nn.Module, _args: tuple) -> None:
-        if not torch.is_grad_enabled():
-            return  # no grads come of it
-        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
-        if any(not g.reduce_grads for g in groups):
-            raise RuntimeError(
-                f"{type(module).__name__}: a forward with FSDP2's gradient sync off (set_requires_gradient_sync(False), "
-                "or accelerate's accumulate()/no_sync): FSDP2 would sum the micro-batches' grads in the params' "
-                "low precision, not in FP32 as OffloadAdamW sums them. Leave the sync on and let the optimizer sum "
-                f"the backwards (offload.micro_batches, now {micro_batches}); with accelerate, "
-                "GradientAccumulationPlugin(sync_each_batch=True)"
-            )
+        if torch.is_grad_enabled() and any(not g.reduce_grads for g in _param_groups(module)):
+            raise _sync_off_error(module, "a forward", micro_batches)
 
     return [m.register_forward_pre_hook(check, prepend=True) for modules in units for m in modules]  # before FSDP2 gathers
+
+
+def check_grads_synced(units: list[list[nn.Module]], micro_batches: int) -> None:
+    """Raises where a backward left grads unreduced in a unit (its sync turned off after the forward):
+    the optimizer never got them, and FSDP2 would add the next backward's to them in low precision."""
+    for modules in units:
+        for group in _param_groups(modules[0]):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                    raise _sync_off_error(modules[0], "a backward", micro_batches)

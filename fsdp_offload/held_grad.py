@@ -14,9 +14,11 @@ backwards (model.zero_grad(): None, or zeroed with set_to_none=False) makes the 
 come in fresh (`restart`), and the optimizer drops the earlier ones, as torch does.
 
 step() uses the grads but leaves the HeldGrad, marked consumed: torch would add the next backward's
-grads to them until a zero_grad(), which the optimizer cannot do once it has stepped with them, so a
-backward that finds it still there is an error naming zero_grad(). zero_grad() (the optimizer's or the
-model's) clears it, as torch's does.
+grads to them until a zero_grad(), which the optimizer cannot do once it has stepped with them. A
+backward that finds it still there hands its grad to no one and marks it refused; the next step()
+(or clip) raises, naming zero_grad(), before it changes anything. (Raising in the hook itself would
+stop FSDP2's backward half-way and leave its state for the next one to trip over.) zero_grad() (the
+optimizer's or the model's) clears it, as torch's does.
 """
 
 from __future__ import annotations
@@ -45,18 +47,14 @@ class GradHold:
         self.restart = restart  # a grad added after p.grad was zeroed: the first again
         self.cleared = False
         self.consumed = False  # step() has used the grads
+        self.refused = False  # a backward came after step() with no zero_grad(): its grad was not taken
 
     def add(self, grad: torch.Tensor) -> None:
         if self.cleared:
-            self.cleared = self.consumed = False
+            self.cleared = self.consumed = self.refused = False
             self.restart(grad)
         elif self.consumed:
-            raise RuntimeError(
-                "a backward after step() with no zero_grad() in between: torch would add its grads to the ones the "
-                "step used, and keep summing them into the next step; OffloadAdamW consumed those at step(). Call "
-                "opt.zero_grad() (or model.zero_grad()) after step(); to sum several backwards into one step, call "
-                f"step() once per offload.micro_batches={self.micro_batches} backward call(s)"
-            )
+            self.refused = True
         else:
             self.take(grad)
 
@@ -82,7 +80,7 @@ class HeldGrad(torch.Tensor):
             held.hold.add(args[1])  # the next backward's grad (FSDP2 adds it to p.grad): summed by the optimizer
             return held
         if func is _ZERO_IN_PLACE and args[0] is held:  # model.zero_grad(set_to_none=False): the next grad starts afresh
-            held.hold.cleared = True
+            held.hold.cleared, held.hold.refused = True, False
             return held
         when = "the step has used" if held.hold.consumed else "OffloadAdamW took"
         raise RuntimeError(
@@ -119,13 +117,33 @@ def is_held(grad: torch.Tensor | None) -> bool:
     return _held(grad) is not None
 
 
+def is_zeroed(grad: torch.Tensor | None) -> bool:
+    """A HeldGrad zeroed in place (model.zero_grad(set_to_none=False)) since its last grad."""
+    held = _held(grad)
+    return held is not None and held.hold.cleared
+
+
+def refuse_backwards_after_step(params: list[torch.Tensor]) -> None:
+    """Raises, before a step or clip changes anything, where a backward came after the last step() with
+    no zero_grad() between (torch would have summed its grads into the ones that step used)."""
+    refused = [p for p in params if (held := _held(p.grad)) is not None and held.hold.refused]
+    if refused:
+        micro_batches = _held(refused[0].grad).hold.micro_batches
+        raise RuntimeError(
+            "a backward after step() with no zero_grad() in between: torch would add its grads to the ones the last "
+            "step used and step with the sum; OffloadAdamW consumed those at step(), so this backward's grads were "
+            "not taken. Call opt.zero_grad() (or model.zero_grad()) after step() and run that backward again; to sum "
+            f"several backwards into one step, call step() once per offload.micro_batches={micro_batches} backward call(s)"
+        )
+
+
 def consume_held_grads(params: list[torch.Tensor]) -> None:
     """Marks the HeldGrads of `params` consumed: the step has used their grads, and a backward before
     the next zero_grad() would have torch sum into them."""
     for p in params:
         held = _held(p.grad)
         if held is not None:
-            held.hold.consumed, held.hold.cleared = True, False
+            held.hold.consumed, held.hold.cleared, held.hold.refused = True, False, False
 
 
 def release_held_grads(params: list[torch.Tensor]) -> None:

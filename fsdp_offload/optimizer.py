@@ -20,10 +20,10 @@ import torch
 from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
-    CopyStream, cast_params, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks, install_sync_checks,
-    local_data, mesh_group, root_fsdp_module,
+    CopyStream, cast_params, check_grads_synced, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks,
+    install_sync_checks, local_data, mesh_group, root_fsdp_module,
 )  # fmt: skip
-from .held_grad import consume_held_grads, release_held_grads
+from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
 from .kernels import get_adamw_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
@@ -34,7 +34,8 @@ from .state_dicts import OptimizerStates
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
 from .torch_idioms import (
-    NoGradSteps, check_params_unswapped, has_step_post_hooks, install_state_dict_waits, refuse_copy, step_has_grads,
+    NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, install_state_dict_waits, refuse_copy,
+    step_has_grads,
 )  # fmt: skip
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,9 +54,10 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     which also hooks each sharded param so its grad shard goes to host memory as soon as it is reduced.
 
-    `step()` consumes the grads, as `zero_grad()` would: with model=, p.grad is None after it, so a
-    loop that skips `zero_grad()` does not sum one step's grads into the next one's as torch would
-    (sum micro-batches within a step with `offload.micro_batches`). A step with no grads does nothing.
+    `step()` consumes the grads: with model=, a backward after it with no `zero_grad()` in between
+    (where torch would sum into the grads the step used) makes the next `step()` raise, naming
+    `zero_grad()` (sum micro-batches within a step with `offload.micro_batches`). A step with no grads
+    does nothing.
     The update runs after `step()` returns; what reads the params waits for it (a forward per FSDP
     unit, `model.state_dict()`, step post-hooks); code reading params directly calls `finish_update()`.
 
@@ -154,13 +156,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                             then=self._states.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
         self._hooks: list = []  # removed at close(): a closed optimizer takes no grads
+        self._sync_units: list[list[torch.nn.Module]] = []  # the FSDP units holding its params (none without model=)
         self._no_grad_steps = NoGradSteps()
         if model is not None:
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
-            self._hooks += install_sync_checks([modules for modules, _ in units], cfg.micro_batches)
+            mine = {id(p) for p in self._params}
+            self._sync_units = [modules for modules, unit_params in units if any(id(p) in mine for p in unit_params)]
+            self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
             self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
@@ -246,7 +251,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         without `offload.max_grad_norm` sums the grads already staged; from then on the hooks take each
         grad's sum of squares where it is, as `max_grad_norm` does."""
         self._check_open()
+        self._check_backwards()
         return self.engine.clip(max_norm, norm_type, error_if_nonfinite)
+
+    def _check_backwards(self) -> None:
+        """Before a clip or step uses the grads: every backward since the last step handed its grads in
+        (none came after a step with no zero_grad() between, none was left unreduced by FSDP2), and a
+        p.grad the model cleared since is followed as torch would: set to None, the param is not
+        stepped; zeroed in place, it steps with zero grads."""
+        refuse_backwards_after_step(self._params)
+        check_grads_synced(self._sync_units, self.offload.micro_batches)
+        follow_cleared_grads(self._params, self.grads.backwards, self.engine)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""
@@ -262,6 +277,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         waited for, and the next call finishes the same step from the subgroup where it stopped."""
         self._check_open()
         check_params_unswapped(self.param_groups, self._params)
+        self._check_backwards()
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -33,7 +33,7 @@ class TrainConfig:
     tensorboard: bool = False  # also write rank 0's rows for TensorBoard under <run dir>/tensorboard
     progress: bool = True
     kill_at_step: int | None = None  # fault injection: SIGKILL this process after that step's checkpoint
-    profile_step: int | None = None  # this step run under torch.profiler: a trace per rank in the run dir
+    profile_step: int | None = None  # this step (from 0) run under torch.profiler: a trace per rank in the run dir
     collective_timeout_s: float = 1800  # a collective that waits longer fails (gloo/NCCL name it); ends a hung job
     watchdog_s: float | None = 60  # a rank silent this long is named in the log by the others; null or 0: no watchdog
 
@@ -54,6 +54,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (is_number(value) and value >= 0):
                 raise ValueError(f"train.{name}={value!r} must be a number >= 0")
+        if self.profile_step is not None and self.profile_step >= self.steps:
+            raise ValueError(f"train.profile_step={self.profile_step} is not a step of this run: steps count from 0, to "
+                             f"train.steps - 1 = {self.steps - 1}")  # fmt: skip
         if self.min_lr_ratio > 1:
             raise ValueError(f"train.min_lr_ratio={self.min_lr_ratio}: the cosine decays to lr * min_lr_ratio, which must "
                              "be in [0, 1] (1: a constant lr after warm-up)")  # fmt: skip
@@ -86,7 +89,7 @@ def check_sections(cfg: DictConfig) -> None:
     """A top-level key of the composed config that no section reads is an error: Hydra's answer to a
     misspelt option (`modle=1b`) is to suggest appending it (`+modle=1b`), which would then be ignored."""
     for key in cfg.keys():
-        if key not in SECTIONS:
+        if key not in SECTIONS and key != "hydra":  # (a config composed with return_hydra_config=True has Hydra's own)
             close = difflib.get_close_matches(str(key), SECTIONS, n=1)
             hint = f"did you mean {close[0]}?" if close else f"the sections are {', '.join(SECTIONS)}"
             raise ValueError(f"{key}: not an option of the recipes, and nothing would read it; {hint}")

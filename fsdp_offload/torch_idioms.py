@@ -1,6 +1,6 @@
 """Where OffloadAdamW meets torch idioms that would otherwise see something torch never shows: the
 update in flight (a model state dict or a step post-hook reading half-updated params), a step with
-no grads, a copied optimizer.
+no grads, grads the model cleared after backward, a copied optimizer.
 
 The update runs on a worker thread after `step()` returns. A forward waits per FSDP unit (fsdp.py's
 forward pre-hooks); what else reads the params waits here, and only when it reads: a state-dict
@@ -16,6 +16,9 @@ from typing import Callable
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
+
+from .fsdp import local_data
+from .held_grad import is_zeroed
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +110,23 @@ def check_params_unswapped(param_groups: list[dict], params: list[torch.Tensor])
             "the optimizer's param_groups hold other params than those OffloadAdamW was built on: its state "
             f"belongs to those. If this is {ACCELERATE_FSDP2}"
         )
+
+
+def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engine) -> None:
+    """model.zero_grad() between backward and step() (or a clip): torch does not step a param whose
+    p.grad it set to None, and steps one it zeroed in place with zero grads. The grads the hooks took
+    for such params are dropped, and zeros staged for the zeroed ones."""
+    cleared = [i for i, p in enumerate(params) if backwards[i] and (p.grad is None or is_zeroed(p.grad))]
+    if not cleared:
+        return
+    if engine.inflight is not None and engine.inflight.awaiting_grads:
+        raise RuntimeError(
+            "model.zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
+            "updated subgroups with these grads; call step() first"
+        )
+    for i in cleared:
+        zeroed = params[i].grad is not None
+        engine.grads.forget(i)
+        if zeroed:
+            local = local_data(params[i])
+            engine.stage_grad(i, torch.zeros(local.shape, dtype=local.dtype, device=local.device))

@@ -124,10 +124,16 @@ def backward_after_step(rank: int, world: int, tmp: str) -> None:
         losses = []
         for step in range(3):
             loss = loss_of(model, batch(rank, step))
-            if clear is None and step == 1:  # torch would add these grads to step 0's: refused, naming the fix
-                with pytest.raises(RuntimeError, match=r"a backward after step\(\) with no zero_grad\(\) in between.*opt\.zero_grad\(\)"):
-                    loss.backward()
-                return
+            if clear is None and step == 1:  # torch would add these grads to step 0's: refused, naming the fix, by the
+                loss.backward()  # step (raising in the hook would stop FSDP2's backward half-way)
+                want = r"a backward after step\(\) with no zero_grad\(\) in between.*opt\.zero_grad\(\)"
+                with pytest.raises(RuntimeError, match=want):
+                    opt.clip_grad_norm_(1.0)
+                with pytest.raises(RuntimeError, match=want):
+                    opt.step()
+                opt.zero_grad()  # then as the error says: that backward again, and on as a fixed loop goes
+                clear = clears["opt.zero_grad()"]
+                loss = loss_of(model, batch(rank, step))
             loss.backward()
             losses.append(loss.item())
             opt.step()
@@ -142,6 +148,40 @@ def backward_after_step(rank: int, world: int, tmp: str) -> None:
         opt.close()
 
 
+def cleared_before_step(rank: int, world: int, tmp: str) -> None:
+    def run(second: str) -> tuple[list[torch.Tensor], int]:
+        model = build_model(rank)
+        opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
+                           offload=OffloadConfig(kernel="torch", subgroup_numel=SG))  # fmt: skip
+        loss_of(model, batch(rank, 0)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss_of(model, batch(rank, 1))
+        (loss * 0 if second == "zero grads" else loss).backward()
+        if second == "set to None":
+            model.zero_grad()  # torch: these params take no step
+        elif second == "zeroed":
+            model.zero_grad(set_to_none=False)  # torch: a step with zero grads (moments decay, weight decay)
+        opt.step()
+        opt.finish_update()
+        out = (raw_params(model), opt.step_count)
+        opt.close()
+        return out
+
+    one_step, _ = run("set to None")
+    zeroed, steps = run("zeroed")
+    want, want_steps = run("zero grads")
+    assert steps == want_steps == 2
+    same(zeroed, want, "model.zero_grad(set_to_none=False) between backward and step()")
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    loss_of(model, batch(rank, 0)).backward()
+    opt.step()
+    opt.finish_update()
+    same(one_step, raw_params(model), "model.zero_grad() between backward and step(): no second step")
+    opt.close()
+
+
 def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
     model = build_model(rank)
     opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2))
@@ -151,9 +191,11 @@ def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(RuntimeError, match=r"gradient sync off.*Leave the sync on.*offload\.micro_batches, now 2.*sync_each_batch=True"):
         loss_of(model, batch(rank, 0))
     model.set_requires_gradient_sync(True)
-    for micro in range(2):  # the sync on: the optimizer sums both backwards in FP32
-        loss_of(model, batch(rank, micro)).backward()
-    opt.step()
+    loss = loss_of(model, batch(rank, 0))
+    model.set_requires_gradient_sync(False)  # off after the forward (accelerate's no_sync around backward alone)
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"a backward with FSDP2's gradient sync off"):
+        opt.step()
     opt.close()
 
 
@@ -203,6 +245,10 @@ def test_reads_right_after_step_see_the_updated_params(tmp_path):
 
 def test_a_backward_after_step_needs_a_zero_grad_of_either_kind_first(tmp_path):
     run_ranks(2, backward_after_step, str(tmp_path))
+
+
+def test_grads_the_model_clears_between_backward_and_step_are_followed_as_torch_would(tmp_path):
+    run_ranks(2, cleared_before_step, str(tmp_path))
 
 
 def test_fsdp2_gradient_sync_off_is_refused_naming_the_optimizers_own_accumulation(tmp_path):

@@ -225,6 +225,7 @@ def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_pat
         (["checkpoint.dir={tmp}/afile/ck"], "checkpoint.dir={tmp}/afile/ck: {tmp}/afile is a file, not a directory"),
         (["offload.max_grad_norm=None"], "offload.max_grad_norm='None' must be a positive number, or null"),
         (["train.profile_step=-1"], "train.profile_step=-1 must be a whole number >= 0"),
+        (["train.steps=3", "train.profile_step=3"], "train.profile_step=3 is not a step of this run: steps count from 0, to train.steps - 1 = 2"),
     ],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
