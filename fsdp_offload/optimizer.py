@@ -255,13 +255,13 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self.engine.clip(max_norm, norm_type, error_if_nonfinite)
 
     def _check_backwards(self) -> None:
-        """Before a clip or step uses the grads: every backward since the last step handed its grads in
-        (none came after a step with no zero_grad() between, none was left unreduced by FSDP2), and a
-        p.grad the model cleared since is followed as torch would: set to None, the param is not
-        stepped; zeroed in place, it steps with zero grads."""
+        """Before a clip or step uses the grads: every backward since the last step handed them in (none
+        after a step with no zero_grad() between, none left unreduced by FSDP2); a p.grad the model
+        cleared since is followed as torch would (torch_idioms.follow_cleared_grads)."""
         refuse_backwards_after_step(self._params)
         check_grads_synced(self._sync_units, self.offload.micro_batches)
-        follow_cleared_grads(self._params, self.grads.backwards, self.engine)
+        if self._sync_units:  # with model=, p.grad stands for the grads the hooks took (else it is the user's)
+            follow_cleared_grads(self._params, self.grads.backwards, self.engine)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""

@@ -116,6 +116,8 @@ def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engin
     """model.zero_grad() between backward and step() (or a clip): torch does not step a param whose
     p.grad it set to None, and steps one it zeroed in place with zero grads. The grads the hooks took
     for such params are dropped, and zeros staged for the zeroed ones."""
+    if engine.pending is not None:
+        return  # a retry of a step that stopped part-way: its grads are the ones it began with
     cleared = [i for i, p in enumerate(params) if backwards[i] and (p.grad is None or is_zeroed(p.grad))]
     if not cleared:
         return
