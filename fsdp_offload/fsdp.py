@@ -162,6 +162,12 @@ def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.T
     return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
 
 
+def units_holding(units: list[tuple[list[nn.Module], list[nn.Parameter]]], params: list[torch.Tensor]) -> list[list[nn.Module]]:
+    """The modules of the units (from `fsdp_units`) that hold any of `params`."""
+    mine = {id(p) for p in params}
+    return [modules for modules, unit_params in units if any(id(p) in mine for p in unit_params)]
+
+
 def mesh_group(params: list[torch.Tensor]) -> torch.distributed.ProcessGroup | None:
     """The process group that shards the params (None for plain tensors: nothing to reduce)."""
     for p in params:

@@ -21,22 +21,22 @@ from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
     CopyStream, cast_params, check_grads_synced, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks,
-    install_sync_checks, local_data, mesh_group, root_fsdp_module,
+    install_sync_checks, local_data, mesh_group, root_fsdp_module, units_holding,
 )  # fmt: skip
 from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
 from .kernels import get_adamw_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
-from .optimizer_args import CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options
+from .optimizer_args import (
+    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
+)  # fmt: skip
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
-from .torch_idioms import (
-    NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, install_state_dict_waits, refuse_copy,
-    step_has_grads,
-)  # fmt: skip
+from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, install_state_dict_waits
+from .torch_idioms import refuse_copy, step_has_grads
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -163,9 +163,9 @@ class OffloadAdamW(torch.optim.Optimizer):
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
-            mine = {id(p) for p in self._params}
-            self._sync_units = [modules for modules, unit_params in units if any(id(p) in mine for p in unit_params)]
+            self._sync_units = units_holding(units, self._params)
             self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
+            self._hooks += warn_uncast_at_first_forward(model, units, self._params, self.param_dtype)
             self._hooks += install_state_dict_waits(model, self.engine.finish_update)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)

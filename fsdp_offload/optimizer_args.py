@@ -107,10 +107,8 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     all-gathers a unit of mixed dtypes as bytes.)"""
     mine = {id(p) for p in params}
     names = {id(p): n for n, p in model.named_parameters()}
-    uncast = []  # units of none of this optimizer's params that compute trainable params in another dtype
     for modules, unit_params in units:
         if not any(id(p) in mine for p in unit_params):
-            uncast += uncast_params(modules, [p for p in unit_params if p.requires_grad], param_dtype, names)
             continue
         for p in unit_params:
             if id(p) not in mine and p.requires_grad and p.dtype != param_dtype:
@@ -120,7 +118,25 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
-    warn_uncast(uncast, param_dtype)
+
+
+def warn_uncast_at_first_forward(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],
+                                 params: list[torch.Tensor], param_dtype: torch.dtype) -> list:  # fmt: skip
+    """A one-shot forward pre-hook on the model that names, once, by rank 0, the units of none of this
+    optimizer's params that compute trainable params in another dtype than the ones it casts. At the
+    first forward, not at construction: another OffloadAdamW built after this one casts its own units."""
+    mine = {id(p) for p in params}
+    theirs = [(modules, unit_params) for modules, unit_params in units if not any(id(p) in mine for p in unit_params)]
+
+    def check(_module: torch.nn.Module, _args: tuple) -> None:
+        handle.remove()
+        names = {id(p): n for n, p in model.named_parameters()}
+        uncast = [line for modules, unit_params in theirs
+                  for line in uncast_params(modules, [p for p in unit_params if p.requires_grad], param_dtype, names)]  # fmt: skip
+        warn_uncast(uncast, param_dtype)
+
+    handle = model.register_forward_pre_hook(check)
+    return [handle]
 
 
 def uncast_params(modules: list[torch.nn.Module], trainable: list[torch.nn.Parameter], param_dtype: torch.dtype,
@@ -139,7 +155,7 @@ def warn_uncast(uncast: list[str], param_dtype: torch.dtype) -> None:
     """A unit none of whose params are this optimizer's (another optimizer's, say) computes in its params'
     dtype unless its MixedPrecisionPolicy says otherwise: trainable FP32 params there, beside units
     this optimizer casts, make most forwards fail on mixed dtypes (a matmul of FP32 and bf16), with an
-    error that does not say why. Said once, at construction, by rank 0."""
+    error that does not say why. Said once, by rank 0."""
     if not uncast or (dist.is_initialized() and dist.get_rank() != 0):
         return
     log.warning(
