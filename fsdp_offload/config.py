@@ -158,8 +158,7 @@ class OffloadConfig:
         self.host_budget  # read once here: a bad size fails now, naming the option
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
-        check_subgroup_numel(int(self.subgroup_numel) if is_whole(self.subgroup_numel) else self.subgroup_numel,
-                             "offload.subgroup_numel")
+        check_subgroup_numel(self.subgroup_numel, "offload.subgroup_numel")
         if not is_whole(self.micro_batches) or self.micro_batches < 1:
             raise ValueError(f"offload.micro_batches={self.micro_batches!r} must be a whole number >= 1 (backward calls per step)")
         if self.grad_accumulation == "gpu" and self.micro_batches == 1:

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .cache import aligned_host_buffer, host_buffer, unpin
-from .host_windows import HostWindows
+from .host_windows import HostWindows, windows_bytes
 from .staging import LowpStaging
 from .subgroups import Segment, SubgroupLayout
 
@@ -45,7 +45,7 @@ def grad_accumulation_memory(layout: SubgroupLayout, mode: str, micro_batches: i
         return 0, 0
     everything = list(range(len(layout)))
     if mode == "gpu":
-        return sums_bytes(layout, everything), 2 * 4 * max(sg.padded for sg in layout.subgroups)
+        return sums_bytes(layout, everything), windows_bytes(layout, 4)
     on_gpu = [sg for sg in everything if sg not in set(host_subgroups)]
     scratch = 4 * fold_chunk(layout) if host_subgroups else 0
     return sums_bytes(layout, on_gpu), sums_bytes(layout, host_subgroups) * 6 // 4 + scratch
@@ -127,7 +127,7 @@ class GradSums:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-grad-sums")
             self._scratch = torch.empty(fold_chunk(self.layout), dtype=torch.float32)  # the worker's alone
         if self.device.type == "cuda" and any(sg not in self.gpu_resident for sg in device_sgs):  # CPU updates read them
-            self._windows = HostWindows(max(sg.padded for sg in self.layout.subgroups), torch.float32, self.completed)
+            self._windows = HostWindows(self.layout, torch.float32, self.completed)
 
     def _land(self, sg: int, seg: Segment) -> torch.Tensor | None:
         landing = self._views[sg][1]

@@ -32,8 +32,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 # Metadata ops that DTensor and autograd run on a grad without reading its values
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
-
-
 _ZERO_IN_PLACE = torch.ops.aten.zero_.default
 
 

@@ -16,19 +16,27 @@ from typing import Callable
 import torch
 
 from .cache import host_buffer, unpin
+from .subgroups import SubgroupLayout
+
+WINDOWS = 2  # one an update reads, one filling for the next
+
+
+def windows_bytes(layout: SubgroupLayout, itemsize: int) -> int:
+    """Host bytes of the windows for `layout` (each holds its largest subgroup) at `itemsize` bytes an element."""
+    return WINDOWS * itemsize * max(sg.padded for sg in layout.subgroups)
 
 
 class HostWindows:
-    """`count` page-locked windows of `numel` elements of `dtype`, filled from `source_of(sg)` (a GPU
-    tensor of at most `numel` elements) in the planned order. A subgroup taken out of that order is
-    copied when it is asked for, the newest prefetch giving its window back."""
+    """Page-locked windows, each of `layout`'s largest subgroup in `dtype`, filled from `source_of(sg)` (a
+    GPU tensor of subgroup `sg`'s padded length) in the planned order. A subgroup taken out of that
+    order is copied when it is asked for, the newest prefetch giving its window back."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, source_of: Callable[[int], torch.Tensor], count: int = 2) -> None:
+    def __init__(self, layout: SubgroupLayout, dtype: torch.dtype, source_of: Callable[[int], torch.Tensor]) -> None:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self._raw: list[torch.Tensor] = []
         try:
-            for _ in range(count):
-                self._raw.append(host_buffer(itemsize * numel, pin=True))
+            for _ in range(WINDOWS):
+                self._raw.append(host_buffer(windows_bytes(layout, itemsize) // WINDOWS, pin=True))
         except BaseException:  # (page-locking can fail, e.g. at the locked-memory limit): unpin what was
             for raw in self._raw:
                 unpin(raw)

@@ -23,6 +23,7 @@ from .config import OffloadConfig
 from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
+from .host_windows import windows_bytes
 from .memory import resolve_host_budget
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
@@ -80,7 +81,7 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
-        windows = 2 * param_dtype.itemsize * max(sg.padded for sg in layout.subgroups) if streamed else 0
+        windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
         def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
             try:

@@ -28,6 +28,7 @@ from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import make_placement
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
+from .host_windows import windows_bytes
 from .staging import resolve_grad_path
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
@@ -210,7 +211,7 @@ def _plan_rank(
     gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
     if grads_on_gpu:  # the two host windows that CPU-updated subgroups' grads and params pass through
-        staging = 2 * itemsize * max(sg.padded for sg in layout.subgroups) if host_sgs else 0
+        staging = windows_bytes(layout, itemsize) if host_sgs else 0
     else:
         staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer

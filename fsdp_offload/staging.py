@@ -69,7 +69,7 @@ class LowpStaging:
         self._raw = host_buffer(host_numel * itemsize, pin)
         self._pinned = pin and self._raw.numel() > 0
         self.buffer = self._raw.view(dtype)
-        self._windows = HostWindows(max(sg.padded for sg in layout.subgroups), dtype, self.view) if host_window else None
+        self._windows = HostWindows(layout, dtype, self.view) if host_window else None
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         self._make_pieces()

@@ -8,6 +8,7 @@ I/O.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +19,10 @@ STATE_PARTS = 3  # master params, exp_avg, exp_avg_sq
 
 def check_subgroup_numel(value: object, name: str = "subgroup_numel") -> None:
     """A subgroup size is a positive multiple of ALIGN_NUMEL; the error names the nearest one."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value % ALIGN_NUMEL == 0:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0 and value % ALIGN_NUMEL == 0:
         return
     hint = ""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
         nearest = max(ALIGN_NUMEL, round(value / ALIGN_NUMEL) * ALIGN_NUMEL)
         hint = f"; the nearest is {nearest}"
     raise ValueError(f"{name}={value!r} must be a positive multiple of {ALIGN_NUMEL} (4 KiB of FP32){hint}")
