@@ -219,7 +219,10 @@ def install_forward_waits(units: list[list[nn.Module]], wait: Callable[[int], No
 def _param_groups(module: nn.Module) -> list:
     """FSDP2's param groups of a unit (its private state: checked where the hooks are installed, so a
     torch that renamed it fails then, by name, rather than the checks going quiet)."""
-    groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13: a list
+    if groups is None and hasattr(state, "_fsdp_param_group"):  # torch 2.11: one group or None
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
     if groups is None or any(not hasattr(g, "reduce_grads") for g in groups):
         raise RuntimeError(f"this torch ({torch.__version__}) keeps FSDP2's gradient-sync state elsewhere: fsdp_offload "
                            "cannot check it; use torch 2.11-2.13")  # fmt: skip
