@@ -1,7 +1,15 @@
-"""How many threads each rank's CPU update gets: the node's physical cores divided among its ranks.
+"""How many threads each rank's CPU update gets: the node's physical cores divided among its ranks,
+less one core a rank that drives a GPU.
 
 torchrun sets OMP_NUM_THREADS=1 when it starts several ranks per node, which would leave each rank's
 CPU update on one core; the recipes and benchmarks give each rank its share of the cores instead.
+
+A GPU rank's step is bound by the thread that launches its kernels (at the 1.35B, seq 2048, one
+micro-batch: 0.06 s of GPU compute in a 0.4 s step, nvidia-h200-x4), and with several ranks every
+collective waits for the slowest rank's launches. The CPU update runs beside the next forward; with
+all cores its OpenMP threads took the launching threads' cores: 0.46 s a step at 64 threads against
+0.39 at 60 (1 rank), 0.55 at 16 a rank against 0.51 at 14 (4 ranks), with the update as fast, as it is
+bound by memory bandwidth (`benchmarks/results/bench_scale_nvidia-h200-x4_20261126-114219.json`).
 """
 
 from __future__ import annotations
@@ -27,17 +35,20 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None) -> int:
+def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None, *, drives_gpu: bool) -> int:
     """`threads` (train.cpu_threads) if given, else the physical cores this process may run on divided
-    among the node's ranks (`local_ranks`, by default node.node_ranks()). Under a per-rank CPU binding
-    (srun --cpu-bind) that undersubscribes: give train.cpu_threads. Its affinity alone cannot tell a
-    rank's own binding from one that all the node's ranks share (taskset around torchrun), where not
-    dividing would oversubscribe the cores."""
+    among the node's ranks (`local_ranks`, by default node.node_ranks()), less the core that a rank
+    which `drives_gpu` keeps for the thread launching its kernels. Under a per-rank CPU binding (srun
+    --cpu-bind) that undersubscribes: give train.cpu_threads. Its affinity alone cannot tell a rank's
+    own binding from one that all the node's ranks share (taskset around torchrun), where not dividing
+    would oversubscribe the cores."""
     if threads is not None:
         if threads < 1:
-            raise ValueError(f"train.cpu_threads={threads} must be >= 1 (null: the physical cores per local rank)")
+            raise ValueError(f"train.cpu_threads={threads} must be >= 1 (null: the physical cores per local rank, "
+                             "less one a GPU rank keeps for launching its kernels)")  # fmt: skip
         return threads
-    return max(1, physical_cores() // (node_ranks() if local_ranks is None else local_ranks))
+    per_rank = physical_cores() // (node_ranks() if local_ranks is None else local_ranks)
+    return max(1, per_rank - 1 if drives_gpu else per_rank)
 
 
 def use_cpu_threads(threads: int) -> None:
