@@ -106,7 +106,8 @@ def main() -> int:
     for r in rows[1:]:  # the same data and global batch on other layouts: equal losses up to reduction order
         if reference and r.get("losses") and len(r["losses"]) == len(reference):
             r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
-    path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "runs": rows})
+    omp_env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}  # the runs inherit them
+    path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "env": omp_env, "runs": rows})
     print(f"{'case':58} {'plan s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
           f"{'host GiB':>8} {'iter s':>7}")  # fmt: skip
     for r in rows:
