@@ -1,0 +1,96 @@
+"""Who each collective waited for: reads the per-rank traces of one profiled step (train.py
+`train.profile_step=N` leaves trace_stepN_rankR.json[.gz] in the run dir) and, collective by collective,
+sets each rank's NCCL kernel start beside the others'. A collective moves its bytes only once the last
+rank has started it, so for each one:
+
+- transfer = its end - the last rank's start (moving bytes);
+- wait, per rank = the last rank's start - this rank's start (time spent in the kernel for a late rank).
+
+Also per rank: its GPU compute-kernel time and which rank was last how often. The traces of one machine
+share a clock (Kineto's timestamps are the host's), so starts compare across ranks.
+
+    python scripts/trace_waits.py outputs/run --step 4 --device-kind nvidia-h200-x4
+
+One JSON under --out (result keys: source, step, ranks, collectives, per_rank, transfer_ms_total,
+wait_ms_mean); a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from fsdp_offload.results import record
+
+
+def load_trace(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def rank_traces(run_dir: Path, step: int) -> list[list[dict]]:
+    """The complete events of each rank's trace of `step`, in rank order."""
+    traces = []
+    while True:
+        found = [p for p in (run_dir / f"trace_step{step}_rank{len(traces)}.json{ext}" for ext in ("", ".gz")) if p.exists()]
+        if not found:
+            break
+        traces.append(load_trace(found[0]))
+    if not traces:
+        raise SystemExit(f"{run_dir}: no trace_step{step}_rank0.json[.gz]; run train.py with train.profile_step={step}")
+    return traces
+
+
+def is_collective(event: dict) -> bool:
+    return event.get("cat") == "kernel" and event["name"].startswith("ncclDevKernel")
+
+
+def waits(traces: list[list[dict]]) -> dict:
+    """Per collective and per rank, as the module's doc says (times in ms)."""
+    kernels = [sorted((e for e in t if is_collective(e)), key=lambda e: e["ts"]) for t in traces]
+    counts = {len(k) for k in kernels}
+    if len(counts) != 1:
+        raise SystemExit(f"the ranks' traces hold different numbers of collectives ({sorted(counts)}): not one step of one run")
+    ranks, origin = len(traces), min(k[0]["ts"] for k in kernels if k)
+    collectives, last_count, waited = [], [0] * ranks, [0.0] * ranks
+    for i in range(counts.pop()):
+        starts = [k[i]["ts"] for k in kernels]
+        last = max(starts)
+        end = max(k[i]["ts"] + k[i]["dur"] for k in kernels)
+        late = starts.index(last)
+        last_count[late] += 1
+        for r in range(ranks):
+            waited[r] += (last - starts[r]) / 1e3
+        collectives.append({"name": kernels[0][i]["name"].split("(")[0], "start_ms": [(s - origin) / 1e3 for s in starts],
+                            "transfer_ms": (end - last) / 1e3, "last_rank": late})  # fmt: skip
+    compute = [sum(e["dur"] for e in t if e.get("cat") == "kernel" and not is_collective(e)) / 1e3 for t in traces]
+    per_rank = [{"rank": r, "waited_ms": waited[r], "last_in": last_count[r], "compute_kernels_ms": compute[r]} for r in range(ranks)]
+    return {"ranks": ranks, "collectives": collectives, "per_rank": per_rank,
+            "transfer_ms_total": sum(c["transfer_ms"] for c in collectives),
+            "wait_ms_mean": sum(waited) / ranks}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--step", type=int, required=True, help="the profiled step (train.profile_step)")
+    ap.add_argument("--device-kind", required=True, help="the machine the traces were taken on")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    result = waits(rank_traces(args.run_dir, args.step))
+    print(f"{len(result['collectives'])} collectives over {result['ranks']} ranks; moving bytes {result['transfer_ms_total']:.1f} ms, "
+          f"waiting for the last rank {result['wait_ms_mean']:.1f} ms a rank on average")  # fmt: skip
+    print(f"{'rank':>4} {'waited ms':>10} {'last in':>8} {'compute kernels ms':>19}")
+    for r in result["per_rank"]:
+        print(f"{r['rank']:4d} {r['waited_ms']:10.1f} {r['last_in']:8d} {r['compute_kernels_ms']:19.1f}")
+    path = record("trace_waits", args.device_kind, args.out, {"source": str(args.run_dir), "step": args.step, **result})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
