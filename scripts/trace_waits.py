@@ -55,6 +55,8 @@ def waits(traces: list[list[dict]]) -> dict:
     counts = {len(k) for k in kernels}
     if len(counts) != 1:
         raise SystemExit(f"the ranks' traces hold different numbers of collectives ({sorted(counts)}): not one step of one run")
+    if counts == {0}:
+        raise SystemExit(f"the {len(traces)} rank(s)' traces hold no NCCL collective: nothing waited for another rank")
     ranks, origin = len(traces), min(k[0]["ts"] for k in kernels if k)
     collectives, last_count, waited = [], [0] * ranks, [0.0] * ranks
     for i in range(counts.pop()):

@@ -55,3 +55,8 @@ def test_traces_of_different_steps_or_runs_are_refused(tmp_path):
     missing = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--step", "5", "--device-kind", "cpu-test"],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert missing.returncode != 0 and "train.profile_step=5" in missing.stderr
+    write_trace(tmp_path / "trace_step0_rank0.json", [kernel("gemm", 0, 10)])
+    write_trace(tmp_path / "trace_step0_rank1.json", [])
+    alone = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--step", "0", "--device-kind", "cpu-test",
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert alone.returncode != 0 and "hold no NCCL collective" in alone.stderr
