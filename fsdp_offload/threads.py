@@ -4,12 +4,13 @@ less one core a rank that drives a GPU.
 torchrun sets OMP_NUM_THREADS=1 when it starts several ranks per node, which would leave each rank's
 CPU update on one core; the recipes and benchmarks give each rank its share of the cores instead.
 
-A GPU rank's step is bound by the thread that launches its kernels (at the 1.35B, seq 2048, one
-micro-batch: 0.06 s of GPU compute in a 0.4 s step, nvidia-h200-x4), and with several ranks every
-collective waits for the slowest rank's launches. The CPU update runs beside the next forward; with
-all cores its OpenMP threads took the launching threads' cores: 0.46 s a step at 64 threads against
-0.39 at 60 (1 rank), 0.55 at 16 a rank against 0.51 at 14 (4 ranks), with the update as fast, as it is
-bound by memory bandwidth (`benchmarks/results/bench_scale_nvidia-h200-x4_20261126-114219.json`).
+A GPU rank's step can be bound by the thread that launches its kernels (the 1.35B, seq 2048, one
+micro-batch: 0.09 s of GPU compute in a 0.4-0.5 s step on nvidia-h200-x4), and with several ranks
+every collective waits for the slowest rank's launches (`scripts/trace_waits.py`). The CPU update
+runs beside the next forward and is bound by memory bandwidth, not cores, so it gives that thread a
+core. Measured interleaved (`benchmarks/results/bench_scale_nvidia-h200-x4_20261126-115127.json`): at
+4 ranks 0.490 and 0.477 s a step against 0.490 and 0.495 with all cores; at 1 rank 0.482 (the call's
+first run) and 0.388 against 0.440 and 0.391: within the machine's noise, the update as fast.
 """
 
 from __future__ import annotations
