@@ -157,15 +157,13 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     return min(alone, cpu_update_rate(kernel_name, subgroup_numel, threads * ranks) / ranks)
 
 
-def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None,
-                    device_type: str) -> tuple[float, list[TierSpeed] | None]:  # fmt: skip
+def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
     """Each rank's CPU update speed (machine.cpu_mparams_per_s, else timed here with the node's ranks
-    sharing its memory bandwidth, at the threads a rank training on `device_type` gets) and the tiers'
-    speeds (profile, else measured), for a predicted update time."""
+    sharing its memory bandwidth) and the tiers' speeds (profile, else measured), for a predicted
+    update time."""
     if machine.cpu_mparams_per_s is not None:
         rate = machine.cpu_mparams_per_s * 1e6
     else:
         ranks = machine.ranks_per_node
-        threads = cpu_threads_per_rank(cpu_threads, ranks, drives_gpu=device_type == "cuda")
-        rate = node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks)
+        rate = node_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, ranks), ranks)
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

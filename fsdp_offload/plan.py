@@ -135,7 +135,7 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     ocfg = recipe.config
     device = target_device(train.device, machine)
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
-    rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads, device)
+    rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
     return make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
 
 

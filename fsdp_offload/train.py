@@ -152,7 +152,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD if world > 1 else None
     local = node_ranks(group)  # by host name: srun and mp.spawn set no LOCAL_WORLD_SIZE
-    use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads, local, drives_gpu=device.type == "cuda"))
+    use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads, local))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,

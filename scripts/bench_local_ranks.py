@@ -78,7 +78,7 @@ def main() -> None:
     numel = args.params or num_params(MODEL_PRESETS[args.model])
     runs = []
     for n in (int(r) for r in args.ranks.split(",")):
-        for threads in dict.fromkeys((cpu_threads_per_rank(None, n, drives_gpu=False), 1)):  # divided cores, then torchrun's one
+        for threads in dict.fromkeys((cpu_threads_per_rank(None, n), 1)):  # divided cores, then torchrun's one
             row = run(n, threads, numel, args)
             runs.append(row)
             print(f"{n} rank(s) x {threads:2d} threads: update {row['update_s']:.3f} s, {row['mparams_per_s']:.0f} M params/s", flush=True)

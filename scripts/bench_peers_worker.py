@@ -185,7 +185,7 @@ def run_worker(args: argparse.Namespace) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # torchrun sets OMP_NUM_THREADS=1 for several ranks: the CPU optimizers get train.py's share instead
-    use_cpu_threads(cpu_threads_per_rank(None, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), drives_gpu=device.type == "cuda"))
+    use_cpu_threads(cpu_threads_per_rank(None, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     margs = model_args(args)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     info: dict = {"params": num_params(margs), "torch": torch.__version__, "world_size": world, "cpu_threads": torch.get_num_threads()}

@@ -22,13 +22,12 @@ def test_each_rank_count_runs_with_its_share_of_the_cores_and_with_one(tmp_path)
     result = json.loads(path.read_text())
     assert {"command", "device", "commit", "params", "runs"} <= set(result)
     seen = {(r["ranks"], r["threads_per_rank"]) for r in result["runs"]}
-    assert seen == {(n, t) for n in (1, 2) for t in (cpu_threads_per_rank(None, n, drives_gpu=False), 1)}
+    assert seen == {(n, t) for n in (1, 2) for t in (cpu_threads_per_rank(None, n), 1)}
     for r in result["runs"]:
         assert r["params_per_rank"] == 2_000_000 // r["ranks"] and r["update_s"] > 0 and len(r["steps_s"]) == 2
 
 
 def test_threads_per_rank_divides_the_physical_cores():
-    assert cpu_threads_per_rank(None, 1, drives_gpu=False) == physical_cores()
-    assert cpu_threads_per_rank(None, 1, drives_gpu=True) == max(1, physical_cores() - 1)  # the launching thread's core
-    assert cpu_threads_per_rank(None, 10**6, drives_gpu=True) == 1  # never zero
-    assert cpu_threads_per_rank(3, 8, drives_gpu=True) == 3  # an explicit train.cpu_threads wins
+    assert cpu_threads_per_rank(None, 1) == physical_cores()
+    assert cpu_threads_per_rank(None, 10**6) == 1  # never zero
+    assert cpu_threads_per_rank(3, 8) == 3  # an explicit train.cpu_threads wins

@@ -100,10 +100,8 @@ def test_cores_are_divided_among_the_node_s_ranks_counted_by_node_ranks(monkeypa
     """The node's rank count is node.node_ranks(): srun and mp.spawn set no LOCAL_WORLD_SIZE."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(node, "_job_node_ranks", 2)  # as node_ranks(group) counted them
-    assert threads.cpu_threads_per_rank(None, drives_gpu=False) == max(1, threads.physical_cores() // 2)
-    # a GPU rank keeps a core for the thread that launches its kernels
-    assert threads.cpu_threads_per_rank(None, drives_gpu=True) == max(1, threads.physical_cores() // 2 - 1)
-    assert threads.cpu_threads_per_rank(3, drives_gpu=True) == 3
+    assert threads.cpu_threads_per_rank(None) == max(1, threads.physical_cores() // 2)
+    assert threads.cpu_threads_per_rank(3) == 3
 
 
 def test_a_host_budget_above_the_available_memory_is_said_naming_both(monkeypatch, caplog):
