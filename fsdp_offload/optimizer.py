@@ -35,8 +35,8 @@ from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
 from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
 from .subgroups import SubgroupLayout
-from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, install_state_dict_waits
-from .torch_idioms import refuse_copy, step_has_grads
+from .model_state_dicts import install_model_state_dict_hooks
+from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy, step_has_grads
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._sync_units = units_holding(units, self._params)
             self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
             self._hooks += warn_uncast_at_first_forward(model, units, self._params, self.param_dtype)
-            self._hooks += install_state_dict_waits(model, self.engine.finish_update)
+            self._hooks += install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states.load_masters)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
         else:

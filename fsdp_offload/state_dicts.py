@@ -47,6 +47,22 @@ class OptimizerStates:
             self.engine.grads.staging.load_params_from_master(sg, master, [local_data(p) for p in self.params])
 
     @torch.no_grad()
+    def load_masters(self, loaded: dict[int, torch.Tensor]) -> None:
+        """The FP32 masters of the params a model load wrote (`loaded[i]`: param i's local part as
+        loaded, `model_loads.py`), as torch AdamW's params take a load; moments and step counts stay."""
+        self.settle()
+        self.store.require_loaded()
+        subgroups = self.store.layout.subgroups
+
+        def write(sg: int, state: torch.Tensor) -> None:
+            master = subgroups[sg].parts(state)[0]
+            for seg in subgroups[sg].segments:
+                if seg.param in loaded:
+                    master[seg.in_subgroup].copy_(loaded[seg.param].reshape(-1)[seg.in_param])
+
+        self.store.visit([sg for sg, sub in enumerate(subgroups) if any(seg.param in loaded for seg in sub.segments)], write)
+
+    @torch.no_grad()
     def param_state(self, index: int, key: str) -> torch.Tensor:
         """Param `index`'s `key` (one of STATE_KEYS), this rank's part read from wherever its subgroups
         live, shaped as the param (a DTensor for a sharded one)."""

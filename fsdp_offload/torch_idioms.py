@@ -1,18 +1,16 @@
 """Where OffloadAdamW meets torch idioms that would otherwise see something torch never shows: the
-update in flight (a model state dict or a step post-hook reading half-updated params), a step with
-no grads, grads the model cleared after backward, a copied optimizer.
+update in flight read by a step post-hook, a step with no grads, grads the model cleared after
+backward, a copied optimizer, swapped params.
 
 The update runs on a worker thread after `step()` returns. A forward waits per FSDP unit (fsdp.py's
-forward pre-hooks); what else reads the params waits here, and only when it reads: a state-dict
-pre-hook on each module of the model, and `step()` itself when step post-hooks are registered.
+forward pre-hooks), the model's state dicts in model_state_dicts.py, and `step()` itself when step
+post-hooks are registered.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import weakref
-from typing import Callable
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
@@ -21,24 +19,6 @@ from .fsdp import local_data
 from .held_grad import is_zeroed
 
 log = logging.getLogger(__name__)
-
-
-def install_state_dict_waits(model: torch.nn.Module, finish_update: Callable[[], None]) -> list:
-    """State-dict pre-hooks on every module of `model` (so `model.state_dict()`, a submodule's, and
-    torch's `get_model_state_dict` / DCP saves, which call it) that wait for the update in flight.
-    Loads wait too: the update would write its params over the loaded ones. The hooks hold the
-    optimizer weakly; once it is gone they do nothing."""
-    finish = weakref.WeakMethod(finish_update)
-
-    def wait(*_args, **_kwargs) -> None:
-        if (method := finish()) is not None:
-            method()
-
-    handles = []
-    for module in model.modules():
-        handles.append(module.register_state_dict_pre_hook(wait))
-        handles.append(module.register_load_state_dict_pre_hook(wait))
-    return handles
 
 
 def has_step_post_hooks(optimizer: torch.optim.Optimizer) -> bool:
