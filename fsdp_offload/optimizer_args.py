@@ -104,12 +104,18 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     """FSDP2 needs the params of one unit that take grads to share a dtype (it reduce-scatters their
     grads together): a param that requires grad but is not this optimizer's stays as it is, so it must
     not share a unit with params this optimizer casts to another dtype. (Frozen params may: FSDP2
-    all-gathers a unit of mixed dtypes as bytes.)"""
+    all-gathers a unit of mixed dtypes as bytes.) Says once, by rank 0, which of its units reduce in
+    another dtype (`MixedPrecisionPolicy(reduce_dtype=torch.float32)`, torchtitan's default): FSDP2 casts
+    the reduced grads back to the params' dtype, so the optimizer takes them in that dtype still."""
     mine = {id(p) for p in params}
     names = {id(p): n for n, p in model.named_parameters()}
+    reduced_in: dict[str, list[str]] = {}
     for modules, unit_params in units:
         if not any(id(p) in mine for p in unit_params):
             continue
+        reduce_dtype = getattr(getattr(modules[0]._get_fsdp_state(), "_mp_policy", None), "reduce_dtype", None)
+        if reduce_dtype not in (None, param_dtype):
+            reduced_in.setdefault(str(reduce_dtype), []).append(type(modules[0]).__name__)
         for p in unit_params:
             if id(p) not in mine and p.requires_grad and p.dtype != param_dtype:
                 raise ValueError(
@@ -118,6 +124,13 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
+    if reduced_in and not (dist.is_initialized() and dist.get_rank() != 0):
+        log.warning(
+            "FSDP units of this optimizer's params reduce their grads in %s (MixedPrecisionPolicy.reduce_dtype): FSDP2 "
+            "then casts the reduced grads to the params' dtype, %s, once this optimizer keeps the params in it, so the "
+            "optimizer takes %s grads either way (it sums micro-batches in FP32 itself); units: %s",
+            " and ".join(reduced_in), dtype_name, dtype_name, "; ".join(f"{d}: {', '.join(sorted(set(u)))}" for d, u in reduced_in.items()),
+        )  # fmt: skip
 
 
 def warn_uncast_at_first_forward(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],
