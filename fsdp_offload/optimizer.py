@@ -24,7 +24,7 @@ from .fsdp import (
     install_sync_checks, local_data, mesh_group, root_fsdp_module, units_holding,
 )  # fmt: skip
 from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
-from .kernels import get_adamw_kernel
+from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
 from .optimizer_args import (
@@ -33,7 +33,7 @@ from .optimizer_args import (
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
-from .step_engine import StepEngine, triton_kernel, warm_up_gpu_kernel
+from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
 from .model_state_dicts import install_model_state_dict_hooks
 from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy, step_has_grads

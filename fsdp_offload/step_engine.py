@@ -29,6 +29,7 @@ from .fsdp import CopyStream, local_data
 from .gpu_share import grow_gpu_share
 from .grads import StepGrads
 from .held_grad import is_held
+from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
 from .metrics import StepMetrics, step_metrics
 from .order import update_order
@@ -160,7 +161,19 @@ class StepEngine:
         self.inflight.start(lambda: self.run(start), before_grads=True)
 
     def hand_in_last_grads(self) -> None:
-        """overlap="backward": the update started during backward; the rest of the subgroups may go now."""
+        """overlap="backward": the update started during backward; the rest of the subgroups may go now.
+        Hyperparameters changed since backward began are refused: the subgroups updated so far took the
+        old ones, and torch would apply the new ones to this step."""
+        changed = [(i, k, self._hyper[i][k], v) for i, group in enumerate(hyperparameters(self.param_groups))
+                   for k, v in group.items() if v != self._hyper[i][k]]  # fmt: skip
+        if changed:
+            i, key, began, now = changed[0]
+            raise RuntimeError(
+                f"param group {i}'s {key} changed from {began} to {now} between backward and step(): with "
+                "offload.overlap='backward' this step's update began at backward's first grad with the values then "
+                "in effect. Set hyperparameters before backward (as a scheduler stepped after step() does), or use "
+                f"offload.overlap='next_forward'; to apply this step as it began, set {key} back to {began} and call step()"
+            )
         start = time.perf_counter()
         self.stage_param_grads()
         self.inflight.all_grads_in()
@@ -362,20 +375,6 @@ def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, float]
          "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
         for g in param_groups
     ]  # fmt: skip
-
-
-def triton_kernel() -> Callable:
-    from .kernels.triton_adamw import triton_adamw_step
-
-    return triton_adamw_step
-
-
-def warm_up_gpu_kernel(kernel: Callable, device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
-    """Compiles the GPU kernel for the grads it will read (Triton compiles at its first call): at
-    start-up, not in the first steps, which would otherwise carry it."""
-    p, m, v = (torch.zeros(4096, device=device) for _ in range(3))
-    out = torch.empty(4096, dtype=out_dtype, device=device)
-    kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0, 1))
 
 
 @contextlib.contextmanager

@@ -160,6 +160,33 @@ def test_update_overlapped_with_backward_is_bit_exact(tmp_path):
             assert early >= STEPS, f"rank {rank}: only {early} subgroup updates ran before step() in {STEPS} steps"
 
 
+def worker_lr_changed_after_backward(rank: int, world: int, tmp: str) -> None:
+    """With overlap='backward' the step began at backward's first grad: an lr set between backward and
+    step() is refused by name (torch would apply it to this step), and set back, the step goes on as
+    if untouched."""
+    runs = []
+    for touch in (False, True):
+        model = build_fsdp_model(ARGS, torch.device("cpu"))
+        cfg = OffloadConfig(subgroup_numel=SG, kernel="torch", overlap="backward")
+        opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
+        for step in range(2):
+            loss_of(model, batch(rank, step)).backward()
+            if touch and step == 1:
+                opt.param_groups[0]["lr"] = 1e-3
+                with pytest.raises(RuntimeError, match=r"param group 0's lr changed from 0.003 to 0.001 between backward and step\(\)"):
+                    opt.step()
+                opt.param_groups[0]["lr"] = 3e-3
+            opt.step()
+            opt.zero_grad()
+        runs.append([t.clone() for t in optimizer_tensors(opt)])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), f"rank {rank}: the refused step changed the run"
+
+
+def test_hyperparameters_changed_between_backward_and_step_are_refused_with_overlap_backward(tmp_path):
+    run_ranks(2, worker_lr_changed_after_backward, str(tmp_path))
+
+
 # options under which an update cannot start before backward has handed in every grad
 NEEDS_EVERY_GRAD = [
     (dict(max_grad_norm=1.0), "max_grad_norm=null"),

@@ -11,6 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
+
+from .contract import AdamWHyper
 from .torch_adamw import torch_adamw_step
 
 log = logging.getLogger(__name__)
@@ -46,4 +49,19 @@ def get_adamw_kernel(name: str = "auto") -> tuple[str, AdamWKernel]:
         return "torch", torch_adamw_step
 
 
-__all__ = ["AdamWKernel", "KERNEL_NAMES", "get_adamw_kernel", "torch_adamw_step"]
+def triton_kernel() -> Callable:
+    """The Triton GPU AdamW (imported when first asked for: Triton is there only with CUDA)."""
+    from .triton_adamw import triton_adamw_step
+
+    return triton_adamw_step
+
+
+def warm_up_gpu_kernel(kernel: Callable, device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    """Compiles the GPU kernel for the grads it will read (Triton compiles at its first call): at
+    start-up, not in the first steps, which would otherwise carry it."""
+    p, m, v = (torch.zeros(4096, device=device) for _ in range(3))
+    out = torch.empty(4096, dtype=out_dtype, device=device)
+    kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0, 1))
+
+
+__all__ = ["AdamWKernel", "KERNEL_NAMES", "get_adamw_kernel", "torch_adamw_step", "triton_kernel", "warm_up_gpu_kernel"]
