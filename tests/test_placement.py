@@ -130,10 +130,11 @@ def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
             assert orders[-1] == traffic.orders[kind]
         assert {t.key for t in per_step[-1] if t.kind == "read"} == traffic.reads[kind]
         # A flush the step queued may land after the step's I/O was taken (a loaded machine): it is then
-        # charged to the next step. Each predicted write lands in its step or the next, and no other.
+        # charged to a later step (two steps later seen under the CI's load). Each write is one that this
+        # step or an earlier one predicted and that has not landed yet.
         written = {t.key for t in per_step[-1] if t.kind == "write"}
         assert written <= traffic.writes[kind] | late, f"step {step} wrote {written - traffic.writes[kind] - late} unpredicted"
-        late = traffic.writes[kind] - written
+        late = (late | traffic.writes[kind]) - written
         checked += 1
     assert checked >= 5 and len(late) <= 1
     kept = set(range(m)) - traffic.moving
