@@ -7,92 +7,108 @@ would have the update write over the loaded values: a state-dict and a load pre-
 waits for it, only when it reads or loads.
 
 **Loads.** Weights loaded into the model after the optimizer is built become its FP32 masters, as
-torch AdamW's params would take them: torchtitan loads its initial checkpoint into the model after it
-builds the optimizers, and a fine-tuning loop may load pretrained weights the same way
-(`model.load_state_dict`, or torch's `set_model_state_dict`, which calls it). Before, the masters kept
-the old values and the first `step()` wrote old values plus the update back over the loaded weights:
-a silently different run whose first loss looked right. Each module that owns one of the optimizer's
-params takes, in its load pre-hook, the value about to be copied into it (this rank's part, in the
-value's own precision: an FP32 checkpoint stays FP32 in the masters although the model keeps bf16).
-The load's outermost module writes them into the masters in its post-hook, one pass over the
-subgroups they live in. Moments and step counts stay, as torch leaves an optimizer's state when the
-model is loaded. A value torch would not copy (a size mismatch, a missing key) is not taken, nor one
-the param already holds exactly: the model's own bf16 state dict loaded back (torch's `set_state_dict`
-loads the optimizer first, then the model) keeps the FP32 masters the optimizer load restored. Writes
-that bypass `load_state_dict` (`p.data.copy_`, an init function after construction, `dcp.load` into
-the model's tensors without `load_state_dict`) are not seen: load before building the optimizer, or
-through `load_state_dict`.
+torch AdamW's params would take them: a fine-tuning loop may load pretrained weights after building
+the optimizer (`model.load_state_dict`, or torch's `set_model_state_dict`, which calls it), torchtitan
+loads its initial checkpoint after it builds the optimizers, and a rollback loads a snapshot. Before,
+the masters kept the old values and the first `step()` wrote them, plus the update, back over the
+loaded weights: a silently different run whose first loss looked right.
+
+- Each module that owns one of the optimizer's params takes, in its load pre-hook, the value about to
+  be copied into it (this rank's part, in the value's own precision: an FP32 checkpoint stays FP32 in
+  the masters although the model keeps bf16). Where torch refuses a value (a size mismatch, a plain
+  tensor for a sharded param), it is not taken; the post-hook keeps only what torch did copy.
+- The first of the model's modules a `load_state_dict()` reaches (the model, a submodule loaded
+  alone, or the model under a parent such as `torch.compile`'s wrapper) checks, before anything is
+  copied, that no step stopped part-way, and in its post-hook writes the values into the masters, one
+  pass over the subgroups they live in. Moments and step counts stay, as torch leaves them.
+- Right after a load of the optimizer's own state (no step since), a lower-precision value keeps the
+  restored master wherever that master rounds to it: torch's `set_state_dict` loads the optimizer's
+  state, then the model's own bf16 state dict, whose values are the restored masters rounded.
+- Precision is the loaded value's: `dcp.load` into `get_model_state_dict(model)` (torchtitan) writes
+  the checkpoint into the model's bf16 tensors before `load_state_dict` runs, so the masters then take
+  those bf16 values. Writes that bypass `load_state_dict` altogether (`p.data.copy_`, an init function
+  after construction, `dcp.load` into the model's tensors with no `load_state_dict` after) are not
+  seen: load before building the optimizer, or through `load_state_dict`.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .fsdp import local_data
 
+if TYPE_CHECKING:
+    from .state_dicts import OptimizerStates
+
 
 def loaded_part(value: object, param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's part of `value` as torch's load copies it into `param` (None where it would not: not a
-    tensor, another shape)."""
-    if isinstance(value, DTensor) and isinstance(param, DTensor):
+    """This rank's part of `value` as torch's load would copy it into `param` (None where torch refuses:
+    not a tensor, another (global) shape, a plain tensor for a DTensor param or the other way round)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) != isinstance(param, DTensor) or value.shape != param.shape:
+        return None
+    if isinstance(value, DTensor):
         if value.device_mesh != param.device_mesh or value.placements != param.placements:
             value = value.redistribute(param.device_mesh, param.placements)
         value = value.to_local()
-    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.shape != local_data(param).shape:
-        return None
     return value
 
 
-def holds_already(param: torch.Tensor, part: torch.Tensor) -> bool:
-    """Whether `param` already holds `part`'s values exactly (compared in the loaded precision): the
-    model's own low-precision state dict loaded back, as torch's `set_state_dict` does after loading
-    the optimizer, whose FP32 masters then stay."""
-    return torch.equal(part, local_data(param).detach().to(part.device, part.dtype))
+def copied(param: torch.Tensor, part: torch.Tensor) -> bool:
+    """Whether torch's load did copy `part` into `param` (a copy it refused leaves another value; of tied
+    names, the last one loaded is the one the param holds)."""
+    local = local_data(param).detach()
+    return torch.equal(local, part.to(local.device, local.dtype))
 
 
 def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Tensor], finish_update: Callable[[], None],
-                                   load_masters: Callable[[dict[int, torch.Tensor]], None]) -> list:  # fmt: skip
-    """On every module of `model`: state-dict and load pre-hooks that wait for the update in flight
-    (`finish_update`), and load hooks that hand the values loaded into `params` to `load_masters`
-    ({param index: its loaded local part}) once the load ends. The hooks hold the optimizer weakly;
-    once it is gone they do nothing."""
+                                   states: OptimizerStates) -> list:  # fmt: skip
+    """On every module of `model`: state-dict pre-hooks that wait for the update in flight
+    (`finish_update`); load pre-hooks that call `states.before_model_load()` once a load, before
+    anything is copied, and take the values loaded into `params`; load post-hooks that hand those torch
+    copied to `states.load_masters` ({param index: its loaded local part}) once the load ends. The
+    hooks hold the optimizer weakly; once it is gone they do nothing."""
     owned = {id(p): i for i, p in enumerate(params)}
-    finish, load = weakref.WeakMethod(finish_update), weakref.WeakMethod(load_masters)
-    loaded: dict[int, torch.Tensor] = {}
-    outermost: list[torch.nn.Module] = []  # the module whose load_state_dict() is running
+    finish, check, load = (weakref.WeakMethod(m) for m in (finish_update, states.before_model_load, states.load_masters))
+    # The running load_state_dict(): its missing_keys list (torch passes the same one to every module's
+    # hooks of one call, and a new one to the next call) and the first of our modules it reached, whose
+    # post-hook comes after all the others' (the model itself, or a submodule loaded alone, under any parent).
+    running: list = []
+    taken: dict[int, torch.Tensor] = {}
 
     def wait(*_args: object) -> None:
         if (method := finish()) is not None:
             method()
 
-    def take(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_: object) -> None:
-        wait()
-        if prefix == "":  # the module load_state_dict() was called on (its children have prefixes)
-            loaded.clear()
-            outermost[:] = [module]
+    def take(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict, _strict: bool,
+             missing_keys: list, *_: object) -> None:  # fmt: skip
+        if not running or running[0] is not missing_keys:  # a new load (an earlier one may have raised part-way)
+            taken.clear()
+            running[:] = [missing_keys, module]
             if local_metadata.get("assign_to_params_buffers"):
                 raise RuntimeError(
                     f"{type(module).__name__}.load_state_dict(assign=True) would replace the params OffloadAdamW "
                     "holds with the loaded tensors, which it does not know; load with assign=False (the default)"
                 )
+            if (method := check()) is not None:
+                method()
         for name, p in module._parameters.items():
             index = owned.get(id(p)) if p is not None else None
             if index is not None and prefix + name in state_dict:
                 part = loaded_part(state_dict[prefix + name], p)
-                if part is not None and not holds_already(p, part):
-                    loaded[index] = part
+                if part is not None:
+                    taken[index] = part
 
-    def give(module: torch.nn.Module, _incompatible_keys: object) -> None:
-        if outermost and module is outermost[0]:
-            taken = dict(loaded)
-            loaded.clear()
-            outermost.clear()
-            if taken and (method := load()) is not None:
-                method(taken)
+    def give(module: torch.nn.Module, incompatible_keys: object) -> None:
+        if running and module is running[1] and getattr(incompatible_keys, "missing_keys", None) is running[0]:
+            loaded = {i: part for i, part in taken.items() if copied(params[i], part)}
+            taken.clear()
+            running.clear()
+            if loaded and (method := load()) is not None:
+                method(loaded)
 
     handles = []
     for m in model.modules():

@@ -27,6 +27,7 @@ from .held_grad import consume_held_grads, refuse_backwards_after_step, release_
 from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
+from .model_state_dicts import install_model_state_dict_hooks
 from .optimizer_args import (
     CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
 )  # fmt: skip
@@ -35,7 +36,6 @@ from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
 from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
-from .model_state_dicts import install_model_state_dict_hooks
 from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy, step_has_grads
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,7 +166,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._sync_units = units_holding(units, self._params)
             self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
             self._hooks += warn_uncast_at_first_forward(model, units, self._params, self.param_dtype)
-            self._hooks += install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states.load_masters)
+            self._hooks += install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states)
             if inflight is not None:
                 self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
         else:

@@ -34,6 +34,7 @@ class OptimizerStates:
         self.engine, self.param_groups, self.copies, self.settle = engine, param_groups, copies, settle
         self.store, self.params = engine.store, engine.params
         self.param_states = [ParamState(self, i) for i in range(len(self.params))]  # `opt.state[p]`, in param order
+        self.restored_at: int | None = None  # the step count at the last load of this optimizer's state
 
     def pass_order(self) -> list[int]:
         """The order of a pass that is not a step (a fill, a gather): it leaves the host cache holding
@@ -46,21 +47,33 @@ class OptimizerStates:
         with self.copies.after_current():
             self.engine.grads.staging.load_params_from_master(sg, master, [local_data(p) for p in self.params])
 
+    def before_model_load(self) -> None:
+        """Before a model load copies anything: between steps, with every subgroup's state in place."""
+        self.settle()
+        self.store.require_loaded()
+
     @torch.no_grad()
     def load_masters(self, loaded: dict[int, torch.Tensor]) -> None:
         """The FP32 masters of the params a model load wrote (`loaded[i]`: param i's local part as
-        loaded, `model_loads.py`), as torch AdamW's params take a load; moments and step counts stay."""
+        loaded, `model_state_dicts.py`), as torch AdamW's params take a load; moments and step counts
+        stay. Right after a load of this optimizer's own state (no step since), a lower-precision value
+        keeps the restored master wherever the master rounds to it: that is the model's own state dict,
+        which torch's set_state_dict loads after the optimizer's."""
         self.settle()
-        self.store.require_loaded()
         subgroups = self.store.layout.subgroups
+        keep_restored = self.restored_at == self.engine.step_count
 
         def write(sg: int, state: torch.Tensor) -> None:
             master = subgroups[sg].parts(state)[0]
             for seg in subgroups[sg].segments:
                 if seg.param in loaded:
-                    master[seg.in_subgroup].copy_(loaded[seg.param].reshape(-1)[seg.in_param])
+                    new, dst = loaded[seg.param].reshape(-1)[seg.in_param].to(master.device), master[seg.in_subgroup]
+                    if keep_restored and new.dtype != dst.dtype:
+                        new = torch.where(dst.to(new.dtype) == new, dst, new.to(dst.dtype))
+                    dst.copy_(new)
 
-        self.store.visit([sg for sg, sub in enumerate(subgroups) if any(seg.param in loaded for seg in sub.segments)], write)
+        touched = {sg for sg, sub in enumerate(subgroups) if any(seg.param in loaded for seg in sub.segments)}
+        self.store.visit([sg for sg in self.pass_order() if sg in touched], write)
 
     @torch.no_grad()
     def param_state(self, index: int, key: str) -> torch.Tensor:
@@ -174,6 +187,7 @@ class OptimizerStates:
         self.store.end_load()
         self.engine.grads.clear()
         self.engine.params_written()
+        self.copies.current_waits()  # a model load right after (set_state_dict's) copies after these param writes
         for mine, g in zip(self.param_groups, groups):
             mine.update(g)
         self.engine.steps = list(steps)
@@ -181,6 +195,7 @@ class OptimizerStates:
         self.engine.grads.load_state_dict(meta.get("loss_scaler"))
         if meta.get("placement"):
             self.store.placement.load_state_dict(meta["placement"])
+        self.restored_at = self.engine.step_count
 
     def offload_meta(self) -> dict[str, Any]:
         return {"step_count": self.engine.step_count, "loss_scaler": self.engine.grads.state_dict(),

@@ -6,17 +6,22 @@ On 2 gloo ranks: a model loaded after the optimizer is built (a full state dict 
 same model loaded before it was built, and the masters hold the loaded FP32 values exactly (the model
 itself keeps bf16); a bf16 checkpoint gives them its values upcast. A partial load (strict=False)
 changes only the params it names; assign=True, which would swap the params the optimizer holds, is
-refused by name. (The model's own bf16 state dict loaded after the optimizer's, as torch's
-`set_state_dict` does on resume, keeps the masters: test_hf_llama.py's resume.)
+refused by name. torchtitan's load (`dcp.load` into the model's bf16 tensors, then
+`set_model_state_dict`) gives the masters the bf16 values; a rollback to a bf16 snapshot rolls the
+masters back; a load through a parent module is seen; a value torch refuses is not taken. (The
+model's own bf16 state dict loaded after the optimizer's, as torch's `set_state_dict` does on resume,
+keeps the masters: test_hf_llama.py's resume.)
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
 from test_fsdp import LR, SG, WD, batch, build_model, loss_of
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import distribute_tensor
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 
@@ -92,3 +97,52 @@ def loads_after_build(rank: int, world: int) -> None:
 
 def test_weights_loaded_after_the_optimizer_is_built_become_its_masters():
     run_ranks(2, loads_after_build)
+
+
+def loads_of_every_kind(rank: int, world: int, tmp: str) -> None:
+    weights = pretrained(rank)
+    src = build_model(rank)
+    set_model_state_dict(src, weights, options=FULL)
+    want = {n: p.to_local().clone() for n, p in src.named_parameters()}  # this rank's FP32 shards
+    dcp.save(get_model_state_dict(src), checkpoint_id=f"{tmp}/ckpt")
+
+    # torchtitan: dcp.load into the model's own (bf16) tensors, then set_model_state_dict(strict=False)
+    model = build_model(rank)
+    opt = optimizer(model)
+    state = get_model_state_dict(model)
+    dcp.load(state, checkpoint_id=f"{tmp}/ckpt")
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    for name, master in masters(opt, model).items():
+        assert torch.equal(master, want[name].to(torch.bfloat16).float()), f"torchtitan's load: {name}"
+    opt.close()
+
+    # a rollback to a bf16 snapshot after steps at a small lr (most bf16 values unchanged, masters drifted)
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=1e-5, model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch"))
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train(model, opt, rank)
+    model.load_state_dict(snapshot)
+    for name, master in masters(opt, model).items():
+        assert torch.equal(master, snapshot[name].to_local().float()), f"rollback: {name}'s master not rolled back"
+    opt.close()
+
+    # through a parent module (the optimizer is built on the FSDP2 root it holds)
+    model = build_model(rank)
+    opt = optimizer(model)
+    parent = torch.nn.ModuleDict({"net": model})
+    parent.load_state_dict({f"net.{k}": v for k, v in src.state_dict().items()})
+    for name, master in masters(opt, model).items():
+        assert torch.equal(master, want[name]), f"load through a parent: {name}"
+
+    # a value torch refuses (one row short) leaves the master as torch leaves the param
+    name = "layers.0.attention.wq.weight"
+    p = model.get_parameter(name)
+    short = distribute_tensor(torch.ones(p.shape[0] - 1, p.shape[1]), p.device_mesh, p.placements)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict({name: short}, strict=False)
+    assert torch.equal(masters(opt, model)[name], want[name])
+    opt.close()
+
+
+def test_torchtitans_load_a_rollback_a_parent_and_a_refused_value(tmp_path):
+    run_ranks(2, loads_of_every_kind, str(tmp_path))
