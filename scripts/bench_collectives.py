@@ -11,6 +11,7 @@ and the bus bandwidth (bytes x (world - 1) / world / time, NCCL's convention).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -53,7 +54,7 @@ def main() -> int:
         return 2
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     rows = []
     for numel in args.numel or [56_000_000, 4_000_000]:
         for op in ("all_gather", "reduce_scatter"):

@@ -27,9 +27,13 @@ from fsdp_offload.results import record
 
 
 def load_trace(path: Path) -> list[dict]:
+    """The complete events, their `ts` in microseconds since the epoch (Kineto's are since the trace's
+    baseTimeNanoseconds, which may differ between ranks)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
-        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+        trace = json.load(f)
+    base_us = trace.get("baseTimeNanoseconds", 0) / 1e3
+    return [{**e, "ts": e["ts"] + base_us} for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
 def rank_traces(run_dir: Path, step: int) -> list[list[dict]]:
@@ -60,6 +64,9 @@ def waits(traces: list[list[dict]]) -> dict:
     ranks, origin = len(traces), min(k[0]["ts"] for k in kernels if k)
     collectives, last_count, waited = [], [0] * ranks, [0.0] * ranks
     for i in range(counts.pop()):
+        names = {k[i]["name"].split("(")[0] for k in kernels}
+        if len(names) != 1:  # several process groups whose collectives interleave differently per rank
+            raise SystemExit(f"collective {i} is {sorted(names)} on different ranks: these traces cannot be paired by order")
         starts = [k[i]["ts"] for k in kernels]
         last = max(starts)
         end = max(k[i]["ts"] + k[i]["dur"] for k in kernels)

@@ -16,10 +16,10 @@ def kernel(name: str, ts: float, dur: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
 
-def write_trace(path: Path, events: list[dict]) -> None:
+def write_trace(path: Path, events: list[dict], base_ns: int = 0) -> None:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt") as f:
-        json.dump({"traceEvents": events + [{"ph": "i", "name": "marker", "ts": 0}]}, f)
+        json.dump({"baseTimeNanoseconds": base_ns, "traceEvents": events + [{"ph": "i", "name": "marker", "ts": 0}]}, f)
 
 
 def test_transfer_begins_at_the_last_start_and_the_earlier_ranks_wait(tmp_path):
@@ -27,9 +27,9 @@ def test_transfer_begins_at_the_last_start_and_the_earlier_ranks_wait(tmp_path):
     write_trace(tmp_path / "trace_step3_rank0.json", [
         kernel("ncclDevKernel_AllGather_RING_LL(x)", 1000, 5300), kernel("gemm", 6400, 700),
         kernel("ncclDevKernel_ReduceScatter_Sum_bf16(x)", 8000, 2400)])  # fmt: skip
-    write_trace(tmp_path / "trace_step3_rank1.json.gz", [
-        kernel("ncclDevKernel_AllGather_RING_LL(x)", 6000, 300), kernel("gemm", 6400, 900),
-        kernel("ncclDevKernel_ReduceScatter_Sum_bf16(x)", 10000, 400)])  # fmt: skip
+    write_trace(tmp_path / "trace_step3_rank1.json.gz", [  # its clock's base 1 ms later: the same moments
+        kernel("ncclDevKernel_AllGather_RING_LL(x)", 5000, 300), kernel("gemm", 5400, 900),
+        kernel("ncclDevKernel_ReduceScatter_Sum_bf16(x)", 9000, 400)], base_ns=1_000_000)  # fmt: skip
     cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--step", "3", "--device-kind", "cpu-test", "--out", str(tmp_path / "out")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -55,6 +55,11 @@ def test_traces_of_different_steps_or_runs_are_refused(tmp_path):
     missing = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--step", "5", "--device-kind", "cpu-test"],
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert missing.returncode != 0 and "train.profile_step=5" in missing.stderr
+    write_trace(tmp_path / "trace_step0_rank0.json", [kernel("ncclDevKernel_AllGather(x)", 0, 10)])
+    write_trace(tmp_path / "trace_step0_rank1.json", [kernel("ncclDevKernel_ReduceScatter(x)", 0, 10)])
+    mixed = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--step", "0", "--device-kind", "cpu-test",
+                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert mixed.returncode != 0 and "cannot be paired by order" in mixed.stderr
     write_trace(tmp_path / "trace_step0_rank0.json", [kernel("gemm", 0, 10)])
     write_trace(tmp_path / "trace_step0_rank1.json", [])
     alone = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--step", "0", "--device-kind", "cpu-test",
