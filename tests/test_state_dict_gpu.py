@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_on_one_gpu
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict, set_state_dict,
+)  # fmt: skip
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import local_data
@@ -51,3 +53,34 @@ def round_trip() -> None:
 
 def test_state_dict_api_keeps_state_in_host_memory_on_a_cuda_mesh():
     run_on_one_gpu(round_trip)
+
+
+def resume_both_ways() -> None:
+    """torch's set_state_dict loads the optimizer (whose load writes the model's params on a side
+    stream) and at once the model's bf16 state dict: the restored FP32 masters must stay, bit for bit,
+    and so in the plain order (opt.load_state_dict, then model.load_state_dict)."""
+    model, opt = make()
+    for _ in range(2):
+        tokens = torch.randint(0, 256, (2, 33), device="cuda")
+        F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    want = [local_data(opt.state[p]["master_param"]).clone() for p in model.parameters()]
+    for plain in (False, True):
+        model_b, opt_b = make()
+        if plain:
+            opt_b.load_state_dict(opt.state_dict())
+            model_b.load_state_dict(msd)
+        else:
+            set_state_dict(model_b, opt_b, model_state_dict=msd, optim_state_dict=osd)
+        got = [local_data(opt_b.state[p]["master_param"]) for p in model_b.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"plain={plain}: the restored masters did not stay"
+        for p, q in zip(model.parameters(), model_b.parameters()):
+            assert torch.equal(p.to_local(), q.to_local())
+        opt_b.close()
+    opt.close()
+
+
+def test_a_resume_keeps_the_restored_fp32_masters_on_a_cuda_mesh():
+    run_on_one_gpu(resume_both_ways)
