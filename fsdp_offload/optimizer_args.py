@@ -34,6 +34,18 @@ def refuse_torch_options(**given: Any) -> None:
             raise ValueError(f"OffloadAdamW does not support {name}={value!r}: {TORCH_OPTIONS[name]}")
 
 
+def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each group's AdamW hyperparameters as the kernels take them, read at each step; a torch AdamW
+    option set on a group since construction (`amsgrad`, `maximize`, ...) is refused as there."""
+    for g in param_groups:
+        refuse_torch_options(**{k: g[k] for k in TORCH_OPTIONS if k in g})
+    return [
+        {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
+         "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
+        for g in param_groups
+    ]  # fmt: skip
+
+
 def check_hyperparameters(values: dict[str, Any], where: str) -> None:
     """AdamW's hyperparameters that `values` sets, checked as torch AdamW checks them (NaN refused
     too), and of their kind: numbers (or what float() takes, as a 0-d tensor), betas a pair."""

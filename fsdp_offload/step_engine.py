@@ -32,6 +32,7 @@ from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
 from .metrics import StepMetrics, step_metrics
+from .optimizer_args import hyperparameters
 from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
@@ -366,15 +367,6 @@ class StepEngine:
     def _keep(self, m: StepMetrics) -> None:
         self.last_metrics = m
         self.untaken.append(m)
-
-
-def hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Each group's AdamW hyperparameters as the kernels take them."""
-    return [
-        {"lr": float(g["lr"]), "beta1": float(g["betas"][0]), "beta2": float(g["betas"][1]),
-         "eps": float(g["eps"]), "weight_decay": float(g["weight_decay"])}
-        for g in param_groups
-    ]  # fmt: skip
 
 
 @contextlib.contextmanager

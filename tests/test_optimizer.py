@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_utils import optimizer_tensors
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
@@ -518,6 +519,24 @@ def test_torch_adamw_options_are_accepted_at_defaults_and_refused_by_name_otherw
             OffloadAdamW(leaf_params(), **{name: True})
         with pytest.raises(ValueError, match=f"does not support {name}=True"):
             OffloadAdamW([{"params": leaf_params(), name: True}])
+
+
+def test_a_torch_adamw_option_set_on_a_group_after_construction_is_refused_at_the_step():
+    """torch AdamW reads amsgrad/maximize from the group at each step; here they would be ignored, so
+    the step refuses them, before anything changes, and goes on once they are unset."""
+    params = leaf_params()
+    opt = OffloadAdamW(params, lr=1e-2, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+    before = [t.clone() for t in optimizer_tensors(opt)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match="does not support maximize=True: .*negate the loss"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(opt), before))
+    opt.param_groups[0]["maximize"] = False
+    opt.step()
+    assert opt.step_count == 1 and not all(torch.equal(a, b) for a, b in zip(optimizer_tensors(opt), before))
+    opt.close()
 
 
 def test_a_second_optimizer_on_a_cast_model_says_what_happened():
