@@ -28,7 +28,8 @@ loaded weights: a silently different run whose first loss looked right.
   the checkpoint into the model's bf16 tensors before `load_state_dict` runs, so the masters then take
   those bf16 values. Writes that bypass `load_state_dict` altogether (`p.data.copy_`, an init function
   after construction, `dcp.load` into the model's tensors with no `load_state_dict` after) are not
-  seen: load before building the optimizer, or through `load_state_dict`.
+  seen: load before building the optimizer, or through `load_state_dict`; after such a write,
+  `model.load_state_dict(model.state_dict())` hands the model's values to the masters.
 """
 
 from __future__ import annotations

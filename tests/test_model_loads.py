@@ -92,6 +92,12 @@ def loads_after_build(rank: int, world: int) -> None:
     assert all(torch.equal(after[n], before[n]) for n in before if n != name), "a partial load changed other masters"
     with pytest.raises(RuntimeError, match=r"assign=True\) would replace the params OffloadAdamW holds"):
         model.load_state_dict(sharded, assign=True)
+    with torch.no_grad():  # a write around load_state_dict, then the documented remedy: the model's values become the masters
+        for p in model.parameters():
+            p.to_local().mul_(2)
+    model.load_state_dict(model.state_dict())
+    for name, p in model.named_parameters():
+        assert torch.equal(masters(opt, model)[name], p.to_local().float()), f"remedy: {name}"
     opt.close()
 
 
