@@ -18,12 +18,21 @@ loaded weights: a silently different run whose first loss looked right.
   the masters although the model keeps bf16). Where torch refuses a value (a size mismatch, a plain
   tensor for a sharded param), it is not taken; the post-hook keeps only what torch did copy.
 - The first of the model's modules a `load_state_dict()` reaches (the model, a submodule loaded
-  alone, or the model under a parent such as `torch.compile`'s wrapper) checks, before anything is
-  copied, that no step stopped part-way, and in its post-hook writes the values into the masters, one
-  pass over the subgroups they live in. Moments and step counts stay, as torch leaves them.
-- Right after a load of the optimizer's own state (no step since), a lower-precision value keeps the
-  restored master wherever that master rounds to it: torch's `set_state_dict` loads the optimizer's
-  state, then the model's own bf16 state dict, whose values are the restored masters rounded.
+  alone, or the model under a parent such as `torch.compile`'s wrapper; a load nested in another's
+  hooks is its own) checks, before anything is copied, that no step stopped part-way, reshards the
+  FSDP2 units a forward without backward left unsharded (their unsharded params are not the
+  optimizer's), and in its post-hook writes the values into the masters, one pass over the subgroups
+  they live in. Moments and step counts stay, as torch leaves them.
+- While a load of the optimizer's own state is in progress (one `dcp.load` of the model's and the
+  optimizer's Statefuls loads the model in between), the masters do not follow: that load writes them,
+  and then the params from them, when it ends.
+- Right after a load of the optimizer's own state (no step since), a lower-precision piece of a param
+  that the restored masters round to, as a whole, keeps them: torch's `set_state_dict` loads the
+  optimizer's state, then the model's own bf16 state dict, whose values are the restored masters
+  rounded. (Other bf16 weights loaded there keep the restored masters only in pieces that round alike
+  as a whole, such as a norm's ones: within half a bf16 ulp of torch.)
+- A load that someone else's hook stops part-way leaves the params it copied ahead of their masters;
+  load again.
 - Precision is the loaded value's: `dcp.load` into `get_model_state_dict(model)` (torchtitan) writes
   the checkpoint into the model's bf16 tensors before `load_state_dict` runs, so the masters then take
   those bf16 values. Writes that bypass `load_state_dict` altogether (`p.data.copy_`, an init function
@@ -38,6 +47,7 @@ import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .fsdp import local_data
@@ -62,7 +72,8 @@ def copied(param: torch.Tensor, part: torch.Tensor) -> bool:
     """Whether torch's load did copy `part` into `param` (a copy it refused leaves another value; of tied
     names, the last one loaded is the one the param holds)."""
     local = local_data(param).detach()
-    return torch.equal(local, part.to(local.device, local.dtype))
+    part = part.to(local.device, local.dtype)
+    return bool(((local == part) | (local.isnan() & part.isnan())).all())  # NaN loaded is NaN held
 
 
 def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Tensor], finish_update: Callable[[], None],
@@ -74,11 +85,11 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
     hooks hold the optimizer weakly; once it is gone they do nothing."""
     owned = {id(p): i for i, p in enumerate(params)}
     finish, check, load = (weakref.WeakMethod(m) for m in (finish_update, states.before_model_load, states.load_masters))
-    # The running load_state_dict(): its missing_keys list (torch passes the same one to every module's
-    # hooks of one call, and a new one to the next call) and the first of our modules it reached, whose
-    # post-hook comes after all the others' (the model itself, or a submodule loaded alone, under any parent).
-    running: list = []
-    taken: dict[int, torch.Tensor] = {}
+    # Each running load_state_dict() by its missing_keys list (torch passes the same one to every module's
+    # hooks of one call, and a new one to the next, nested or not): the first of our modules it reached,
+    # whose post-hook comes after all the others' (the model itself, or a submodule loaded alone, under any
+    # parent), and what it took (None: the masters are not to follow it).
+    loads: dict[int, tuple[list, torch.nn.Module, dict[int, torch.Tensor] | None]] = {}  # id(missing_keys) -> its load
 
     def wait(*_args: object) -> None:
         if (method := finish()) is not None:
@@ -86,16 +97,21 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
 
     def take(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict, _strict: bool,
              missing_keys: list, *_: object) -> None:  # fmt: skip
-        if not running or running[0] is not missing_keys:  # a new load (an earlier one may have raised part-way)
-            taken.clear()
-            running[:] = [missing_keys, module]
+        load_call = loads.get(id(missing_keys))
+        if load_call is None or load_call[0] is not missing_keys:  # a new load (a nested one keeps the outer's)
             if local_metadata.get("assign_to_params_buffers"):
                 raise RuntimeError(
                     f"{type(module).__name__}.load_state_dict(assign=True) would replace the params OffloadAdamW "
                     "holds with the loaded tensors, which it does not know; load with assign=False (the default)"
                 )
-            if (method := check()) is not None:
-                method()
+            follow = (method := check()) is not None and method()
+            for m in model.modules():  # after a forward without backward FSDP2 leaves units unsharded
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            load_call = loads[id(missing_keys)] = (missing_keys, module, {} if follow else None)
+        taken = load_call[2]
+        if taken is None:
+            return
         for name, p in module._parameters.items():
             index = owned.get(id(p)) if p is not None else None
             if index is not None and prefix + name in state_dict:
@@ -104,12 +120,14 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
                     taken[index] = part
 
     def give(module: torch.nn.Module, incompatible_keys: object) -> None:
-        if running and module is running[1] and getattr(incompatible_keys, "missing_keys", None) is running[0]:
-            loaded = {i: part for i, part in taken.items() if copied(params[i], part)}
-            taken.clear()
-            running.clear()
-            if loaded and (method := load()) is not None:
-                method(loaded)
+        missing_keys = getattr(incompatible_keys, "missing_keys", None)
+        load_call = loads.get(id(missing_keys))
+        if load_call is None or load_call[0] is not missing_keys or module is not load_call[1]:
+            return
+        del loads[id(missing_keys)]
+        loaded = {i: part for i, part in (load_call[2] or {}).items() if copied(params[i], part)}
+        if loaded and (method := load()) is not None:
+            method(loaded)
 
     handles = []
     for m in model.modules():

@@ -47,17 +47,20 @@ class OptimizerStates:
         with self.copies.after_current():
             self.engine.grads.staging.load_params_from_master(sg, master, [local_data(p) for p in self.params])
 
-    def before_model_load(self) -> None:
-        """Before a model load copies anything: between steps, with every subgroup's state in place."""
+    def before_model_load(self) -> bool:
+        """Before a model load copies anything: between steps. Whether the masters are to follow it: not
+        while a load of this optimizer's own state is in progress (one `dcp.load` of the model's and the
+        optimizer's Statefuls loads the model in between), which writes the masters and then the params
+        from them when it ends."""
         self.settle()
-        self.store.require_loaded()
+        return not self.store.loading
 
     @torch.no_grad()
     def load_masters(self, loaded: dict[int, torch.Tensor]) -> None:
         """The FP32 masters of the params a model load wrote (`loaded[i]`: param i's local part as
         loaded, `model_state_dicts.py`), as torch AdamW's params take a load; moments and step counts
-        stay. Right after a load of this optimizer's own state (no step since), a lower-precision value
-        keeps the restored master wherever the master rounds to it: that is the model's own state dict,
+        stay. Right after a load of this optimizer's own state (no step since), a lower-precision piece
+        that the restored masters round to, as a whole, keeps them: that is the model's own state dict,
         which torch's set_state_dict loads after the optimizer's."""
         self.settle()
         subgroups = self.store.layout.subgroups
@@ -68,9 +71,10 @@ class OptimizerStates:
             for seg in subgroups[sg].segments:
                 if seg.param in loaded:
                     new, dst = loaded[seg.param].reshape(-1)[seg.in_param].to(master.device), master[seg.in_subgroup]
-                    if keep_restored and new.dtype != dst.dtype:
-                        new = torch.where(dst.to(new.dtype) == new, dst, new.to(dst.dtype))
-                    dst.copy_(new)
+                    # a restored master that rounds to the loaded piece, as a whole, is kept (a different
+                    # load differs somewhere in every piece: it is taken whole, as torch would)
+                    if not (keep_restored and new.dtype != dst.dtype and torch.equal(dst.to(new.dtype), new)):
+                        dst.copy_(new)
 
         touched = {sg for sg, sub in enumerate(subgroups) if any(seg.param in loaded for seg in sub.segments)}
         self.store.visit([sg for sg in self.pass_order() if sg in touched], write)

@@ -255,6 +255,11 @@ class SubgroupStore:
     def end_load(self) -> None:
         self._loading = False
 
+    @property
+    def loading(self) -> bool:
+        """Between `begin_load` and `end_load` (a load in progress, or one that failed part-way)."""
+        return self._loading
+
     def require_loaded(self) -> None:
         if self._loading:
             raise RuntimeError(

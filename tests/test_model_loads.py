@@ -8,7 +8,9 @@ itself keeps bf16); a bf16 checkpoint gives them its values upcast. A partial lo
 changes only the params it names; assign=True, which would swap the params the optimizer holds, is
 refused by name. torchtitan's load (`dcp.load` into the model's bf16 tensors, then
 `set_model_state_dict`) gives the masters the bf16 values; a rollback to a bf16 snapshot rolls the
-masters back; a load through a parent module is seen; a value torch refuses is not taken. (The
+masters back; a load after an eval forward (FSDP2's root left unsharded) and one through a parent
+module are seen; one `dcp.load` of the model's and the optimizer's Statefuls restores the masters; a
+value torch refuses is not taken. (The
 model's own bf16 state dict loaded after the optimizer's, as torch's `set_state_dict` does on resume,
 keeps the masters: test_hf_llama.py's resume.)
 """
@@ -24,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import distribute_tensor
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.optimizer_state import OffloadOptimizerState, StreamingLoadPlanner, StreamingSavePlanner
 
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -105,6 +108,19 @@ def test_weights_loaded_after_the_optimizer_is_built_become_its_masters():
     run_ranks(2, loads_after_build)
 
 
+class ModelState:
+    """The model as a DCP Stateful, as torchtitan's ModelWrapper is."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=False))
+
+
 def loads_of_every_kind(rank: int, world: int, tmp: str) -> None:
     weights = pretrained(rank)
     src = build_model(rank)
@@ -130,6 +146,27 @@ def loads_of_every_kind(rank: int, world: int, tmp: str) -> None:
     model.load_state_dict(snapshot)
     for name, master in masters(opt, model).items():
         assert torch.equal(master, snapshot[name].to_local().float()), f"rollback: {name}'s master not rolled back"
+    opt.close()
+
+    # after a forward without backward (an eval), which leaves FSDP2's root unit unsharded
+    model = build_model(rank)
+    opt = optimizer(model)
+    with torch.no_grad():
+        loss_of(model, batch(rank, 0))
+    model.load_state_dict(src.state_dict())
+    for name, master in masters(opt, model).items():
+        assert torch.equal(master, want[name]), f"load after an eval forward: {name}"
+    # one dcp.load of the model's and the optimizer's Statefuls (torchtitan's), the model's first
+    train(model, opt, rank)
+    trained = masters(opt, model)
+    dcp.save({"model": ModelState(model), "optim": OffloadOptimizerState(opt)}, checkpoint_id=f"{tmp}/both",
+             planner=StreamingSavePlanner())  # fmt: skip
+    opt.close()
+    model = build_model(rank)
+    opt = optimizer(model)
+    dcp.load({"model": ModelState(model), "optim": OffloadOptimizerState(opt)}, checkpoint_id=f"{tmp}/both",
+             planner=StreamingLoadPlanner())  # fmt: skip
+    assert all(torch.equal(m, trained[n]) for n, m in masters(opt, model).items()), "one dcp.load of both"
     opt.close()
 
     # through a parent module (the optimizer is built on the FSDP2 root it holds)
