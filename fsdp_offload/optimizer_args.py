@@ -125,7 +125,7 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     for modules, unit_params in units:
         if not any(id(p) in mine for p in unit_params):
             continue
-        reduce_dtype = getattr(getattr(modules[0]._get_fsdp_state(), "_mp_policy", None), "reduce_dtype", None)
+        reduce_dtype = getattr(mp_policy(modules), "reduce_dtype", None)
         if reduce_dtype not in (None, param_dtype):
             reduced_in.setdefault(str(reduce_dtype), []).append(type(modules[0]).__name__)
         for p in unit_params:
@@ -136,13 +136,23 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "needs a unit's trainable params to share a dtype. Pass it to the optimizer, freeze it "
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
-    if reduced_in and not (dist.is_initialized() and dist.get_rank() != 0):
+    if reduced_in and says_once():
         log.warning(
             "FSDP units of this optimizer's params reduce their grads in %s (MixedPrecisionPolicy.reduce_dtype): FSDP2 "
             "then casts the reduced grads to the params' dtype, %s, once this optimizer keeps the params in it, so the "
             "optimizer takes %s grads either way (it sums micro-batches in FP32 itself); units: %s",
             " and ".join(reduced_in), dtype_name, dtype_name, "; ".join(f"{d}: {', '.join(sorted(set(u)))}" for d, u in reduced_in.items()),
         )  # fmt: skip
+
+
+def mp_policy(modules: list[torch.nn.Module]) -> object | None:
+    """The MixedPrecisionPolicy of an FSDP unit (FSDP2's private state; None where it has none)."""
+    return getattr(modules[0]._get_fsdp_state(), "_mp_policy", None)
+
+
+def says_once() -> bool:
+    """Whether this rank says what every rank would (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def warn_uncast_at_first_forward(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],
@@ -168,8 +178,7 @@ def uncast_params(modules: list[torch.nn.Module], trainable: list[torch.nn.Param
                   names: dict[int, str]) -> list[str]:  # fmt: skip
     """The first trainable param of a unit that computes in another dtype than `param_dtype` (its own,
     where its MixedPrecisionPolicy sets none), described; or nothing."""
-    policy = getattr(modules[0]._get_fsdp_state(), "_mp_policy", None)
-    computes_in = getattr(policy, "param_dtype", None)
+    computes_in = getattr(mp_policy(modules), "param_dtype", None)
     other = [p for p in trainable if (computes_in or p.dtype) != param_dtype]
     if not other:
         return []
@@ -181,7 +190,7 @@ def warn_uncast(uncast: list[str], param_dtype: torch.dtype) -> None:
     dtype unless its MixedPrecisionPolicy says otherwise: trainable FP32 params there, beside units
     this optimizer casts, make most forwards fail on mixed dtypes (a matmul of FP32 and bf16), with an
     error that does not say why. Said once, by rank 0."""
-    if not uncast or (dist.is_initialized() and dist.get_rank() != 0):
+    if not uncast or not says_once():
         return
     log.warning(
         "FSDP units hold trainable params this optimizer does not manage, computed in another dtype than the %s of "

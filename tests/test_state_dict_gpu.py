@@ -25,14 +25,22 @@ def make():
     return model, OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(subgroup_numel=1 << 14, kernel="torch"))
 
 
-def round_trip() -> None:
-    model, opt = make()
-    for _ in range(3):
+def train(model, opt, steps: int) -> None:
+    for _ in range(steps):
         tokens = torch.randint(0, 256, (2, 33), device="cuda")
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
         opt.step()
         opt.zero_grad()
+
+
+def assert_same_params(model, model_b) -> None:
+    for p, q in zip(model.parameters(), model_b.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+
+
+def round_trip() -> None:
+    model, opt = make()
+    train(model, opt, 3)
     before = torch.cuda.memory_allocated()
     osd = get_optimizer_state_dict(model, opt)
     for state in osd["state"].values():
@@ -45,8 +53,7 @@ def round_trip() -> None:
     for i in a:
         for key in ("master_param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(local_data(a[i][key]), local_data(b[i][key])), (i, key)
-    for p, q in zip(model.parameters(), model_b.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
+    assert_same_params(model, model_b)
     opt.close()
     opt_b.close()
 
@@ -60,11 +67,7 @@ def resume_both_ways() -> None:
     stream) and at once the model's bf16 state dict: the restored FP32 masters must stay, bit for bit,
     and so in the plain order (opt.load_state_dict, then model.load_state_dict)."""
     model, opt = make()
-    for _ in range(2):
-        tokens = torch.randint(0, 256, (2, 33), device="cuda")
-        F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, opt, 2)
     msd, osd = get_state_dict(model, opt)
     want = [local_data(opt.state[p]["master_param"]).clone() for p in model.parameters()]
     for plain in (False, True):
@@ -76,8 +79,7 @@ def resume_both_ways() -> None:
             set_state_dict(model_b, opt_b, model_state_dict=msd, optim_state_dict=osd)
         got = [local_data(opt_b.state[p]["master_param"]) for p in model_b.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(got, want)), f"plain={plain}: the restored masters did not stay"
-        for p, q in zip(model.parameters(), model_b.parameters()):
-            assert torch.equal(p.to_local(), q.to_local())
+        assert_same_params(model, model_b)
         opt_b.close()
     opt.close()
 
