@@ -6,11 +6,9 @@ where this process's memory cgroup allows less: memory.available_host_bytes), ea
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,11 +16,11 @@ import torch
 from .calibrate import TierSpeed
 from .config import OffloadConfig, is_number, is_whole
 from .gpu_share import needs_gpu
-from .kernels.contract import AdamWHyper
 from .memory import available_host_bytes
-from .threads import cpu_threads_per_rank, use_cpu_threads
+from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
+from .update_rate import node_update_rate
 
 
 @dataclass
@@ -117,49 +115,9 @@ def file_system(spec_path: str) -> tuple[int, bool]:
     return os.stat(path).st_dev, kind in IN_MEMORY_FILE_SYSTEMS
 
 
-def cpu_update_rate(kernel_name: str, subgroup_numel: int, threads: int) -> float:
-    """Params per second of one rank's CPU update, timed here: the AdamW kernel over one subgroup's
-    worth of params (at most 64M) laid out as a step finds them (FP32 params and moments, the staged
-    bf16 grads, the new bf16 params written over them), best of three after a warm-up. The kernel
-    alone: a whole optimizer step over one subgroup also stages its grads and writes back FP32 params,
-    which a training step does not, and timed so it read 26-38% slow (nvidia-h200-x2, 1.35B). A step
-    that reads FP32 grads (micro-batch sums, the FP32 grad path) moves about 7% more bytes a param."""
-    from .kernels import get_adamw_kernel
-
-    n = min(subgroup_numel, 64 << 20)
-    _, kernel = get_adamw_kernel(kernel_name)
-    before = torch.get_num_threads()
-    use_cpu_threads(threads)
-    try:
-        state = torch.zeros(3, n)
-        grads = torch.full((n,), 1e-3, dtype=torch.bfloat16)
-        best = math.inf
-        for step in range(1, 5):
-            t0 = time.perf_counter()
-            kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
-            if step > 1:
-                best = min(best, time.perf_counter() - t0)
-            grads.fill_(1e-3)  # the step wrote new params over them
-    finally:
-        use_cpu_threads(before)
-    return n / best
-
-
-def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks: int) -> float:
-    """Params per second of each rank's CPU update while the node's `ranks` update at once, `threads`
-    each. The update is bound by host memory bandwidth, which the ranks share: what one process with
-    all their threads reaches is what the node reaches, so each rank gets its share of that, or its own
-    speed alone where that is less. (Measured on nvidia-h200-x4, 1.35B with its state in host memory:
-    the update took 0.23 s a step at 1, 2 and 4 ranks, each rank holding a half or a quarter.)"""
-    alone = cpu_update_rate(kernel_name, subgroup_numel, threads)
-    if ranks == 1:
-        return alone
-    return min(alone, cpu_update_rate(kernel_name, subgroup_numel, threads * ranks) / ranks)
-
-
 def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
-    """Each rank's CPU update speed (machine.cpu_mparams_per_s, else timed here with the node's ranks
-    sharing its memory bandwidth) and the tiers' speeds (profile, else measured), for a predicted
+    """Each rank's CPU update speed (machine.cpu_mparams_per_s, else timed here as the node's ranks run
+    it, side by side: update_rate.node_update_rate) and the tiers' speeds (profile, else measured), for a predicted
     update time."""
     if machine.cpu_mparams_per_s is not None:
         rate = machine.cpu_mparams_per_s * 1e6

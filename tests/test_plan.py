@@ -6,6 +6,7 @@ the command prints the table and the largest preset that fits."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -20,7 +21,7 @@ from test_fsdp import ARGS, SG
 
 from fsdp_offload import OffloadConfig, calibrate, train
 from fsdp_offload import machine as machine_module
-from fsdp_offload import node_plan
+from fsdp_offload import node_plan, update_rate
 from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.grads import TierFP32Grads
 from fsdp_offload.models import MODEL_PRESETS
@@ -319,18 +320,44 @@ def test_a_plan_that_does_not_fit_is_said_once_for_the_job(tmp_path):
     assert len(lines) == 1 and "offload.host_budget_gb=0.0001" in lines[0], lines
 
 
-def test_ranks_of_a_node_share_the_cpu_updates_memory_bandwidth(monkeypatch):
-    """Each rank's planned CPU speed is its share of what all the node's threads reach in one process
-    (the update is memory-bound), or its own speed alone where that is less; the threads are put back."""
-    rates = {16: 3.0e9, 64: 6.0e9}  # params/s at 16 threads (one rank's) and 64 (the node's)
-    monkeypatch.setattr(machine_module, "cpu_update_rate", lambda kernel, numel, threads: rates[threads])
-    assert machine_module.node_update_rate("fused", 1 << 20, 16, 4) == 1.5e9  # bandwidth-bound: a quarter
-    assert machine_module.node_update_rate("fused", 1 << 20, 16, 1) == 3.0e9
-    rates[32] = 8.0e9  # two ranks of 16: each would reach 4e9 of the node's, more than its 3e9 alone
-    assert machine_module.node_update_rate("fused", 1 << 20, 16, 2) == 3.0e9
+def test_the_cpu_update_is_timed_as_the_nodes_ranks_run_it(monkeypatch):
+    """Each of a node's ranks is a team of its own: its own thread with its own intra-op threads, all
+    teams' kernels running at once (a kernel that waits for every team's at a barrier would otherwise
+    never return); the caller's thread count is left as it was."""
+    import threading
 
+    import fsdp_offload.kernels as kernels_module
 
-def test_timing_the_cpu_update_leaves_the_threads_as_they_were():
-    before = torch.get_num_threads()
-    machine_module.cpu_update_rate("torch", 1 << 16, max(1, before - 1) if before > 1 else 2)
+    ranks, threads, before = 3, 2, torch.get_num_threads()
+    together = threading.Barrier(ranks)
+    seen: list[tuple[int, int]] = []
+
+    def kernel(p, m, v, g, out, hyper):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        together.wait(timeout=60)  # returns only when every team's kernel is running
+
+    monkeypatch.setattr(kernels_module, "get_adamw_kernel", lambda name: ("fake", kernel))
+    rate = update_rate.node_update_rate("fused", 1 << 10, threads, ranks)
+    assert math.isfinite(rate) and rate > 0
+    assert len({ident for ident, _ in seen}) == ranks and {n for _, n in seen} == {threads}
+    assert len(seen) >= ranks * (1 + update_rate.MIN_ROUNDS)  # a warm-up round, then at least MIN_ROUNDS
     assert torch.get_num_threads() == before
+
+
+def test_the_real_kernels_time_as_two_teams():
+    for kernel in ("torch", "auto"):
+        assert 0 < update_rate.node_update_rate(kernel, 1 << 12, 1, 2) < math.inf
+
+
+def test_a_team_whose_kernel_fails_raises_its_error_and_stops_the_others(monkeypatch):
+    import threading
+
+    import fsdp_offload.kernels as kernels_module
+
+    def kernel(p, m, v, g, out, hyper):
+        if threading.current_thread().name.endswith("_1"):
+            raise MemoryError("team 1 ran out")
+
+    monkeypatch.setattr(kernels_module, "get_adamw_kernel", lambda name: ("fake", kernel))
+    with pytest.raises(MemoryError, match="team 1 ran out"):
+        update_rate.node_update_rate("fused", 1 << 10, 1, 3)
