@@ -27,6 +27,7 @@ from pathlib import Path
 from fsdp_offload.node_plan import PlanError
 from fsdp_offload.plan import compose_plan_config, plan_from_config
 from fsdp_offload.results import record
+from fsdp_offload.storage.base import TierError
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
@@ -41,7 +42,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     try:  # a case the planner or the config refuses is a row with its error; the other cases still run
         cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
         plan, _ = plan_from_config(cfg, machine)
-    except (PlanError, ValueError) as exc:
+    except (PlanError, ValueError, TierError) as exc:  # TierError: a tier's dir is missing or unusable
         row["error"] = f"plan: {exc}"
         return row
     row["plan_s"] = time.perf_counter() - t0
@@ -108,7 +109,7 @@ def main() -> int:
             r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
     omp_env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}  # the runs inherit them
     path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "env": omp_env, "runs": rows})
-    print(f"{'case':58} {'plan s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
+    print(f"{'case':58} {'pred s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
           f"{'host GiB':>8} {'iter s':>7}")  # fmt: skip
     for r in rows:
         if "error" in r:

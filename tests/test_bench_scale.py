@@ -1,0 +1,26 @@
+"""scripts/bench_scale.py: a case the planner cannot plan is a row with its error; the other cases still run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
+
+
+def load_bench_scale():
+    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_case_whose_tier_dir_is_missing_is_a_row_with_the_error(tmp_path):
+    bench_scale = load_bench_scale()
+    missing = tmp_path / "no-such-dir"
+    case = (f"model=tiny offload=disk offload.tiers=[posix:{missing}] offload.host_budget_gb=0.001 train.device=cpu "
+            "machine.cpu_mparams_per_s=1000")  # fmt: skip
+    args = argparse.Namespace(nproc=1, log_dir=str(tmp_path / "logs"), steps=1, timeout=60)
+    row = bench_scale.run_case(case, args, 0)
+    assert row["error"].startswith("plan: ") and str(missing) in row["error"] and "does not exist" in row["error"], row
