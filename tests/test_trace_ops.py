@@ -1,0 +1,39 @@
+"""scripts/trace_ops.py on a hand-made trace: the ops directly inside each region, on its own thread,
+are summed by name; ops nested in them, on other threads or outside every region are not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_trace_waits import write_trace
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "trace_ops.py"
+
+
+def op(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+
+def test_the_ops_directly_inside_each_region_are_summed_by_name(tmp_path):
+    region = "FSDP::post_backward_reduce"
+    write_trace(tmp_path / "trace_step2_rank0.json", [
+        op(f"{region} (layers.1)", 100, 1000, cat="user_annotation"),
+        op("aten::linalg_vector_norm", 150, 200), op("aten::empty", 160, 20),  # nested in the norm: not its own
+        op("aten::copy_", 400, 100), op("aten::linalg_vector_norm", 600, 300),
+        op("aten::mm", 300, 50, tid=2),  # another thread
+        op(f"{region} (layers.0)", 2000, 500, cat="user_annotation"), op("aten::copy_", 2100, 50),
+        op("aten::copy_", 3000, 80),  # outside every region
+    ])  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--step", "2", "--device-kind", "cpu-test", "--out", str(tmp_path / "out")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [path] = (tmp_path / "out").glob("trace_ops_cpu-test_*.json")
+    [rank0] = json.loads(path.read_text())["per_rank"]
+    assert rank0["regions"] == 2 and rank0["region_ms"] == 1.5
+    ops = {name: (o["count"], round(o["ms"], 6)) for name, o in rank0["ops"].items()}
+    assert ops == {"aten::linalg_vector_norm": (2, 0.5), "aten::copy_": (2, 0.15)}
+    assert list(rank0["ops"]) == ["aten::linalg_vector_norm", "aten::copy_"]  # the longest first
+    assert round(rank0["ops_ms"], 6) == 0.65
