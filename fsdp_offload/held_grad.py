@@ -27,7 +27,6 @@ from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 # Metadata ops that DTensor and autograd run on a grad without reading its values
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
@@ -102,8 +101,10 @@ def held_like(grad: torch.Tensor, micro_batches: int, take: Callable[[torch.Tens
     hold = GradHold(micro_batches, take, restart)
     if not isinstance(grad, DTensor):
         return HeldGrad(grad, hold)
-    spec = DTensorSpec(grad.device_mesh, grad.placements, tensor_meta=TensorMeta(grad.shape, grad.stride(), grad.dtype))
-    return DTensor(HeldGrad(grad.to_local(), hold), spec, requires_grad=False)
+    # The grad's own spec (mesh, placements, global shape, stride and dtype: the HeldGrad's too) and local
+    # tensor, as they are: this runs once per param in every backward, where building a spec took
+    # 12 us and to_local() 5 (an autograd op) on a CPU where the rest of the HeldGrad takes 5.
+    return DTensor(HeldGrad(grad._local_tensor, hold), grad._spec, requires_grad=False)
 
 
 def _held(grad: torch.Tensor | None) -> HeldGrad | None:
