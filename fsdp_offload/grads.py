@@ -197,9 +197,10 @@ class StepGrads:
         if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
             self.sums.add(index, grad)
             return
-        self.staging.stage(index, grad)
+        flat = grad.reshape(-1)
+        self.staging.stage(index, flat)
         if self._square_sums is not None:
-            self._square_sums.take(index, grad.reshape(-1))
+            self._square_sums.take(index, flat)
 
     def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""

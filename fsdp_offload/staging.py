@@ -17,7 +17,7 @@ import torch
 
 from .cache import host_buffer, unpin
 from .host_windows import HostWindows
-from .subgroups import Segment, SubgroupLayout
+from .subgroups import SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -75,9 +75,11 @@ class LowpStaging:
         self._make_pieces()
 
     def _make_pieces(self) -> None:
-        # Each param's destination views, made once: the backward hook runs per param and must be cheap.
-        self._pieces: list[list[tuple[torch.Tensor, Segment]]] = [
-            [(self.view(sg)[seg.in_subgroup], seg) for sg, seg in segs] for segs in self.layout.param_segments
+        # Each param's destination views and the parts of its grad they take, made once: the backward
+        # hook runs per param and must be cheap (a param in one piece takes the grad whole: None).
+        self._pieces: list[list[tuple[torch.Tensor, slice | None]]] = [
+            [(self.view(sg)[seg.in_subgroup], None if seg.numel == self.layout.numels[p] else seg.in_param) for sg, seg in segs]
+            for p, segs in enumerate(self.layout.param_segments)
         ]
 
     def device_buffer_for(self, subgroups: list[int], device: torch.device) -> torch.Tensor:
@@ -134,12 +136,11 @@ class LowpStaging:
             self.view(sg).copy_(lowp, non_blocking=True)
             self._windows.release(sg)
 
-    def stage(self, param: int, grad: torch.Tensor) -> None:
-        """Copies param `param`'s grad (flat, contiguous, on any device) into the buffer: its first of
-        the step (later ones are summed in FP32 by grad_sums.GradSums)."""
-        flat = grad.reshape(-1)
-        for dst, seg in self._pieces[param]:
-            dst.copy_(flat[seg.in_param], non_blocking=grad.is_cuda)
+    def stage(self, param: int, flat: torch.Tensor) -> None:
+        """Copies param `param`'s grad (`flat`: 1-D, on any device) into the buffer: its first of the
+        step (later ones are summed in FP32 by grad_sums.GradSums)."""
+        for dst, part in self._pieces[param]:
+            dst.copy_(flat if part is None else flat[part], non_blocking=flat.is_cuda)
         self.staged[param] = True
 
     def on_device(self, sg: int) -> bool:
