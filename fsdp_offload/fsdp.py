@@ -154,7 +154,7 @@ def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.T
             grad = param.grad
             if is_held(grad):
                 return  # FSDP2 added this backward's grad to the held one: `take` (or `restart`) has handed it in
-            restart(grad._local_tensor if isinstance(grad, DTensor) else grad)  # (to_local() is an autograd op)
+            restart(grad.to_local() if isinstance(grad, DTensor) else grad)
             param.grad = held_like(grad, micro_batches, take, restart)
 
         return hook

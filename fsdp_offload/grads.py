@@ -73,7 +73,7 @@ class SquareSums:
 
     def take(self, index: int, flat: torch.Tensor) -> None:
         """Param `index`'s grad (flat, on this device) is now `flat`."""
-        if self._norms_on_gpu:  # (a grad handed in from host memory is reduced on the GPU as the others)
+        if self._norms_on_gpu:  # a grad handed in from host memory (stage_grad) is copied up and reduced as the others
             torch.linalg.vector_norm(flat.to(self._values.device), dtype=torch.float32, out=self._slots[index])
         else:
             self._slots[index].copy_(square_sum(flat))

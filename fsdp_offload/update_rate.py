@@ -24,14 +24,16 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
 
     The ranks are timed as they run: `ranks` kernels side by side in this process, each called from its
     own Python thread with its own `threads` (the kernels release the GIL, and the intra-op thread count
-    is per calling thread), each over one subgroup's worth of params laid out as a step finds them (FP32
-    params and moments, the staged bf16 grads, the new bf16 params written over them). The update is
+    is per calling thread), each over a subgroup's worth of params (at most 64M, and 128M among all
+    teams: 1.75 GiB held while timing) laid out as a step finds them (FP32 params and moments, the
+    staged bf16 grads, the new bf16 params written over them). The update is
     bound by host memory bandwidth, which the ranks share, and separate teams reach more of it than one
     team of all their threads: on nvidia-h200-x4 the 1.35B's update took 0.27 s at 1 rank of 64
     threads and 0.21 s at 4 ranks of 16, each holding a quarter (session 21). A round's time is its
     slowest team's, as a step's update is its slowest rank's. The rate is from the median round of at
-    least WINDOW_S after a warm-up round: the best of three short rounds, as this was timed before,
-    read 0.65-1.47x a step's update, a straggling core of a shared machine slowing a whole round.
+    least WINDOW_S after a warm-up round: the best of three short rounds of one team of all the node's
+    threads, as this was timed before, read 0.77-1.47x a step's update at 4 ranks (session 20), a
+    straggling core of a shared machine slowing a whole round.
 
     The kernel alone: a step's update also copies the new params to the model and runs beside the
     next forward."""
@@ -74,8 +76,11 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
             barrier.abort()  # the other teams stop waiting for this one
             raise
 
+    before = torch.get_num_threads()
     with ThreadPoolExecutor(max_workers=ranks, thread_name_prefix="fsdp-offload-rate") as pool:
         futures = [pool.submit(team, i) for i in range(ranks)]
+    if threads != before:  # a team's set_num_threads is also the count threads started later begin with
+        torch.set_num_threads(before)
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])

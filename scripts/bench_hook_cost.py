@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 
@@ -50,7 +51,10 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    if "MASTER_PORT" not in os.environ:  # run alone (torchrun sets it): a port free now
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(free.getsockname()[1])
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

@@ -23,17 +23,20 @@ from fsdp_offload.results import record
 
 def direct_children(region: dict, events: list[dict]) -> list[dict]:
     """The events of `region`'s thread that lie inside it and inside no other such event (`events`
-    sorted by start, longest first at equal starts)."""
+    sorted by start, longest first at equal starts). An event spanning exactly the region (a wrapper
+    of the same call) is not a child; one that runs past its end covers what starts under it."""
     lo, hi = region["ts"], region["ts"] + region["dur"]
     children, covered_to = [], lo
     for e in events:
-        if e["ts"] < lo or e is region:
+        if e["ts"] < lo or e is region or (e["ts"] == lo and e["dur"] == region["dur"]):
             continue
         if e["ts"] >= hi:
             break
-        if e["ts"] >= covered_to and e["ts"] + e["dur"] <= hi:
+        if e["ts"] < covered_to:
+            continue  # nested in a child (or in an event that overruns the region)
+        if e["ts"] + e["dur"] <= hi:
             children.append(e)
-            covered_to = e["ts"] + e["dur"]
+        covered_to = e["ts"] + e["dur"]
     return children
 
 

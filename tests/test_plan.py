@@ -323,12 +323,13 @@ def test_a_plan_that_does_not_fit_is_said_once_for_the_job(tmp_path):
 def test_the_cpu_update_is_timed_as_the_nodes_ranks_run_it(monkeypatch):
     """Each of a node's ranks is a team of its own: its own thread with its own intra-op threads, all
     teams' kernels running at once (a kernel that waits for every team's at a barrier would otherwise
-    never return); the caller's thread count is left as it was."""
+    never return); the thread counts of the caller and of threads started later are left as they were."""
     import threading
 
     import fsdp_offload.kernels as kernels_module
 
-    ranks, threads, before = 3, 2, torch.get_num_threads()
+    before = torch.get_num_threads()
+    ranks, threads = 3, before + 1  # not this process's count: a team that kept it would be seen
     together = threading.Barrier(ranks)
     seen: list[tuple[int, int]] = []
 
@@ -342,6 +343,11 @@ def test_the_cpu_update_is_timed_as_the_nodes_ranks_run_it(monkeypatch):
     assert len({ident for ident, _ in seen}) == ranks and {n for _, n in seen} == {threads}
     assert len(seen) >= ranks * (1 + update_rate.MIN_ROUNDS)  # a warm-up round, then at least MIN_ROUNDS
     assert torch.get_num_threads() == before
+    started_later: list[int] = []
+    later = threading.Thread(target=lambda: started_later.append(torch.get_num_threads()))
+    later.start()
+    later.join()
+    assert started_later == [before]  # a thread started after the timing begins with the process's count
 
 
 def test_the_real_kernels_time_as_two_teams():

@@ -24,7 +24,9 @@ def test_the_ops_directly_inside_each_region_are_summed_by_name(tmp_path):
         op("aten::linalg_vector_norm", 150, 200), op("aten::empty", 160, 20),  # nested in the norm: not its own
         op("aten::copy_", 400, 100), op("aten::linalg_vector_norm", 600, 300),
         op("aten::mm", 300, 50, tid=2),  # another thread
-        op(f"{region} (layers.0)", 2000, 500, cat="user_annotation"), op("aten::copy_", 2100, 50),
+        op(f"{region} (layers.0)", 2000, 500, cat="user_annotation"), op("wrapper", 2000, 500),  # the region's span
+        op("aten::copy_", 2100, 50),
+        op("overruns", 2300, 400), op("aten::add_", 2350, 20),  # runs past the region; add_ is nested in it
         op("aten::copy_", 3000, 80),  # outside every region
     ])  # fmt: skip
     cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--step", "2", "--device-kind", "cpu-test", "--out", str(tmp_path / "out")]
