@@ -11,15 +11,25 @@ import sys
 import time
 
 
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # where this package's code lies
+
+
 def git_commit() -> str:
-    """HEAD of the checkout, with '-dirty' when tracked files have changes; $FSDP_OFFLOAD_COMMIT where
-    the code runs from a copy without .git (the GPU machine)."""
+    """HEAD of the checkout this package runs from (whatever the working directory: run from another
+    repository, git there would name that one's), with '-dirty' when tracked files have changes;
+    $FSDP_OFFLOAD_COMMIT where the code runs from a copy without .git (the GPU machine); "unknown"
+    where the package does not lie at the top of a git checkout (an installed copy)."""
     if os.environ.get("FSDP_OFFLOAD_COMMIT"):
         return os.environ["FSDP_OFFLOAD_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-        return head + ("-dirty" if dirty.strip() else "")
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(CHECKOUT):
+            return "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -1,0 +1,27 @@
+"""A benchmark record names the commit of the code that ran, whatever directory it ran from."""
+
+from __future__ import annotations
+
+import subprocess
+
+from fsdp_offload import results
+
+
+def test_the_commit_is_the_packages_checkout_not_the_working_directorys(tmp_path, monkeypatch):
+    monkeypatch.delenv("FSDP_OFFLOAD_COMMIT", raising=False)
+    other = tmp_path / "other-repo"
+    other.mkdir()
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=other, check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "other"], cwd=other, check=True)
+    other_head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=other, capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.chdir(other)
+    commit = results.git_commit()
+    assert other_head not in commit
+    ours = subprocess.run(["git", "rev-parse", "HEAD"], cwd=results.CHECKOUT, capture_output=True, text=True)
+    assert commit.startswith(ours.stdout.strip()) if ours.returncode == 0 and ours.stdout.strip() else commit == "unknown"
+
+
+def test_the_environment_names_the_commit_of_a_copy_without_git(monkeypatch):
+    monkeypatch.setenv("FSDP_OFFLOAD_COMMIT", "abc1234")
+    assert results.git_commit() == "abc1234"
