@@ -52,27 +52,32 @@ def host_cache_slots(
 ) -> int:  # fmt: skip
     """Host cache slots for `streamed` subgroups that `budget` (named `budget_name` in errors, which
     answer in `unit`) allows after `reserved_bytes` (the grad staging and buffers), or a clear error
-    when it is too small: below the pipeline's `prefetch` + 1, or short of all of them with no tier."""
+    when it is too small: short of all of them with no tier (nothing can leave host memory), or below
+    what the pipeline holds at once (`prefetch` + 1 subgroups, or all where there are fewer)."""
     if budget is None:
         return streamed
     slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
     if slots == streamed:
         return streamed
-    minimum = prefetch + 1
-    if slots < minimum:
-        raise ValueError(
-            f"{budget_name} is below the pipeline's minimum of "
-            f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "
-            f"({reserved_bytes + minimum * slot_bytes} bytes): {format_bytes(reserved_bytes)} of grad "
-            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} for prefetch={prefetch}; raise the "
-            "budget, or lower subgroup_numel or prefetch"
-        )
     if not tiers:
         raise ValueError(
             f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
             "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
             f"{in_unit(reserved_bytes + streamed * slot_bytes, unit)} "
             f"({reserved_bytes + streamed * slot_bytes} bytes)"
+        )
+    minimum = min(prefetch + 1, streamed)
+    if slots < minimum:
+        if minimum == prefetch + 1:
+            held, fix = f"for prefetch={prefetch}", "lower subgroup_numel or prefetch"
+        else:  # fewer subgroups than the pipeline holds at once: smaller ones would not all be held
+            held = f"(all {streamed} streamed, fewer than prefetch + 1 = {prefetch + 1})"
+            fix = "lower subgroup_numel (more, smaller subgroups, of which the pipeline holds prefetch + 1)"
+        raise ValueError(
+            f"{budget_name} is below the pipeline's minimum of "
+            f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "
+            f"({reserved_bytes + minimum * slot_bytes} bytes): {format_bytes(reserved_bytes)} of grad "
+            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} {held}; raise the budget, or {fix}"
         )
     return slots
 

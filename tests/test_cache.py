@@ -8,7 +8,7 @@ import os
 import pytest
 
 from fsdp_offload import memory, node, threads
-from fsdp_offload.cache import HostCache, aligned_host_buffer, release_pages
+from fsdp_offload.cache import HostCache, aligned_host_buffer, host_cache_slots, release_pages
 
 MIB = 1 << 20
 
@@ -120,3 +120,17 @@ def test_a_host_budget_above_the_available_memory_is_said_naming_both(monkeypatc
         memory.resolve_host_budget(OffloadConfig(host_budget_gb=4), None, torch.device("cpu"))
     (said,) = [r.getMessage() for r in caplog.records]
     assert "offload.host_budget_gb=4" in said and "4.00 GiB" in said and "3.00 GiB" in said and "auto" in said
+
+
+def test_a_budget_short_of_a_few_subgroups_names_the_minimum_they_need():
+    """One subgroup streamed (a small model over several ranks): the minimum is its one slot, not
+    prefetch + 1 of them; with no tier the budget must hold them all, and the error says to add one."""
+    slot, reserved = 100 * MIB, 10 * MIB
+    args = dict(budget_name="offload.host_budget_gb=0.1", unit="GiB", slot_bytes=slot, reserved_bytes=reserved, prefetch=2)
+    assert host_cache_slots(reserved + slot, streamed=1, tiers=1, **args) == 1
+    with pytest.raises(ValueError, match=rf"minimum of [0-9.]+ GiB \({reserved + slot} bytes\).* 1 slots .*all 1 streamed"):
+        host_cache_slots(reserved + slot - 1, streamed=1, tiers=1, **args)
+    with pytest.raises(ValueError, match=rf"minimum of [0-9.]+ GiB \({reserved + 3 * slot} bytes\).* 3 slots .*prefetch=2"):
+        host_cache_slots(reserved + 2 * slot, streamed=5, tiers=1, **args)
+    with pytest.raises(ValueError, match=r"holds 0 of 5 subgroups and no tier is given: add a tier"):  # not "lower prefetch"
+        host_cache_slots(reserved, streamed=5, tiers=0, **args)
