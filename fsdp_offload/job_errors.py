@@ -10,6 +10,8 @@ import functools
 import os
 from typing import Any, Callable
 
+import torch.distributed as dist
+
 
 class JobError(ValueError):
     """A fault that every rank of the job raises alike; one line naming the path, option and fix."""
@@ -28,6 +30,20 @@ def job_wide(read: Callable) -> Callable:
             raise JobError(str(exc)) from exc
 
     return wrapper
+
+
+def raise_on_every_rank(error: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raises a JobError on every rank of `group` where any rank found `error` (a check whose answer
+    may differ between nodes, such as a node-local dir): rank 0 says the first one, naming the ranks
+    that found one when not all did, so another node's fault is said once and not lost."""
+    errors = [error]
+    if group is not None:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    failed = [rank for rank, e in enumerate(errors) if e]
+    if failed:
+        where = "" if len(failed) == len(errors) else f" (on ranks {', '.join(map(str, failed))})"
+        raise JobError(errors[failed[0]] + where)
 
 
 def printed_by_another_rank(exc: BaseException) -> bool:

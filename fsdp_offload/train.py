@@ -38,7 +38,7 @@ from .checkpoint import (
 )  # fmt: skip
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
-from .job_errors import a_peer_stopped, error_line, printed_by_another_rank
+from .job_errors import a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
@@ -51,6 +51,7 @@ from .resume_config import follow_config, train_hyper
 from .recipe import TrainConfig, read_config
 from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, tensorboard_writer
 from .storage import TierError
+from .storage.chunked import tier_root_problem
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
@@ -168,6 +169,9 @@ def _run(cfg: DictConfig) -> list[dict]:
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
         # takes from here on (the CUDA context, the model's build) is the headroom's share.
+        # a tier dir missing on any rank's node ends the job before anything is sized or built, said once
+        problems = (tier_root_problem(spec.dir, str(spec)) for spec in recipe.config.tier_specs)
+        raise_on_every_rank(next((p for p in problems if p), None), group)
         budget = resolve_host_budget(recipe.config, group, device)
         if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])

@@ -367,3 +367,28 @@ def test_a_team_whose_kernel_fails_raises_its_error_and_stops_the_others(monkeyp
     monkeypatch.setattr(kernels_module, "get_adamw_kernel", lambda name: ("fake", kernel))
     with pytest.raises(MemoryError, match="team 1 ran out"):
         update_rate.node_update_rate("fused", 1 << 10, 1, 3)
+
+
+def test_a_missing_tier_dir_ends_the_job_before_it_plans_said_once(tmp_path):
+    from test_train import train
+
+    out = train(tmp_path / "run", f"offload.tiers=[posix:{tmp_path}/nope]", ranks=2, check=False)
+    assert out.returncode != 0  # (torchrun's own status for a failed worker)
+    text = out.stdout + out.stderr
+    lines = [line for line in text.splitlines() if "does not exist" in line]
+    assert len(lines) == 1 and f"tier dir {tmp_path}/nope does not exist; create it" in lines[0], lines
+    assert "plan:" not in text and "TierError" not in text, text[-2000:]  # (torchrun prints its own traceback)
+
+
+def _one_rank_finds_a_problem(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from fsdp_offload.job_errors import JobError, raise_on_every_rank
+
+    with pytest.raises(JobError, match=r"^tier dir /x on this rank's node is missing \(on ranks 1\)$"):
+        raise_on_every_rank("tier dir /x on this rank's node is missing" if rank == 1 else None, dist.group.WORLD)
+    raise_on_every_rank(None, dist.group.WORLD)  # nothing found anywhere: nothing raised
+
+
+def test_a_problem_one_rank_finds_ends_every_rank_naming_it():
+    run_ranks(2, _one_rank_finds_a_problem)

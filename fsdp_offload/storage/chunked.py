@@ -37,14 +37,23 @@ from .spec import TierSpec, io_settings
 log = logging.getLogger(__name__)
 
 
+def tier_root_problem(root: str, spec: str) -> str | None:
+    """What keeps `root` from holding tier `spec`'s files (missing, not a dir, not writable), or None.
+    Tiers never create it: a mistyped path must not fill another file system."""
+    if not os.path.exists(root):
+        return f"{spec}: tier dir {root} does not exist; create it or pick another path"
+    if not os.path.isdir(root):
+        return f"{spec}: {root} is not a directory; give a directory for the tier"
+    if not os.access(root, os.W_OK | os.X_OK):
+        return f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path"
+    return None
+
+
 def make_private_dir(root: str, spec: str) -> str:
     """Returns `root`/fsdp-offload-<uid>, created 0700 and checked to be ours and not a symlink."""
-    if not os.path.exists(root):
-        raise TierError(f"{spec}: tier dir {root} does not exist; create it or pick another path")
-    if not os.path.isdir(root):
-        raise TierError(f"{spec}: {root} is not a directory; give a directory for the tier")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise TierError(f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path")
+    problem = tier_root_problem(root, spec)
+    if problem is not None:
+        raise TierError(problem)
     path = os.path.join(root, f"fsdp-offload-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)
