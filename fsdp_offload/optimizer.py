@@ -29,7 +29,7 @@ from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
 from .model_state_dicts import install_model_state_dict_hooks
 from .optimizer_args import (
-    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
+    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, says_once, warn_uncast_at_first_forward,
 )  # fmt: skip
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
@@ -105,7 +105,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._frozen = True
         self.offload = cfg = offload_config(offload)
         overlap = cfg.resolved_overlap(hooked=model is not None)  # (an FSDP2 model's, checked below)
-        if cfg.overlap == "auto":
+        if cfg.overlap == "auto" and says_once():  # (the same on every rank)
             log.info("offload.overlap='auto': %s", overlap)
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]

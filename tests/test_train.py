@@ -85,6 +85,7 @@ def test_two_tiers_are_measured_once_a_node_for_the_plan_and_the_optimizer(tmp_p
                 "train.steps=2", ranks=2)  # fmt: skip
     logged = out.stdout + out.stderr
     assert [logged.count(f"measured posix:{d}:") for d in tiers] == [1, 1], logged[-3000:]
+    assert logged.count("offload.overlap='auto'") == 1, logged[-3000:]  # the same on both ranks: said by rank 0
 
 
 def final_state(ckpt: str, out: Path) -> dict:
