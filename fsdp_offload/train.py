@@ -40,7 +40,7 @@ from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
-from .node import node_ranks
+from .node import free_local_port, node_ranks
 from .optimizer import OffloadAdamW
 from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
@@ -75,7 +75,7 @@ def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
         raise ValueError("train.device=cuda but no CUDA device is visible: use train.device=cpu")
     if "RANK" not in os.environ:  # plain `python scripts/train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if dist.is_initialized():  # the caller's group (run() from a notebook or a test)

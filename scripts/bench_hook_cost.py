@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from fsdp_offload.config import OffloadConfig
 from fsdp_offload.fsdp import cast_params
 from fsdp_offload.models.llama import LlamaArgs
+from fsdp_offload.node import free_local_port
 from fsdp_offload.parallelize import build_fsdp_model, build_offloaded_model
 from fsdp_offload.results import record
 
@@ -51,10 +51,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:  # run alone (torchrun sets it): a port free now
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(free.getsockname()[1])
+    os.environ.setdefault("MASTER_PORT", str(free_local_port()))  # run alone (torchrun sets it)
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
