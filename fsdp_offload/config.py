@@ -358,10 +358,8 @@ def _tmpdir() -> str:
     return path
 
 
-def register_recipe_resolvers() -> None:
-    """What the recipes' interpolations call: `${tmpdir:}`, the node's scratch dir for this user (see
-    _tmpdir); `${either:A,B}`, A unless it is null, else B (Hydra's run dir is train.out_dir when given)."""
+def register_tmpdir_resolver() -> None:
+    """Makes `${tmpdir:}` in a recipe mean the node's scratch dir for this user (see _tmpdir)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-    OmegaConf.register_new_resolver("either", lambda value, otherwise: otherwise if value is None else value, replace=True)

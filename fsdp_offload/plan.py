@@ -89,9 +89,9 @@ def compose_plan_config(overrides: list[str]):
     """The train.py config composed from `overrides` (machine.* ones apart) and the MachineConfig."""
     from hydra import compose, initialize_config_module
 
-    from .config import register_recipe_resolvers
+    from .config import register_tmpdir_resolver
 
-    register_recipe_resolvers()
+    register_tmpdir_resolver()
     machine_kw = {}
     rest = []
     names = {f.name for f in dataclasses.fields(MachineConfig)}

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
-from .config import register_recipe_resolvers
+from .config import register_tmpdir_resolver
 from .data import TokenBatches
 from .job_errors import a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
@@ -343,7 +343,7 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     return row
 
 
-register_recipe_resolvers()  # `${tmpdir:}` and `${either:}` in the recipes, resolved when the config is read
+register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
 
 
 _LET_RANK0_SAY_S = 10.0  # seconds another rank waits before it exits on an error rank 0 prints

@@ -44,15 +44,6 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_train_out_dir_is_the_whole_run_dir(tmp_path):
-    """The log and Hydra's record of the config go where the metrics go, not to ./outputs."""
-    train(None, f"train.out_dir={tmp_path}/run", "train.steps=2", cwd=tmp_path)
-    run = tmp_path / "run"
-    assert len(rows(run / "metrics.jsonl")) == 2 and (run / "placement.json").exists()
-    assert "loss" in (run / "train.log").read_text() and (run / ".hydra" / "config.yaml").exists()
-    assert not (tmp_path / "outputs").exists()
-
-
 def test_main_command_trains_the_tiny_model(tmp_path):
     train(tmp_path / "run")
     log = rows(tmp_path / "run" / "metrics.jsonl")
