@@ -61,10 +61,3 @@ def node_peers(group: dist.ProcessGroup) -> list[int]:
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     return [r for r, host in enumerate(hosts) if host == socket.gethostname()]
 
-
-def free_local_port() -> int:
-    """A TCP port free on this host now, picked by the OS: the rendezvous of a world of one (a port
-    derived from the pid collides with another run's now and then)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

@@ -22,8 +22,11 @@ def git_commit() -> str:
     if os.environ.get("FSDP_OFFLOAD_COMMIT"):
         return os.environ["FSDP_OFFLOAD_COMMIT"]
 
+    # git asks $GIT_DIR and its kin before the working directory: a caller's would name its repository
+    env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR")}
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=CHECKOUT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=CHECKOUT, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
         if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(CHECKOUT):

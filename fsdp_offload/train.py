@@ -40,7 +40,7 @@ from .config import register_tmpdir_resolver
 from .data import TokenBatches
 from .job_errors import a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
-from .node import free_local_port, node_ranks
+from .node import node_ranks
 from .optimizer import OffloadAdamW
 from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
@@ -52,6 +52,7 @@ from .recipe import TrainConfig, read_config
 from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, tensorboard_writer
 from .storage import TierError
 from .storage.chunked import tier_root_problem
+from .storage.lock import lock_root_problem
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
@@ -73,14 +74,14 @@ def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("train.device=cuda but no CUDA device is visible: use train.device=cpu")
-    if "RANK" not in os.environ:  # plain `python scripts/train.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_local_port()))
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if dist.is_initialized():  # the caller's group (run() from a notebook or a test)
-        return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():  # else the caller's group (run() from a notebook or a test)
+        backend, timeout = "nccl" if device == "cuda" else "gloo", timedelta(seconds=timeout_s)
+        if "RANK" in os.environ:  # a launcher's job (torchrun, srun): its rendezvous
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # plain `python scripts/train.py`: a world of one, met in this process, with no port to collide on
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
 
@@ -169,8 +170,11 @@ def _run(cfg: DictConfig) -> list[dict]:
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
         # takes from here on (the CUDA context, the model's build) is the headroom's share.
-        # a tier dir missing on any rank's node ends the job before anything is sized or built, said once
-        problems = (tier_root_problem(spec.dir, str(spec)) for spec in recipe.config.tier_specs)
+        # a tier dir (or the tier lock dir) missing on any rank's node ends the job before anything is sized or built, said once
+        ocfg = recipe.config
+        problems = [tier_root_problem(spec.dir, str(spec)) for spec in ocfg.tier_specs]
+        if ocfg.tier_specs and ocfg.tier_access != "shared":  # the node's tier locks live there
+            problems.append(lock_root_problem(ocfg.tier_lock_dir))
         raise_on_every_rank(next((p for p in problems if p), None), group)
         budget = resolve_host_budget(recipe.config, group, device)
         if rank == 0 and recipe.config.host_budget.auto:

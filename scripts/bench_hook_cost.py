@@ -6,7 +6,7 @@ step by step; each reports its median backward (synchronized on a GPU), and thei
 is the hooks' cost.
 
     python scripts/bench_hook_cost.py --device cpu --device-kind cpu-2core
-    torchrun --nproc-per-node 1 scripts/bench_hook_cost.py --device cuda --device-kind nvidia-h100-x1
+    python scripts/bench_hook_cost.py --device cuda --device-kind nvidia-h100-x1
 
 One JSON under --out (result keys: device_type, params, backward_ms_plain, backward_ms_offload,
 hook_us_per_param, steps); a line on stdout.
@@ -15,7 +15,6 @@ hook_us_per_param, steps); a line on stdout.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -25,7 +24,6 @@ import torch.distributed as dist
 from fsdp_offload.config import OffloadConfig
 from fsdp_offload.fsdp import cast_params
 from fsdp_offload.models.llama import LlamaArgs
-from fsdp_offload.node import free_local_port
 from fsdp_offload.parallelize import build_fsdp_model, build_offloaded_model
 from fsdp_offload.results import record
 
@@ -50,11 +48,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (the launching thread's work is serial)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_local_port()))  # run alone (torchrun sets it)
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    # one rank: its rendezvous in this process (no port to collide on), under torchrun or not
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -378,6 +378,13 @@ def test_a_missing_tier_dir_ends_the_job_before_it_plans_said_once(tmp_path):
     lines = [line for line in text.splitlines() if "does not exist" in line]
     assert len(lines) == 1 and f"tier dir {tmp_path}/nope does not exist; create it" in lines[0], lines
     assert "plan:" not in text and "TierError" not in text, text[-2000:]  # (torchrun prints its own traceback)
+    (tmp_path / "tier").mkdir()
+    out = train(tmp_path / "run2", f"offload.tiers=[posix:{tmp_path}/tier]", f"offload.tier_lock_dir={tmp_path}/nolocks",
+                ranks=2, check=False)  # fmt: skip
+    text = out.stdout + out.stderr
+    lines = [line for line in text.splitlines() if "does not exist" in line]
+    assert len(lines) == 1 and f"offload.tier_lock_dir='{tmp_path}/nolocks'" in lines[0], lines
+    assert "plan:" not in text, text[-2000:]
 
 
 def _one_rank_finds_a_problem(rank: int, world_size: int) -> None:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .base import Tier, TierError
-from .chunked import make_private_dir
+from .chunked import make_private_dir, tier_root_problem
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
 
@@ -45,6 +45,16 @@ def access_slots(access: str | int) -> int | None:
     raise ValueError(f"offload.tier_access={access!r}: choose 'exclusive', 'shared' or a number of processes k >= 1")
 
 
+def lock_root_problem(lock_root: str) -> str | None:
+    """What keeps `lock_root` (offload.tier_lock_dir) from holding the node's tier locks, or None."""
+    problem = tier_root_problem(lock_root, "tier lock")
+    return None if problem is None else _lock_dir_error(lock_root, problem)
+
+
+def _lock_dir_error(lock_root: str, problem: str) -> str:
+    return f"offload.tier_lock_dir={lock_root!r}: {problem}; set it to a node-local directory"
+
+
 class NodeTierLock:
     """`slots` flock()ed files for one tier dir in `lock_root`: holding any one of them is a licence
     to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
@@ -61,7 +71,7 @@ class NodeTierLock:
         try:
             lock_dir = make_private_dir(lock_root, "tier lock")
         except TierError as exc:
-            raise TierError(f"offload.tier_lock_dir={lock_root!r}: {exc}; set it to a node-local directory") from exc
+            raise TierError(_lock_dir_error(lock_root, str(exc))) from exc
         real = os.path.realpath(tier_dir)
         name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
         self.tier_dir = real
