@@ -63,7 +63,7 @@ def main() -> None:
     locks = Path(tempfile.mkdtemp(prefix="bench-load-locks-", dir="/dev/shm"))
     (work / "tier").mkdir()
     out_dir = work / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", str(29500 + os.getpid() % 400),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            TRAIN, "model=tiny", "offload=tiny_disk", f"offload.tiers=['posix:{work / 'tier'}','posix:{shm}']",
            "offload.placement=fixed", f"offload.tier_lock_dir={locks}", f"train.steps={args.steps}", f"train.device={args.device}",
            "train.progress=false", "train.log_every=1", f"train.out_dir={out_dir}", f"hydra.run.dir={out_dir}/hydra",

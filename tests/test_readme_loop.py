@@ -21,8 +21,7 @@ def test_readme_loop_example_runs_as_written(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(readme_loop())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(29500 + os.getpid() % 400), str(script)]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]  # a free port of its own
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "own-loop-checkpoint" / ".metadata").exists()

@@ -27,7 +27,7 @@ METRICS = {
 
 def train(tmp: Path | None, *overrides: str, ranks: int = 0, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, TRAIN] if ranks == 0 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(29000 + os.getpid() % 500),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),  # (a free port of its own)
         TRAIN,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
