@@ -60,4 +60,3 @@ def node_peers(group: dist.ProcessGroup) -> list[int]:
     hosts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     return [r for r, host in enumerate(hosts) if host == socket.gethostname()]
-

@@ -15,8 +15,8 @@ preset that fits the same recipe.
 The placement is computed by the functions the optimizer runs, so it is the placement the run
 reports. The update time is a model: the busiest tier's I/O (from the tiers' speeds in the bandwidth
 profile, measured when it lacks them, each shared by the node's ranks) against the CPU update (the
-kernel timed here as the node's ranks run it, side by side: update_rate.py; or `machine.cpu_mparams_per_s`), whichever is longer. A plan
-that does not fit raises `PlanError` naming the level that is short and by how much; train.py runs
+kernel timed here as the node's ranks run it, side by side: update_rate.py; or
+`machine.cpu_mparams_per_s`), whichever is longer. A plan that does not fit raises `PlanError` naming the level that is short and by how much; train.py runs
 the same check before it builds the model.
 
 This module is the command and the plan's text; machine.py reads the machine, node_plan.py plans.

@@ -167,15 +167,15 @@ def _run(cfg: DictConfig) -> list[dict]:
 
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
-        # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
-        # The host budget is sized once, now, for the plan and the optimizer alike: what this process
-        # takes from here on (the CUDA context, the model's build) is the headroom's share.
-        # a tier dir (or the tier lock dir) missing on any rank's node ends the job before anything is sized or built, said once
+        # A tier dir (or the tier lock dir) missing on any rank's node ends the job first, said once.
         ocfg = recipe.config
         problems = [tier_root_problem(spec.dir, str(spec)) for spec in ocfg.tier_specs]
         if ocfg.tier_specs and ocfg.tier_access != "shared":  # the node's tier locks live there
             problems.append(lock_root_problem(ocfg.tier_lock_dir))
         raise_on_every_rank(next((p for p in problems if p), None), group)
+        # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
+        # The host budget is sized once, now, for the plan and the optimizer alike: what this process
+        # takes from here on (the CUDA context, the model's build) is the headroom's share.
         budget = resolve_host_budget(recipe.config, group, device)
         if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])

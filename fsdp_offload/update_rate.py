@@ -26,9 +26,9 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     own Python thread with its own `threads` (the kernels release the GIL, and the intra-op thread count
     is per calling thread), each over a subgroup's worth of params (at most 64M, and 128M among all
     teams: 1.75 GiB held while timing) laid out as a step finds them (FP32 params and moments, the
-    staged bf16 grads, the new bf16 params written over them). The update is
-    bound by host memory bandwidth, which the ranks share, and separate teams reach more of it than one
-    team of all their threads: on nvidia-h200-x4 the 1.35B's update took 0.27 s at 1 rank of 64
+    staged bf16 grads, the new bf16 params written over them). The update is bound by host memory
+    bandwidth, which the ranks share, and separate teams reach more of it than one team of all their
+    threads: on nvidia-h200-x4 the 1.35B's update took 0.27 s at 1 rank of 64
     threads and 0.21 s at 4 ranks of 16, each holding a quarter (session 21). A round's time is its
     slowest team's, as a step's update is its slowest rank's. The rate is from the median round of at
     least WINDOW_S after a warm-up round: the best of three short rounds of one team of all the node's
