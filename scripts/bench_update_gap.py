@@ -1,0 +1,136 @@
+"""Why a step's CPU update can run slower than the planner's timed kernel: the fused AdamW kernel timed
+as `ranks` teams side by side (as `update_rate.node_update_rate` times it), on four kinds of memory
+and company:
+
+- `planner`: torch.zeros state and an ordinary bf16 grad buffer (what the planner times);
+- `step_memory`: the step's own allocations, page-aligned state (`cache.host_buffer`) and page-locked
+  grads (`host_buffer(pin=True)` where CUDA is there), as the host cache and the staging buffer hold them;
+- `with_launcher`: step memory, with one more thread a team launching GPU work all the while (a rank's
+  forward runs beside its update);
+- `with_copies`: step memory, with each team's new bf16 params copied to the GPU after its kernel,
+  as the step copies each subgroup's back into the model.
+
+Each variant's rate is the median round (its slowest team) of at least --rounds rounds after a warm-up.
+
+    python scripts/bench_update_gap.py --ranks 2 --threads 16 --numel 67108864 --device-kind nvidia-h100-x2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from fsdp_offload.cache import host_buffer
+from fsdp_offload.kernels import get_adamw_kernel
+from fsdp_offload.kernels.contract import AdamWHyper
+from fsdp_offload.results import record
+from fsdp_offload.threads import use_cpu_threads
+
+VARIANTS = ("planner", "step_memory", "with_launcher", "with_copies")
+
+
+def buffers(variant: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 state [params | exp_avg | exp_avg_sq] and the bf16 grads, allocated as `variant` says."""
+    if variant == "planner":
+        return torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16)
+    state = host_buffer(3 * n * 4, pin=False).view(torch.float32).view(3, n)
+    state.zero_()
+    grads = host_buffer(n * 2, pin=torch.cuda.is_available()).view(torch.bfloat16)
+    return state, grads
+
+
+def launcher(stop: threading.Event) -> None:
+    """Launches small GPU matmuls until `stop`, syncing every 64: a thread as busy as a forward's."""
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    while not stop.is_set():
+        for _ in range(64):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+
+
+def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds: int) -> dict:
+    durations = [0.0] * ranks
+    times: list[float] = []
+    crossings, done = [0], [False]
+
+    def close_round() -> None:
+        crossings[0] += 1
+        if crossings[0] > 2:  # after the warm-up round
+            times.append(max(durations))
+            done[0] = len(times) >= rounds
+
+    barrier = threading.Barrier(ranks, action=close_round)
+    stop = threading.Event()
+    helpers = [threading.Thread(target=launcher, args=(stop,)) for _ in range(ranks if variant == "with_launcher" else 0)]
+    for h in helpers:
+        h.start()
+    gpu_params = torch.empty(n, dtype=torch.bfloat16, device="cuda") if variant == "with_copies" else None
+
+    def team(i: int) -> None:
+        use_cpu_threads(threads)
+        state, grads = buffers(variant, n)
+        step = 0
+        while True:
+            grads.fill_(1e-3)
+            barrier.wait()
+            if done[0]:
+                return
+            step += 1
+            t0 = time.perf_counter()
+            kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
+            if gpu_params is not None:
+                gpu_params.copy_(grads, non_blocking=True)
+                torch.cuda.synchronize()
+            durations[i] = time.perf_counter() - t0
+
+    before = torch.get_num_threads()
+    workers = [threading.Thread(target=team, args=(i,)) for i in range(ranks)]
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        stop.set()
+        for h in helpers:
+            h.join()
+        torch.set_num_threads(before)
+    median = statistics.median(times)
+    return {"variant": variant, "ranks": ranks, "threads": threads, "numel": n, "rounds_s": times,
+            "median_round_s": median, "mparams_per_s_per_rank": n / median / 1e6}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=1, help="teams timed side by side (a node's ranks)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads a team")
+    ap.add_argument("--numel", type=int, default=64 << 20, help="params a team updates a round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2, help="passes over the variants, interleaved")
+    ap.add_argument("--kernel", default="fused")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--device-kind", required=True)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants {unknown} unknown: choose from {', '.join(VARIANTS)}")
+    if not torch.cuda.is_available() and any(v in ("with_launcher", "with_copies") for v in variants):
+        ap.error("--variants with_launcher and with_copies need a GPU: leave them out on a CPU machine")
+    _, kernel = get_adamw_kernel(args.kernel)
+    rows = []
+    for _ in range(args.repeat):
+        for v in variants:
+            rows.append(time_variant(v, kernel, args.numel, args.threads, args.ranks, args.rounds))
+            print(f"{v:14} {rows[-1]['median_round_s'] * 1e3:8.1f} ms  {rows[-1]['mparams_per_s_per_rank']:7.0f} M params/s a rank")
+    path = record("bench_update_gap", args.device_kind, args.out, {"args": vars(args), "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
