@@ -74,18 +74,25 @@ def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds:
         use_cpu_threads(threads)
         state, grads = buffers(variant, n)
         step = 0
-        while True:
-            grads.fill_(1e-3)
-            barrier.wait()
-            if done[0]:
-                return
-            step += 1
-            t0 = time.perf_counter()
-            kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
-            if gpu_params is not None:
-                gpu_params.copy_(grads, non_blocking=True)
-                torch.cuda.synchronize()
-            durations[i] = time.perf_counter() - t0
+        try:
+            while True:
+                grads.fill_(1e-3)
+                barrier.wait()
+                if done[0]:
+                    return
+                step += 1
+                t0 = time.perf_counter()
+                kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
+                if gpu_params is not None:
+                    gpu_params.copy_(grads, non_blocking=True)
+                    torch.cuda.synchronize()
+                durations[i] = time.perf_counter() - t0
+        except BaseException:
+            barrier.abort()  # the other teams stop waiting for this one
+            raise
+        finally:
+            if variant != "planner" and torch.cuda.is_available():  # the next variant may get these pages
+                torch.cuda.cudart().cudaHostUnregister(grads.data_ptr())
 
     before = torch.get_num_threads()
     workers = [threading.Thread(target=team, args=(i,)) for i in range(ranks)]
