@@ -51,6 +51,9 @@ class StepMetrics:
     # is their sum (plus any accumulated grads'), the all-reduce, and the wait for the GPU work queued
     # before it; 0 when the step needs no norm, about 0 when clip_grad_norm_() took it already
     norm_s: float = 0.0
+    # Time in the CPU kernel over the subgroups updated in host memory: the part of update_s that the
+    # planner's CPU rate predicts (the rest: waits for grads, I/O, copies, the norm)
+    cpu_kernel_s: float = 0.0
     # The part of update_s the training loop waited for: step() itself, plus, with the update
     # overlapped, the next forward's waits for its subgroups. None until the update has finished.
     exposed_update_s: float | None = None

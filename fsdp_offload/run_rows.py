@@ -70,4 +70,4 @@ def add_update_metrics(row: dict, m) -> None:
                update_mparams_per_s=m.update_mparams_per_s, effective_io_gbps=m.effective_io_gbps,
                bytes_read=m.bytes_read, bytes_written=m.bytes_written, cache_hits=m.cache_hits,
                subgroups_per_tier=m.subgroups_per_tier, subgroups_on_gpu=m.subgroups_on_gpu, skipped=m.skipped,
-               lock_wait_s=m.lock_wait_s, norm_s=m.norm_s)  # fmt: skip
+               lock_wait_s=m.lock_wait_s, norm_s=m.norm_s, cpu_kernel_s=m.cpu_kernel_s)  # fmt: skip

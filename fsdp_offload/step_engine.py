@@ -72,6 +72,7 @@ class StepEngine:
         self._after_backward = None  # CUDA event after the work queued before step(): the update's copies follow it
         self._begin_s = 0.0  # time step() took before the update could start
         self._norm_s = 0.0  # time this step took to take the grad norm (metrics.norm_s)
+        self._cpu_kernel_s = 0.0  # time in the CPU kernel this step (metrics.cpu_kernel_s)
         self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
         self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.untaken: deque[StepMetrics] = deque(maxlen=1024)  # finished steps' metrics, for take_metrics()
@@ -299,10 +300,12 @@ class StepEngine:
                 runs[-1][1] = seg.offset + seg.numel
             else:
                 runs.append([seg.offset, seg.offset + seg.numel, key])
+        began = time.perf_counter()
         for lo, hi, (group, step) in runs:
             piece = slice(lo, hi)
             kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
         if not state.is_cuda:
+            self._cpu_kernel_s += time.perf_counter() - began
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
 
@@ -330,6 +333,7 @@ class StepEngine:
                          self.store.stored_locations())  # fmt: skip
         m.subgroups_on_gpu = len(self.store.gpu_state)
         m.norm_s, self._norm_s = self._norm_s, 0.0
+        m.cpu_kernel_s, self._cpu_kernel_s = self._cpu_kernel_s, 0.0
         self._finished = m
         for i, has in enumerate(self.grads.staged):
             self.steps[i] += has

@@ -8,7 +8,8 @@ the start-up and training GPU peaks, the host peak and the bytes on each tier.
 
 One JSON under --out with a row per case (result keys: command, device, commit, model,
 params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, tier_bytes, update_s,
-predicted_update_s, iteration_s), the logs under --log-dir. Steps after the first are averaged.
+predicted_update_s, iteration_s; cpu_kernel_s, the slowest rank's time in the CPU kernel, beside
+predicted_cpu_s), the logs under --log-dir. Steps after the first are averaged.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     # A step's update is its slowest rank's (with exclusive access the ranks take the disk in turns).
     per_rank = [rows] + [[json.loads(line) for line in Path(out_dir, f"rank{r}.metrics.jsonl").read_text().splitlines()]
                          for r in range(1, nproc)]  # fmt: skip
-    slowest_update = statistics.fmean(max(rank[i]["update_s"] for rank in per_rank) for i in range(1, len(rows)) or [0])
+    slowest = lambda key: statistics.fmean(max(rank[i][key] for rank in per_rank) for i in range(1, len(rows)) or [0])  # noqa: E731
+    slowest_update = slowest("update_s")
     placement = json.loads(Path(out_dir, "placement.json").read_text())
     built = placement["built"]
     row.update(iteration_s=mean("step_s"), update_s=slowest_update, exposed_update_s=mean("exposed_update_s"),
@@ -88,6 +90,10 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                               and list(built["tier_subgroups"].values()) == [t.subgroups for t in mine.tiers])  # fmt: skip
     if plan.predicted_update_s:
         row["predicted_over_measured"] = plan.predicted_update_s / row["update_s"]
+    # the part of the update the planner's CPU rate predicts, timed inside the step: the kernel alone
+    row["cpu_kernel_s"] = slowest("cpu_kernel_s")
+    if mine.cpu_s and row["cpu_kernel_s"]:
+        row["predicted_cpu_over_kernel"] = mine.cpu_s / row["cpu_kernel_s"]
     return row
 
 

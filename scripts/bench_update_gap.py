@@ -7,8 +7,9 @@ and company:
   grads (`host_buffer(pin=True)` where CUDA is there), as the host cache and the staging buffer hold them;
 - `with_launcher`: step memory, with one more thread a team launching GPU work all the while (a rank's
   forward runs beside its update);
-- `with_copies`: step memory, with each team's new bf16 params copied to the GPU after its kernel,
-  as the step copies each subgroup's back into the model.
+- `with_copies`: step memory, with each team's new bf16 params copied to the GPU after its kernel and
+  waited for, as the step copies each subgroup's back into the model (the step overlaps that copy
+  with the next subgroup's kernel: this variant's extra time is the copy's own, an upper bound).
 
 Each variant's rate is the median round (its slowest team) of at least --rounds rounds after a warm-up.
 

@@ -24,3 +24,15 @@ def test_a_case_whose_tier_dir_is_missing_is_a_row_with_the_error(tmp_path):
     args = argparse.Namespace(nproc=1, log_dir=str(tmp_path / "logs"), steps=1, timeout=60)
     row = bench_scale.run_case(case, args, 0)
     assert row["error"].startswith("plan: ") and str(missing) in row["error"] and "does not exist" in row["error"], row
+
+
+def test_a_row_puts_the_kernel_time_inside_the_step_beside_the_planners_cpu_time(tmp_path):
+    """The planner's CPU rate predicts the kernel alone: the row carries the slowest rank's time in the
+    CPU kernel, within its update, and the prediction's ratio to it."""
+    bench_scale = load_bench_scale()
+    case = "model=tiny offload=host train.device=cpu offload.subgroup_numel=1048576"
+    args = argparse.Namespace(nproc=1, log_dir=str(tmp_path / "logs"), steps=3, timeout=120)
+    row = bench_scale.run_case(case, args, 0)
+    assert "error" not in row, row
+    assert 0 < row["cpu_kernel_s"] < row["update_s"], row
+    assert row["predicted_cpu_over_kernel"] == row["predicted_cpu_s"] / row["cpu_kernel_s"]

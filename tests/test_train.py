@@ -21,7 +21,7 @@ METRICS = {
     "step", "loss", "lr", "tokens_per_s", "forward_s", "backward_s", "update_s", "step_s", "update_mparams_per_s",
     "effective_io_gbps", "bytes_read", "bytes_written", "host_peak_gib", "grad_norm", "cache_hits", "subgroups_per_tier",
     "lock_wait_s", "time", "step_call_s", "exposed_update_s", "overlap_s", "subgroups_on_gpu", "skipped", "cpu_threads",
-    "host_rss_gib", "open_fds", "norm_s",
+    "host_rss_gib", "open_fds", "norm_s", "cpu_kernel_s",
 }  # fmt: skip
 
 
@@ -50,6 +50,7 @@ def test_main_command_trains_the_tiny_model(tmp_path):
     assert len(log) == 50
     assert all(METRICS <= set(r) for r in log), METRICS - set(log[0])
     assert all(r["norm_s"] > 0 for r in log)  # the recipe clips: every step takes the norm
+    assert all(0 < r["cpu_kernel_s"] < r["update_s"] for r in log)  # the CPU updates every subgroup, within the update
     first, last = np.mean([r["loss"] for r in log[:5]]), np.mean([r["loss"] for r in log[-5:]])
     assert last < first - 1.0, (first, last)
     assert sum(sum(r["bytes_read"].values()) for r in log) > 0  # the state really streamed through the tier
