@@ -31,7 +31,7 @@ from .grads import StepGrads
 from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
-from .metrics import StepMetrics, step_metrics
+from .metrics import StepMetrics, step_metrics, traced
 from .optimizer_args import hyperparameters
 from .order import update_order
 from .overlap import UpdateInFlight
@@ -208,6 +208,7 @@ class StepEngine:
             if grow_gpu_share(self.cfg, self.layout, self.store, self.grads.staging, self.copies, self.device):
                 self.gpu_kernel = self.gpu_kernel or triton_kernel()
 
+    @traced("fsdp_offload.step_begin")
     def _begin(self, start: float) -> bool:
         """Stages what backward left, writes the FP32 grads (that path only) and takes the grad scale;
         False when fp16 grads overflowed and the step is skipped."""
@@ -236,6 +237,7 @@ class StepEngine:
         self.pending = update_order(self.forward, self.step_count, self.cfg.update_order, self.store.resident())
 
     @torch.no_grad()  # grad mode is per thread: this may run on the update's own
+    @traced("fsdp_offload.update")
     def run(self, start: float) -> None:
         """Updates the subgroups of `pending` and copies their params back into the model."""
         params = [local_data(p) for p in self.params]
@@ -278,6 +280,7 @@ class StepEngine:
             left.remove(sg)
             self.store.run_update([sg], update)
 
+    @traced("fsdp_offload.update_subgroup")
     def update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
         subgroup = self.layout.subgroups[sg]
         p, m, v = subgroup.parts(state)
@@ -309,6 +312,7 @@ class StepEngine:
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
 
+    @traced("fsdp_offload.copy_back")
     def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
         with self.copies.after_current():
             self.grads.staging.copy_params_to_model(sg, params)

@@ -1,7 +1,10 @@
 """Where a region of one profiled step spends its CPU time: reads the per-rank traces that train.py
 `train.profile_step=N` leaves in the run dir and, for every event whose name starts with --region
-(default FSDP2's post-backward, where the grad hooks run), sums the CPU ops directly inside it on its
-thread, by name. What the region's time holds beyond its ops is Python and the work between them.
+(default FSDP2's post-backward, where the grad hooks run; the optimizer's phases are
+`fsdp_offload.step_begin`, `fsdp_offload.update`, `fsdp_offload.update_subgroup` and
+`fsdp_offload.copy_back`), sums the CPU ops directly inside it on its thread, by name. What the
+region's time holds beyond its ops is Python and the work between them (a kernel called outside
+torch's dispatcher, as the fused CPU AdamW is).
 
     python scripts/trace_ops.py outputs/run --step 4 --device-kind nvidia-h200-x4
 

@@ -39,3 +39,28 @@ def test_the_ops_directly_inside_each_region_are_summed_by_name(tmp_path):
     assert ops == {"aten::linalg_vector_norm": (2, 0.5), "aten::copy_": (2, 0.15)}
     assert list(rank0["ops"]) == ["aten::linalg_vector_norm", "aten::copy_"]  # the longest first
     assert round(rank0["ops_ms"], 6) == 0.65
+
+
+def test_a_profiled_step_names_the_updates_phases(tmp_path):
+    """What trace_ops --region reads in a real trace: the step's begin, its update, each subgroup's update
+    inside it, and each subgroup's copy back into the model."""
+    import torch
+
+    from fsdp_offload import OffloadAdamW, OffloadConfig
+
+    params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(3)]
+    opt = OffloadAdamW(params, lr=1e-3, offload=OffloadConfig(kernel="torch", subgroup_numel=1024))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    opt.close()
+    names = [e.name for e in prof.events() if e.name.startswith("fsdp_offload.")]
+    subgroups = len(opt.layout)
+    assert subgroups == 3
+    counts = {name: names.count(name) for name in set(names)}
+    assert counts == {"fsdp_offload.step_begin": 1, "fsdp_offload.update": 1, "fsdp_offload.update_subgroup": subgroups,
+                      "fsdp_offload.copy_back": subgroups}, counts  # fmt: skip
+    [update] = [e for e in prof.events() if e.name == "fsdp_offload.update"]
+    inner = [e for e in prof.events() if e.name == "fsdp_offload.update_subgroup"]
+    assert all(update.time_range.start <= e.time_range.start and e.time_range.end <= update.time_range.end for e in inner)
