@@ -1,10 +1,11 @@
 """Where a region of one profiled step spends its CPU time: reads the per-rank traces that train.py
-`train.profile_step=N` leaves in the run dir and, for every event whose name starts with --region
-(default FSDP2's post-backward, where the grad hooks run; the optimizer's phases are
-`fsdp_offload.step_begin`, `fsdp_offload.update`, `fsdp_offload.update_subgroup` and
-`fsdp_offload.copy_back`), sums the CPU ops directly inside it on its thread, by name. What the
-region's time holds beyond its ops is Python and the work between them (a kernel called outside
-torch's dispatcher, as the fused CPU AdamW is).
+`train.profile_step=N` leaves in the run dir and, for every event named --region, sums the CPU ops
+directly inside it on its thread, by name. A region's name may go on after a space with what it ran
+on (FSDP2's "FSDP::post_backward_reduce (layers.3)"). The default region is FSDP2's post-backward,
+where the grad hooks run; the optimizer's phases are `fsdp_offload.step_begin`,
+`fsdp_offload.update`, `fsdp_offload.update_subgroup` and `fsdp_offload.copy_back`. What the region's
+time holds beyond its ops is Python and the work between them (a kernel called outside torch's
+dispatcher, as the fused CPU AdamW is).
 
     python scripts/trace_ops.py outputs/run --step 4 --device-kind nvidia-h200-x4
 
@@ -53,7 +54,7 @@ def region_ops(trace: list[dict], region: str) -> dict:
     regions, region_ms = 0, 0.0
     for events in by_thread.values():
         events.sort(key=lambda e: (e["ts"], -e["dur"]))
-        for r in (e for e in events if e["name"].startswith(region)):
+        for r in (e for e in events if e["name"] == region or e["name"].startswith(region + " ")):
             regions += 1
             region_ms += r["dur"] / 1e3
             for child in direct_children(r, events):
@@ -67,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="the run dir holding trace_step<N>_rank<R>.json[.gz]")
     ap.add_argument("--step", type=int, required=True)
-    ap.add_argument("--region", default="FSDP::post_backward_reduce", help="the regions' name prefix")
+    ap.add_argument("--region", default="FSDP::post_backward_reduce", help="the regions' name (then a space and anything)")
     ap.add_argument("--device-kind", required=True, help="the machine kind the traces were taken on")
     ap.add_argument("--source", default=None, help="where the traces are kept, for the record (default: run_dir)")
     ap.add_argument("--top", type=int, default=12, help="ops per rank in the table")
@@ -75,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     per_rank = [region_ops(t, args.region) for t in rank_traces(args.run_dir, args.step)]
     if not any(r["regions"] for r in per_rank):
-        raise SystemExit(f"{args.run_dir}: no event named {args.region}* in the step {args.step} traces")
+        raise SystemExit(f"{args.run_dir}: no event named {args.region} in the step {args.step} traces")
     for rank, r in enumerate(per_rank):
         print(f"rank {rank}: {r['regions']} x {args.region}: {r['region_ms']:.1f} ms, {r['ops_ms']:.1f} ms of it in ops")
         for name, o in list(r["ops"].items())[: args.top]:

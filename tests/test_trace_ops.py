@@ -64,3 +64,20 @@ def test_a_profiled_step_names_the_updates_phases(tmp_path):
     [update] = [e for e in prof.events() if e.name == "fsdp_offload.update"]
     inner = [e for e in prof.events() if e.name == "fsdp_offload.update_subgroup"]
     assert all(update.time_range.start <= e.time_range.start and e.time_range.end <= update.time_range.end for e in inner)
+
+
+def test_a_region_is_its_whole_name_not_a_prefix_of_another(tmp_path):
+    """--region fsdp_offload.update takes that region alone, not fsdp_offload.update_subgroup inside it."""
+    write_trace(tmp_path / "trace_step1_rank0.json", [
+        op("fsdp_offload.update", 0, 1000, cat="user_annotation"),
+        op("fsdp_offload.update_subgroup", 100, 600, cat="user_annotation"), op("aten::slice", 150, 10),
+        op("fsdp_offload.copy_back", 800, 100, cat="user_annotation"),
+    ])  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--step", "1", "--region", "fsdp_offload.update",
+           "--device-kind", "cpu-test", "--out", str(tmp_path / "out")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    [path] = (tmp_path / "out").glob("trace_ops_cpu-test_*.json")
+    [rank0] = json.loads(path.read_text())["per_rank"]
+    assert rank0["regions"] == 1 and rank0["region_ms"] == 1.0
+    assert set(rank0["ops"]) == {"fsdp_offload.update_subgroup", "fsdp_offload.copy_back"}
