@@ -20,15 +20,16 @@ from .storage.base import Transfer
 
 log = logging.getLogger("fsdp_offload.metrics")
 
-F = TypeVar("F", bound=Callable)
+_F = TypeVar("_F", bound=Callable)
 
 
-def traced(name: str) -> Callable[[F], F]:
-    """Names each call of the function in a torch profiler trace (train.py's `train.profile_step`;
-    scripts/trace_ops.py --region reads what it holds). A region of its own each call, so calls on
-    several threads do not share one; a few microseconds a call when no profiler runs."""
+def traced(name: str) -> Callable[[_F], _F]:
+    """Names each call of the function in a torch profiler trace (train.py's `train.profile_step`,
+    which records every thread; scripts/trace_ops.py --region reads what it holds). A region object of
+    its own each call (record_function keeps its handle on itself); a few microseconds a call when no
+    profiler runs."""
 
-    def wrap(fn: F) -> F:
+    def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
         def named(*args, **kwargs):
             with torch.profiler.record_function(name):
@@ -75,7 +76,8 @@ class StepMetrics:
     # before it; 0 when the step needs no norm, about 0 when clip_grad_norm_() took it already
     norm_s: float = 0.0
     # Time in the CPU kernel over the subgroups updated in host memory: the part of update_s that the
-    # planner's CPU rate predicts (the rest: waits for grads, I/O, copies, the norm)
+    # planner's CPU rate predicts (the rest: the norm, waits for grads, I/O, the copies back into the
+    # model, and the updates of subgroups kept on the GPU)
     cpu_kernel_s: float = 0.0
     # The part of update_s the training loop waited for: step() itself, plus, with the update
     # overlapped, the next forward's waits for its subgroups. None until the update has finished.

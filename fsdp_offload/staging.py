@@ -161,8 +161,8 @@ class LowpStaging:
 
     def copy_params_to_model(self, sg: int, params: list[torch.Tensor]) -> None:
         """Copies subgroup `sg`'s updated low-precision params into the model's local param data: one
-        call for all of them, from views made once (this runs for every subgroup of every step, on the
-        thread the next forward waits for)."""
+        call for all of them, from source views made once (this runs for every subgroup of every step,
+        on the thread the next forward waits for)."""
         dsts, srcs = [], []
         for p, piece, part in self._subgroup_pieces[sg]:
             if self.staged[p]:  # (a param without a grad was not updated)

@@ -241,6 +241,7 @@ class StepEngine:
     def run(self, start: float) -> None:
         """Updates the subgroups of `pending` and copies their params back into the model."""
         params = [local_data(p) for p in self.params]
+        self._cpu_kernel_s = 0.0  # a failed try's kernels are not in this try's update_s
         updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:

@@ -297,9 +297,12 @@ def _run(cfg: DictConfig) -> list[dict]:
 @contextlib.contextmanager
 def profiled(prefix: str, device: torch.device):
     """One step under torch.profiler: `<prefix>.json` (a Chrome/Perfetto trace: the GPU's streams, the
-    copies and collectives, the CPU ops of the training thread) and `<prefix>.txt`, its ops by time."""
+    copies and collectives, the CPU ops of every thread) and `<prefix>.txt`, its ops by time. Every
+    thread, not only this one: the overlapped update runs on a worker thread of its own (torch's
+    experimental all-threads switch, torch >= 2.7)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
         yield
     prof.export_chrome_trace(f"{prefix}.json")
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"

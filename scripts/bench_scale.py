@@ -9,7 +9,8 @@ the start-up and training GPU peaks, the host peak and the bytes on each tier.
 One JSON under --out with a row per case (result keys: command, device, commit, model,
 params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, tier_bytes, update_s,
 predicted_update_s, iteration_s; cpu_kernel_s, the slowest rank's time in the CPU kernel, beside
-predicted_cpu_s), the logs under --log-dir. Steps after the first are averaged.
+predicted_cpu_s, and predicted_cpu_over_kernel), the logs under --log-dir. Steps after the first are
+averaged.
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     # A step's update is its slowest rank's (with exclusive access the ranks take the disk in turns).
     per_rank = [rows] + [[json.loads(line) for line in Path(out_dir, f"rank{r}.metrics.jsonl").read_text().splitlines()]
                          for r in range(1, nproc)]  # fmt: skip
-    slowest = lambda key: statistics.fmean(max(rank[i][key] for rank in per_rank) for i in range(1, len(rows)) or [0])  # noqa: E731
+
+    def slowest(key: str) -> float:  # a step's value is its slowest rank's
+        return statistics.fmean(max(rank[i][key] for rank in per_rank) for i in range(1, len(rows)) or [0])
+
     slowest_update = slowest("update_s")
     placement = json.loads(Path(out_dir, "placement.json").read_text())
     built = placement["built"]

@@ -5,8 +5,8 @@ and company:
 - `planner`: torch.zeros state and an ordinary bf16 grad buffer (what the planner times);
 - `step_memory`: the step's own allocations, page-aligned state (`cache.host_buffer`) and page-locked
   grads (`host_buffer(pin=True)` where CUDA is there), as the host cache and the staging buffer hold them;
-- `with_launcher`: step memory, with one more thread a team launching GPU work all the while (a rank's
-  forward runs beside its update);
+- `with_launcher`: step memory, with one more thread a team launching GPU work on the team's GPU all the
+  while (a rank's forward runs beside its update);
 - `with_copies`: step memory, with each team's new bf16 params copied to the GPU after its kernel and
   waited for, as the step copies each subgroup's back into the model (the step overlaps that copy
   with the next subgroup's kernel: this variant's extra time is the copy's own, an upper bound).
@@ -22,10 +22,11 @@ import argparse
 import statistics
 import threading
 import time
+from typing import Callable
 
 import torch
 
-from fsdp_offload.cache import host_buffer
+from fsdp_offload.cache import host_buffer, unpin
 from fsdp_offload.kernels import get_adamw_kernel
 from fsdp_offload.kernels.contract import AdamWHyper
 from fsdp_offload.results import record
@@ -44,16 +45,21 @@ def buffers(variant: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return state, grads
 
 
-def launcher(stop: threading.Event) -> None:
+def team_device(i: int) -> torch.device:
+    """Team `i`'s GPU, as rank i of a node has its own (teams share them where the node has fewer)."""
+    return torch.device("cuda", i % torch.cuda.device_count())
+
+
+def launcher(stop: threading.Event, device: torch.device) -> None:
     """Launches small GPU matmuls until `stop`, syncing every 64: a thread as busy as a forward's."""
-    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
     while not stop.is_set():
         for _ in range(64):
             a = (a @ a).clamp_(-1, 1)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
-def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds: int) -> dict:
+def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: int, rounds: int) -> dict:
     durations = [0.0] * ranks
     times: list[float] = []
     crossings, done = [0], [False]
@@ -66,14 +72,15 @@ def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds:
 
     barrier = threading.Barrier(ranks, action=close_round)
     stop = threading.Event()
-    helpers = [threading.Thread(target=launcher, args=(stop,)) for _ in range(ranks if variant == "with_launcher" else 0)]
+    helpers = [threading.Thread(target=launcher, args=(stop, team_device(i))) for i in range(ranks if variant == "with_launcher" else 0)]
     for h in helpers:
         h.start()
-    gpu_params = torch.empty(n, dtype=torch.bfloat16, device="cuda") if variant == "with_copies" else None
+    errors: list[BaseException] = []
 
     def team(i: int) -> None:
         use_cpu_threads(threads)
         state, grads = buffers(variant, n)
+        gpu_params = torch.empty(n, dtype=torch.bfloat16, device=team_device(i)) if variant == "with_copies" else None
         step = 0
         try:
             while True:
@@ -86,14 +93,16 @@ def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds:
                 kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
                 if gpu_params is not None:
                     gpu_params.copy_(grads, non_blocking=True)
-                    torch.cuda.synchronize()
+                    torch.cuda.synchronize(gpu_params.device)
                 durations[i] = time.perf_counter() - t0
-        except BaseException:
+        except threading.BrokenBarrierError:
+            return  # another team failed: its error is the one to report
+        except BaseException as exc:
+            errors.append(exc)
             barrier.abort()  # the other teams stop waiting for this one
-            raise
         finally:
             if variant != "planner" and torch.cuda.is_available():  # the next variant may get these pages
-                torch.cuda.cudart().cudaHostUnregister(grads.data_ptr())
+                unpin(grads)
 
     before = torch.get_num_threads()
     workers = [threading.Thread(target=team, args=(i,)) for i in range(ranks)]
@@ -107,12 +116,14 @@ def time_variant(variant: str, kernel, n: int, threads: int, ranks: int, rounds:
         for h in helpers:
             h.join()
         torch.set_num_threads(before)
+    if errors:
+        raise errors[0]
     median = statistics.median(times)
     return {"variant": variant, "ranks": ranks, "threads": threads, "numel": n, "rounds_s": times,
             "median_round_s": median, "mparams_per_s_per_rank": n / median / 1e6}  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=1, help="teams timed side by side (a node's ranks)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="intra-op threads a team")
@@ -138,7 +149,8 @@ def main() -> None:
             print(f"{v:14} {rows[-1]['median_round_s'] * 1e3:8.1f} ms  {rows[-1]['mparams_per_s_per_rank']:7.0f} M params/s a rank")
     path = record("bench_update_gap", args.device_kind, args.out, {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

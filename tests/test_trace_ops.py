@@ -41,7 +41,7 @@ def test_the_ops_directly_inside_each_region_are_summed_by_name(tmp_path):
     assert round(rank0["ops_ms"], 6) == 0.65
 
 
-def test_a_profiled_step_names_the_updates_phases(tmp_path):
+def test_a_profiled_step_names_the_updates_phases():
     """What trace_ops --region reads in a real trace: the step's begin, its update, each subgroup's update
     inside it, and each subgroup's copy back into the model."""
     import torch

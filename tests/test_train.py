@@ -314,6 +314,32 @@ def test_a_profiled_step_leaves_its_trace_and_table_in_the_run_dir(tmp_path):
     assert not list((tmp_path / "run").glob("trace_step0*")) and not list((tmp_path / "run").glob("trace_step2*"))
 
 
+def test_a_profiled_step_holds_the_ops_of_a_thread_started_before_it(tmp_path):
+    """The overlapped update runs on a worker thread that exists before the profiled step: its regions
+    and ops are in the trace too."""
+    import threading
+
+    from fsdp_offload.train import profiled
+
+    go, done = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        go.wait()
+        with torch.profiler.record_function("fsdp_offload.update_subgroup"):
+            torch.mm(torch.ones(64, 64), torch.ones(64, 64))
+        done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with profiled(str(tmp_path / "trace"), torch.device("cpu")):
+        go.set()
+        assert done.wait(60)
+    thread.join()
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    [region] = [e for e in events if e.get("name") == "fsdp_offload.update_subgroup"]
+    assert any(e.get("name") == "aten::mm" and e["tid"] == region["tid"] for e in events)
+
+
 def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
     # each rank's Hydra names its dir from its own clock; every rank writes into rank 0's
     train(None, "train.steps=2", ranks=2, cwd=tmp_path)
