@@ -422,6 +422,37 @@ def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_pa
     opt.close()
 
 
+def test_a_retried_steps_kernel_time_is_its_own_try_s(tmp_path, monkeypatch):
+    """cpu_kernel_s is the part of update_s spent in the CPU kernel: after a failed try, the retry's
+    metrics count only the retry's kernels, as its update_s counts only the retry."""
+    import time
+
+    opt, _, mine, _ = fresh_pair(tmp_path)
+    real_kernel, real_copy = opt.engine.cpu_kernel, opt.grads.staging.copy_params_to_model
+    copies = {"n": 0}
+
+    def slow_kernel(*args):
+        time.sleep(0.05)
+        real_kernel(*args)
+
+    def failing_third(sg, params):
+        copies["n"] += 1
+        if copies["n"] == 3:
+            raise RuntimeError("injected copy failure")
+        real_copy(sg, params)
+
+    monkeypatch.setattr(opt.engine, "cpu_kernel", slow_kernel)
+    monkeypatch.setattr(opt.grads.staging, "copy_params_to_model", failing_third)
+    for p, g in zip(mine, grads_for(0)):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    opt.step()  # the retry: the subgroups the failed try had not updated
+    m = opt.last_metrics
+    assert 0 < m.cpu_kernel_s <= m.update_s, (m.cpu_kernel_s, m.update_s)
+    opt.close()
+
+
 def test_clip_norm_is_taken_per_param_as_grads_arrive():
     """The grad norm is each param's FP64 sum of squares, taken as its grad is staged (as the hook
     does in backward) and summed in param order; an accumulated grad's is taken at the step from its
