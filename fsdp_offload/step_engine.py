@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
-import threading
 import time
 from collections import deque
 from typing import Any, Callable
@@ -28,6 +26,7 @@ from .config import OffloadConfig
 from .fsdp import CopyStream, local_data
 from .gpu_share import grow_gpu_share
 from .grads import StepGrads
+from .interrupts import interrupts_between_subgroups
 from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
@@ -376,25 +375,3 @@ class StepEngine:
     def _keep(self, m: StepMetrics) -> None:
         self.last_metrics = m
         self.untaken.append(m)
-
-
-@contextlib.contextmanager
-def interrupts_between_subgroups():
-    """Holds a Ctrl-C (SIGINT) that arrives inside the block until the block has finished, then raises
-    it: a subgroup's update, which overwrites its grads with the new params run by run, is then done
-    whole or not at all, and a retried step() never takes params for grads. Off the main thread (the
-    overlapped update's worker) no signal is delivered, so there is nothing to hold."""
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is None:  # a worker thread, or a handler not set from Python: leave it be
-        yield
-        return
-    held: list[tuple[int, Any]] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(*held[0])  # the default handler raises KeyboardInterrupt here, between subgroups
-        elif held and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
