@@ -246,13 +246,17 @@ class OffloadConfig:
                     f"grads, which update_order={self.update_order!r} would contradict: use offload.update_order='forward'")  # fmt: skip
         return None
 
-    def resolved_overlap(self, hooked: bool = True) -> str:
+    def resolved_overlap(self, hooked: bool = True, model_on_cpu: bool = False) -> str:
         """`overlap` as an optimizer runs it: "auto" made "backward" where the step allows it (one backward
         per step and no option that needs every grad first: see backward_overlap_conflict), else
-        "next_forward". `hooked`: the optimizer has an FSDP2 model's grad hooks, which "backward" starts
-        from (without them "auto" is "next_forward", and "backward" is refused)."""
+        "next_forward"; and "none" for a model that trains on the CPU, whose forward and backward need
+        the cores the update would take beside them. `hooked`: the optimizer has an FSDP2 model's grad
+        hooks, which "backward" starts from (without them "auto" is "next_forward", and "backward" is
+        refused)."""
         overlap = self.overlap
-        if overlap == "auto":
+        if overlap == "auto" and model_on_cpu:
+            overlap = "none"
+        elif overlap == "auto":
             overlap = "backward" if hooked and self.backward_overlap_conflict() is None else "next_forward"
         if overlap == "backward" and not hooked:
             raise ValueError(

@@ -104,9 +104,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._frozen = True
         self.offload = cfg = offload_config(offload)
-        overlap = cfg.resolved_overlap(hooked=model is not None)  # (an FSDP2 model's, checked below)
-        if cfg.overlap == "auto" and says_once():  # (the same on every rank)
-            log.info("offload.overlap='auto': %s", overlap)
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._models = [] if model is None else [model]
@@ -124,6 +121,9 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
+        overlap = cfg.resolved_overlap(hooked=model is not None, model_on_cpu=device.type == "cpu")
+        if cfg.overlap == "auto" and says_once():  # (the same on every rank)
+            log.info("offload.overlap='auto': %s", overlap)
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
         index = {id(p): i for i, p in enumerate(self._params)}
         unit_subgroups = [

@@ -330,3 +330,11 @@ def worker_closed(rank: int, world: int, tmp: str) -> None:
 
 def test_a_closed_optimizer_lets_the_model_run_and_refuses_to_step():
     run_ranks(1, worker_closed, "")
+
+
+def test_auto_overlap_is_the_synchronous_step_for_a_model_on_the_cpu():
+    """A model that trains on the CPU needs the cores for its forward and backward that the update would
+    take beside them: "auto" runs the update inside step() there; an explicit overlap is kept."""
+    assert OffloadConfig(overlap="auto").resolved_overlap(model_on_cpu=True) == "none"
+    assert OffloadConfig(overlap="next_forward").resolved_overlap(model_on_cpu=True) == "next_forward"
+    assert OffloadConfig(overlap="backward").resolved_overlap(model_on_cpu=True) == "backward"
