@@ -37,7 +37,7 @@ from .machine import MachineConfig, measured_speeds, planned_gpu_bytes
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
-from .units import GIB, readable_size
+from .units import GIB, format_seconds, readable_size
 
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
@@ -51,7 +51,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
         "cache(slots) GiB | " + "".join(f"{t}: subgroups GiB (read/written GiB a step) | " for t in cfg.tiers)
-        + "update s (io / cpu)",
+        + "update (io / cpu)",
     ]
     for r in plan.ranks:
         tiers = " | ".join(f"{t.subgroups} sg {g(t.bytes)} ({g(t.read_bytes_per_step)}/{g(t.written_bytes_per_step)})"
@@ -60,8 +60,8 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
             f"{r.rank:>4}  {r.params / 1e9:.3f}B  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
             f"{g(r.gpu_state_bytes):>4}  {g(r.gpu_params_bytes):>10}  {g(r.gpu_startup_bytes):>9} {g(r.gpu_train_bytes):>6}"
             f" | {g(r.staging_bytes):>13} {g(r.cache_bytes)}({r.cache_slots})"
-            + (f" | {tiers}" if tiers else "") + f" | {r.update_s:.2f} ({r.io_s:.2f} / {r.cpu_s:.2f}"
-            + (f", + FP32 grads {r.grad_io_s:.2f})" if r.grad_io_s else ")")
+            + (f" | {tiers}" if tiers else "") + f" | {format_seconds(r.update_s)} ({format_seconds(r.io_s)} / {format_seconds(r.cpu_s)}"
+            + (f", + FP32 grads {format_seconds(r.grad_io_s)})" if r.grad_io_s else ")")
         )
     if cfg.micro_batches > 1:
         r = plan.ranks[0]
@@ -71,7 +71,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     if cfg.grad_path == "auto" and plan.ranks[0].grad_path == "gpu_bf16":
         lines.append("grad path: the low-precision grads wait for their update in GPU memory (offload.grad_path='auto': "
                      "their host memory goes to the cache, which would spill subgroups to the tiers otherwise)")  # fmt: skip
-    lines.append(f"predicted update phase: {plan.predicted_update_s:.2f} s a step (~: estimates)")
+    lines.append(f"predicted update phase: {format_seconds(plan.predicted_update_s)} a step (~: estimates)")
     return "\n".join(lines)
 
 

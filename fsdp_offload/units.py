@@ -49,6 +49,13 @@ def parse_rate(text: str) -> float | None:
     return None if m is None or unit not in _RATE_UNITS else float(m.group(1)) * _RATE_UNITS[unit]
 
 
+def format_seconds(seconds: float) -> str:
+    """0.25 -> '0.25 s', 0.0022 -> '2.2 ms': a small model's step phases keep their figures."""
+    if seconds >= 0.1 or seconds == 0:
+        return f"{seconds:.2f} s"
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} us"
+
+
 def parse_seconds(text: str) -> float | None:
     """'2ms' -> 0.002 (also s, us, or plain seconds); None if `text` is not a duration."""
     m = re.fullmatch(_NUMBER + r"(s|ms|us)?\s*", text)
