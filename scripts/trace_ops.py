@@ -64,6 +64,11 @@ def region_ops(trace: list[dict], region: str) -> dict:
     return {"regions": regions, "region_ms": region_ms, "ops_ms": sum(o["ms"] for o in ops.values()), "ops": ranked}
 
 
+def region_names(trace: list[dict]) -> list[str]:
+    """The names of the regions code named in a trace (record_function's), without what each ran on."""
+    return sorted({e["name"].split(" ")[0] for e in trace if e.get("cat") == "user_annotation"})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="the run dir holding trace_step<N>_rank<R>.json[.gz]")
@@ -74,9 +79,11 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="ops per rank in the table")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    per_rank = [region_ops(t, args.region) for t in rank_traces(args.run_dir, args.step)]
+    traces = rank_traces(args.run_dir, args.step)
+    per_rank = [region_ops(t, args.region) for t in traces]
     if not any(r["regions"] for r in per_rank):
-        raise SystemExit(f"{args.run_dir}: no event named {args.region} in the step {args.step} traces")
+        raise SystemExit(f"{args.run_dir}: no event named {args.region} in the step {args.step} traces; its named regions: "
+                         + ", ".join(region_names(traces[0])))  # fmt: skip
     for rank, r in enumerate(per_rank):
         print(f"rank {rank}: {r['regions']} x {args.region}: {r['region_ms']:.1f} ms, {r['ops_ms']:.1f} ms of it in ops")
         for name, o in list(r["ops"].items())[: args.top]:

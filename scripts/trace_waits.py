@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -45,7 +46,12 @@ def rank_traces(run_dir: Path, step: int) -> list[list[dict]]:
             break
         traces.append(load_trace(found[0]))
     if not traces:
-        raise SystemExit(f"{run_dir}: no trace_step{step}_rank0.json[.gz]; run train.py with train.profile_step={step}")
+        if not run_dir.is_dir():
+            raise SystemExit(f"{run_dir} is not a dir: give the run dir that holds trace_step<N>_rank<R>.json[.gz] "
+                             "(train.py's train.out_dir, or its Hydra run dir)")  # fmt: skip
+        steps = sorted({int(m.group(1)) for p in run_dir.glob("trace_step*_rank0.json*") if (m := re.match(r"trace_step(\d+)_", p.name))})
+        there = f"it holds step(s) {steps}" if steps else "it holds no trace"
+        raise SystemExit(f"{run_dir}: no trace_step{step}_rank0.json[.gz] ({there}); run train.py with train.profile_step={step}")
     return traces
 
 
@@ -60,7 +66,9 @@ def waits(traces: list[list[dict]]) -> dict:
     if len(counts) != 1:
         raise SystemExit(f"the ranks' traces hold different numbers of collectives ({sorted(counts)}): not one step of one run")
     if counts == {0}:
-        raise SystemExit(f"the {len(traces)} rank(s)' traces hold no NCCL collective: nothing waited for another rank")
+        raise SystemExit(f"the {len(traces)} rank(s)' traces hold no NCCL collective kernel: trace_waits reads when each rank's "
+                         "GPU ran its collectives, so it needs a run on GPUs with NCCL (a gloo run's collectives are CPU "
+                         "ops such as gloo:all_reduce; trace_ops.py --region gloo:all_reduce sums their time)")  # fmt: skip
     ranks, origin = len(traces), min(k[0]["ts"] for k in kernels if k)
     collectives, last_count, waited = [], [0] * ranks, [0.0] * ranks
     for i in range(counts.pop()):

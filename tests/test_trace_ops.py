@@ -81,3 +81,20 @@ def test_a_region_is_its_whole_name_not_a_prefix_of_another(tmp_path):
     [rank0] = json.loads(path.read_text())["per_rank"]
     assert rank0["regions"] == 1 and rank0["region_ms"] == 1.0
     assert set(rank0["ops"]) == {"fsdp_offload.update_subgroup", "fsdp_offload.copy_back"}
+
+
+def test_a_wrong_region_step_or_dir_is_one_line_that_names_what_is_there(tmp_path):
+    write_trace(tmp_path / "trace_step2_rank0.json", [
+        op("fsdp_offload.update", 0, 1000, cat="user_annotation"), op("FSDP::post_backward_reduce (layers.0)", 0, 10, cat="user_annotation"),
+    ])  # fmt: skip
+
+    def run(path: Path, step: str, *more: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(SCRIPT), str(path), "--step", step, "--device-kind", "cpu-test", "--out", str(tmp_path / "out"), *more]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    out = run(tmp_path, "2", "--region", "fsdp_offload.updat")
+    assert out.returncode != 0 and "its named regions: FSDP::post_backward_reduce, fsdp_offload.update" in out.stderr, out.stderr
+    out = run(tmp_path, "3")
+    assert out.returncode != 0 and "(it holds step(s) [2])" in out.stderr, out.stderr
+    out = run(tmp_path / "trace_step2_rank0.json", "2")
+    assert out.returncode != 0 and "is not a dir: give the run dir" in out.stderr, out.stderr

@@ -170,6 +170,10 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     common = ["train.steps=4", "checkpoint.every=2", f"checkpoint.dir={tmp_path}/ck", "offload.overlap=none"]
     assert train(tmp_path / "run", *common, "train.kill_at_step=3", check=False).returncode != 0
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    # a step to profile that the resumed run does not run: refused before anything is built
+    out = train(tmp_path / "run", *common, "train.profile_step=1", check=False)
+    assert out.returncode == 2 and "train.profile_step=1 is not a step of this run: it resumes from" in out.stderr, out.stderr[-2000:]
+    assert "profile one of steps 2 to 3" in out.stderr
     train(tmp_path / "run", *common)
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
@@ -313,6 +317,19 @@ def test_a_profiled_step_leaves_its_trace_and_table_in_the_run_dir(tmp_path):
     assert any(e.get("name") == "aten::mm" for e in trace["traceEvents"])  # the step's forward and backward ops
     assert "aten::mm" in (tmp_path / "run" / "trace_step1_rank0.txt").read_text()
     assert not list((tmp_path / "run").glob("trace_step0*")) and not list((tmp_path / "run").glob("trace_step2*"))
+    assert [r.get("profiled", False) for r in rows(tmp_path / "run" / "metrics.jsonl")] == [False, True, False]
+
+
+def test_a_profiled_step_holds_its_whole_overlapped_update(tmp_path):
+    """With the update on its own thread, train.py waits for the profiled step's update before the
+    profiler stops: the trace holds it whole, every subgroup's update and copy back in it."""
+    train(tmp_path / "run", "train.steps=3", "train.profile_step=1", "offload.overlap=next_forward")
+    events = [e for e in json.loads((tmp_path / "run" / "trace_step1_rank0.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    [update] = [e for e in events if e["name"] == "fsdp_offload.update"]  # this step's (the last one's began before)
+    inside = lambda e: e["tid"] == update["tid"] and update["ts"] <= e["ts"] and e["ts"] + e["dur"] <= update["ts"] + update["dur"]  # noqa: E731
+    subgroups = json.loads((tmp_path / "run" / "placement.json").read_text())["plan"]["subgroups"]
+    assert sum(e["name"] == "fsdp_offload.update_subgroup" and inside(e) for e in events) == subgroups
+    assert sum(e["name"] == "fsdp_offload.copy_back" and inside(e) for e in events) == subgroups
 
 
 def test_a_profiled_step_holds_the_ops_of_a_thread_started_before_it(tmp_path):
