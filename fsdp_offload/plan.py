@@ -25,13 +25,12 @@ This module is the command and the plan's text; machine.py reads the machine, no
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import re
 import sys
 
 import torch
 from hydra.errors import HydraException
 
+from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
 from .machine import MachineConfig, measured_speeds, planned_gpu_bytes
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
@@ -144,38 +143,6 @@ def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str 
     train, args, data, recipe, _ = read_config(cfg)
     return largest_fitting(recipe.config, machine, data.seq_len, data.micro_batch, target_device(train.device, machine),
                            args.activation_checkpointing, speeds)  # fmt: skip
-
-
-def did_you_mean(exc: HydraException, overrides: list[str]) -> str:
-    """'; did you mean offload.gpu_fraction?' for an override whose key the config lacks where a key of
-    the same group is close to it (the config composed from the other overrides), else ''."""
-    missing = re.search(r"Could not override '([^']+)'", str(exc))
-    if missing is None:
-        return ""
-    *group, key = missing.group(1).split(".")
-    others = [o for o in overrides if not o.startswith("machine.") and o.lstrip("+~").partition("=")[0] != missing.group(1)]
-    from hydra import compose, initialize_config_module
-
-    try:
-        with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
-            node = compose("train", overrides=others)
-        for part in group:
-            node = node[part]
-    except (HydraException, KeyError, TypeError):  # another override is wrong too: no suggestion
-        return ""
-    close = difflib.get_close_matches(key, [str(k) for k in node.keys()], n=1)
-    return f"; did you mean {'.'.join([*group, close[0]])}?" if close else ""
-
-
-def hydra_error_line(exc: HydraException) -> str:
-    """Hydra's message on one line: its config search path left out, the options it lists joined."""
-    text = str(exc).split("Config search path:")[0].replace(":\n\t", ": ").replace("\n\t", ", ")
-    # "To append to your config use +key=value": every option of a group is in its recipe, so the key is misspelt
-    lines = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not line.startswith("To append")]
-    if exc.__cause__ is not None:
-        lines.append(f"{str(exc.__cause__).splitlines()[0]}; the options of a group are the keys of its recipe "
-                     "(fsdp_offload/recipes/<group>/)")  # fmt: skip
-    return "; ".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

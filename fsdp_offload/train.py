@@ -46,6 +46,7 @@ from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig, nearest_existing
 from .node_plan import make_plan, preset_name
+from .command_errors import refuse_bad_overrides
 from .plan import plan_summary
 from .resume_config import follow_config, train_hyper
 from .recipe import TrainConfig, read_config
@@ -364,9 +365,15 @@ register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the con
 _LET_RANK0_SAY_S = 10.0  # seconds another rank waits before it exits on an error rank 0 prints
 
 
+def main() -> None:
+    """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line (one
+    that does not compose is answered in one line first, naming the nearest key)."""
+    refuse_bad_overrides(sys.argv[1:])
+    run_from_hydra()
+
+
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line."""
+def run_from_hydra(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, OSError, TierError) as exc:  # bad input, a full or read-only dir: one line, once a job

@@ -225,6 +225,8 @@ def test_a_run_rewound_to_an_older_checkpoint_moves_the_newer_ones_aside(tmp_pat
     [
         (["model=llama_nope"], "Could not find 'model/llama_nope'"),
         (["offload=nope"], "Could not find 'offload/nope'"),
+        (["train.profile_steps=2"], "Could not override 'train.profile_steps'; Key 'profile_steps' is not in struct; the options "
+                                    "of a group are the keys of its recipe (fsdp_offload/recipes/<group>/); did you mean train.profile_step?"),
         (["offload.tiers=[posix:/nonexistent/dir]"], "tier dir /nonexistent/dir does not exist"),
         (["data.kind=memmap", "data.path=/nonexistent.bin"], "/nonexistent.bin"),
         (["offload.host_budget_gb=0.0001"], "below the pipeline's minimum"),
@@ -242,6 +244,13 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, message):
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.bad_input
+def test_a_misspelt_option_is_said_once_a_job_with_the_nearest_key(tmp_path):
+    out = train(tmp_path / "run", "train.profile_steps=2", ranks=2, check=False)
+    assert out.returncode != 0 and out.stderr.count("did you mean train.profile_step?") == 1, out.stderr[-3000:]
+    assert "To append to your config" not in out.stderr
 
 
 @pytest.mark.bad_input

@@ -1,0 +1,64 @@
+"""A command line's overrides that Hydra cannot compose, answered in one line for both commands
+(`fsdp-offload-train`/scripts/train.py and the planner): Hydra's own message, without its search path
+and its "To append to your config use +key=value" advice (every option of a group is in its recipe, so
+such a key is misspelt, and the recipe would refuse it appended), and the nearest key of its group."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+
+from hydra.errors import HydraException
+
+
+def refuse_bad_overrides(overrides: list[str]) -> None:
+    """Composes the train recipe with the command line's `overrides` and, where that fails, says why
+    once (rank 0 of a torchrun job; every rank composes the same line) and exits with 2, before Hydra
+    answers with advice that does not work. `hydra.*` overrides are Hydra's own; a line with a Hydra
+    flag (`--config-name`, `-m`, `--help`, ...) is left to Hydra whole, as it changes what composes."""
+    from hydra import compose, initialize_config_module
+
+    if any(o.startswith("-") for o in overrides):
+        return
+    mine = [o for o in overrides if not o.startswith("hydra.")]
+    try:
+        with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+            compose("train", overrides=mine)
+    except HydraException as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, mine)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def did_you_mean(exc: HydraException, overrides: list[str]) -> str:
+    """'; did you mean offload.gpu_fraction?' for an override whose key the config lacks where a key of
+    the same group is close to it (the config composed from the other overrides), else ''."""
+    missing = re.search(r"Could not override '([^']+)'", str(exc))
+    if missing is None:
+        return ""
+    *group, key = missing.group(1).split(".")
+    others = [o for o in overrides if not o.startswith("machine.") and o.lstrip("+~").partition("=")[0] != missing.group(1)]
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+            node = compose("train", overrides=others)
+        for part in group:
+            node = node[part]
+    except (HydraException, KeyError, TypeError):  # another override is wrong too: no suggestion
+        return ""
+    close = difflib.get_close_matches(key, [str(k) for k in node.keys()], n=1)
+    return f"; did you mean {'.'.join([*group, close[0]])}?" if close else ""
+
+
+def hydra_error_line(exc: HydraException) -> str:
+    """Hydra's message on one line: its config search path left out, the options it lists joined."""
+    text = str(exc).split("Config search path:")[0].replace(":\n\t", ": ").replace("\n\t", ", ")
+    # "To append to your config use +key=value": every option of a group is in its recipe, so the key is misspelt
+    lines = [line.strip().rstrip(".") for line in text.splitlines() if line.strip() and not line.startswith("To append")]
+    if exc.__cause__ is not None:
+        lines.append(f"{str(exc.__cause__).splitlines()[0]}; the options of a group are the keys of its recipe "
+                     "(fsdp_offload/recipes/<group>/)")  # fmt: skip
+    return "; ".join(lines)
