@@ -9,7 +9,7 @@ dispatcher, as the fused CPU AdamW is).
 
     python scripts/trace_ops.py outputs/run --step 4 --device-kind nvidia-h200-x4
 
-One JSON under --out (result keys: source, step, region, per_rank: regions, region_ms, ops_ms, ops
+One JSON under --out (default: the run dir; result keys: source, step, region, per_rank: regions, region_ms, ops_ms, ops
 {name: {count, ms}}); a table on stdout.
 """
 
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--device-kind", required=True, help="the machine kind the traces were taken on")
     ap.add_argument("--source", default=None, help="where the traces are kept, for the record (default: run_dir)")
     ap.add_argument("--top", type=int, default=12, help="ops per rank in the table")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="where the JSON goes (default: the run dir, beside the traces)")
     args = ap.parse_args()
     traces = rank_traces(args.run_dir, args.step)
     per_rank = [region_ops(t, args.region) for t in traces]
@@ -88,7 +88,7 @@ def main() -> int:
         print(f"rank {rank}: {r['regions']} x {args.region}: {r['region_ms']:.1f} ms, {r['ops_ms']:.1f} ms of it in ops")
         for name, o in list(r["ops"].items())[: args.top]:
             print(f"  {name[:60]:60} {o['count']:5d} {o['ms']:8.2f} ms")
-    path = record("trace_ops", args.device_kind, args.out, {"source": args.source or str(args.run_dir), "step": args.step,
+    path = record("trace_ops", args.device_kind, args.out or str(args.run_dir), {"source": args.source or str(args.run_dir), "step": args.step,
                                                            "region": args.region, "per_rank": per_rank})  # fmt: skip
     print(f"wrote {path}")
     return 0

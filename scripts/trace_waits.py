@@ -11,7 +11,7 @@ share a clock (Kineto's timestamps are the host's), so starts compare across ran
 
     python scripts/trace_waits.py outputs/run --step 4 --device-kind nvidia-h200-x4
 
-One JSON under --out (result keys: source, step, ranks, collectives, per_rank, transfer_ms_total,
+One JSON under --out (default: the run dir; result keys: source, step, ranks, collectives, per_rank, transfer_ms_total,
 wait_ms_mean); a table on stdout.
 """
 
@@ -96,7 +96,7 @@ def main() -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--step", type=int, required=True, help="the profiled step (train.profile_step)")
     ap.add_argument("--device-kind", required=True, help="the machine the traces were taken on")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="where the JSON goes (default: the run dir, beside the traces)")
     args = ap.parse_args()
     result = waits(rank_traces(args.run_dir, args.step))
     print(f"{len(result['collectives'])} collectives over {result['ranks']} ranks; moving bytes {result['transfer_ms_total']:.1f} ms, "
@@ -104,7 +104,7 @@ def main() -> int:
     print(f"{'rank':>4} {'waited ms':>10} {'last in':>8} {'compute kernels ms':>19}")
     for r in result["per_rank"]:
         print(f"{r['rank']:4d} {r['waited_ms']:10.1f} {r['last_in']:8d} {r['compute_kernels_ms']:19.1f}")
-    path = record("trace_waits", args.device_kind, args.out, {"source": str(args.run_dir), "step": args.step, **result})
+    path = record("trace_waits", args.device_kind, args.out or str(args.run_dir), {"source": str(args.run_dir), "step": args.step, **result})
     print(f"wrote {path}")
     return 0
 
