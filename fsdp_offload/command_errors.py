@@ -9,26 +9,30 @@ import difflib
 import os
 import re
 import sys
+import time
 
 from hydra.errors import HydraException
+
+from .job_errors import LET_RANK0_SAY_S
 
 
 def refuse_bad_overrides(overrides: list[str]) -> None:
     """Composes the train recipe with the command line's `overrides` and, where that fails, says why
     once (rank 0 of a torchrun job; every rank composes the same line) and exits with 2, before Hydra
-    answers with advice that does not work. `hydra.*` overrides are Hydra's own; a line with a Hydra
-    flag (`--config-name`, `-m`, `--help`, ...) is left to Hydra whole, as it changes what composes."""
+    answers with advice that does not work. A line with a Hydra flag (`--config-name`, `-m`, `--help`,
+    ...) or a sweep (`hydra.mode`) is left to Hydra whole, as it changes what composes."""
     from hydra import compose, initialize_config_module
 
-    if any(o.startswith("-") for o in overrides):
+    if any(o.startswith(("-", "hydra.mode")) for o in overrides):
         return
-    mine = [o for o in overrides if not o.startswith("hydra.")]
     try:
         with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
-            compose("train", overrides=mine)
+            compose("train", overrides=overrides)
     except HydraException as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, mine)}", file=sys.stderr)
+            print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, overrides)}", file=sys.stderr)
+        else:
+            time.sleep(LET_RANK0_SAY_S)  # rank 0 says it: leave it the time to
         sys.exit(2)
 
 

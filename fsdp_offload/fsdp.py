@@ -168,6 +168,13 @@ def units_holding(units: list[tuple[list[nn.Module], list[nn.Parameter]]], param
     return [modules for modules, unit_params in units if any(id(p) in mine for p in unit_params)]
 
 
+def compute_device_type(params: list[torch.Tensor]) -> str:
+    """Where the model computes with `params`: an FSDP2 param's mesh says it (its shards may lie on the
+    CPU for a model that computes on a GPU, under CPUOffloadPolicy); a plain tensor's own device."""
+    first = params[0]
+    return first.device_mesh.device_type if isinstance(first, DTensor) else first.device.type
+
+
 def mesh_group(params: list[torch.Tensor]) -> torch.distributed.ProcessGroup | None:
     """The process group that shards the params (None for plain tensors: nothing to reduce)."""
     for p in params:

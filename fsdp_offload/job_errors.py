@@ -46,6 +46,12 @@ def raise_on_every_rank(error: str | None, group: dist.ProcessGroup | None) -> N
         raise JobError(errors[failed[0]] + where)
 
 
+# Seconds a rank other than 0 waits before it exits on an error rank 0 prints: under torchrun, the first
+# rank to exit with an error has the launcher stop the others, rank 0 with its line unprinted (it lost
+# that race on a busy machine)
+LET_RANK0_SAY_S = 10.0
+
+
 def printed_by_another_rank(exc: BaseException) -> bool:
     """Whether rank 0 prints `exc` for the job (a JobError on another rank)."""
     return isinstance(exc, JobError) and int(os.environ.get("RANK", "0")) != 0

@@ -20,8 +20,8 @@ import torch
 from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
-    CopyStream, cast_params, check_grads_synced, check_sharded_params, fsdp_units, install_forward_waits, install_grad_hooks,
-    install_sync_checks, local_data, mesh_group, root_fsdp_module, units_holding,
+    CopyStream, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units, install_forward_waits,
+    install_grad_hooks, install_sync_checks, local_data, mesh_group, root_fsdp_module, units_holding,
 )  # fmt: skip
 from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
 from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
@@ -121,7 +121,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             )
         locals_ = [local_data(p) for p in self._params]
         device = locals_[0].device
-        overlap = cfg.resolved_overlap(hooked=model is not None, model_on_cpu=device.type == "cpu")
+        overlap = cfg.resolved_overlap(hooked=model is not None, model_on_cpu=compute_device_type(self._params) == "cpu")
         if cfg.overlap == "auto" and says_once():  # (the same on every rank)
             log.info("offload.overlap='auto': %s", overlap)
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)

@@ -74,8 +74,9 @@ def _run_name(path: str) -> str:
 
 
 def summarize(run: Run, skip: int = 1) -> dict[str, Any]:
-    """Means over the steps after the first `skip` (warm-up), bytes summed over tiers."""
-    rows = run.rows[skip:] or run.rows[-1:]
+    """Means over the steps after the first `skip` (warm-up) but the profiled one (its times carry the
+    profiler's cost), bytes summed over tiers."""
+    rows = [r for r in run.rows[skip:] if not r.get("profiled")] or run.rows[-1:]
 
     def avg(key: str) -> float | None:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]

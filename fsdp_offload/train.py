@@ -38,7 +38,7 @@ from .checkpoint import (
 )  # fmt: skip
 from .config import register_tmpdir_resolver
 from .data import TokenBatches
-from .job_errors import a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
+from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
@@ -166,8 +166,9 @@ def _run(cfg: DictConfig) -> list[dict]:
     if resume_from:
         first_step = check_checkpoint(resume_from, run_key)
         if tcfg.profile_step is not None and tcfg.profile_step < first_step:
-            raise ValueError(f"train.profile_step={tcfg.profile_step} is not a step of this run: it resumes from {resume_from} "
-                             f"at step {first_step}; profile one of steps {first_step} to {tcfg.steps - 1}")  # fmt: skip
+            fix = f"profile one of steps {first_step} to {tcfg.steps - 1}" if first_step < tcfg.steps else f"raise train.steps past {first_step}"
+            raise JobError(f"train.profile_step={tcfg.profile_step} is not a step of this run: it resumes from {resume_from} "
+                           f"at step {first_step}; {fix}")  # fmt: skip
 
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
@@ -362,7 +363,6 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
 register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
 
 
-_LET_RANK0_SAY_S = 10.0  # seconds another rank waits before it exits on an error rank 0 prints
 
 
 def main() -> None:
@@ -381,9 +381,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise
         if printed_by_another_rank(exc):
-            # Rank 0 says it. Leave it time to: under torchrun, the first rank to exit with an error has
-            # the launcher stop the others, rank 0 with its line unprinted (it lost that race on a busy machine).
-            time.sleep(_LET_RANK0_SAY_S)
+            time.sleep(LET_RANK0_SAY_S)  # rank 0 says it: leave it the time to
         else:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)

@@ -51,7 +51,7 @@ def parse_rate(text: str) -> float | None:
 
 def format_seconds(seconds: float) -> str:
     """0.25 -> '0.25 s', 0.0022 -> '2.2 ms': a small model's step phases keep their figures."""
-    if seconds >= 0.1 or seconds == 0:
+    if not 0 < seconds < 0.1:  # (0, or not a time: as it is)
         return f"{seconds:.2f} s"
     return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} us"
 

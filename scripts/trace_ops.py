@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from trace_waits import rank_traces
+from trace_waits import rank_traces, writable_out
 
 from fsdp_offload.results import record
 
@@ -79,6 +79,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="ops per rank in the table")
     ap.add_argument("--out", default=None, help="where the JSON goes (default: the run dir, beside the traces)")
     args = ap.parse_args()
+    out = writable_out(args.out, args.run_dir)
     traces = rank_traces(args.run_dir, args.step)
     per_rank = [region_ops(t, args.region) for t in traces]
     if not any(r["regions"] for r in per_rank):
@@ -88,7 +89,7 @@ def main() -> int:
         print(f"rank {rank}: {r['regions']} x {args.region}: {r['region_ms']:.1f} ms, {r['ops_ms']:.1f} ms of it in ops")
         for name, o in list(r["ops"].items())[: args.top]:
             print(f"  {name[:60]:60} {o['count']:5d} {o['ms']:8.2f} ms")
-    path = record("trace_ops", args.device_kind, args.out or str(args.run_dir), {"source": args.source or str(args.run_dir), "step": args.step,
+    path = record("trace_ops", args.device_kind, out, {"source": args.source or str(args.run_dir), "step": args.step,
                                                            "region": args.region, "per_rank": per_rank})  # fmt: skip
     print(f"wrote {path}")
     return 0

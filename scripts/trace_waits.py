@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -53,6 +54,17 @@ def rank_traces(run_dir: Path, step: int) -> list[list[dict]]:
         there = f"it holds step(s) {steps}" if steps else "it holds no trace"
         raise SystemExit(f"{run_dir}: no trace_step{step}_rank0.json[.gz] ({there}); run train.py with train.profile_step={step}")
     return traces
+
+
+def writable_out(out: str | None, run_dir: Path) -> str:
+    """Where the JSON goes (--out, else the run dir), refused at once where it cannot be written."""
+    where = Path(out) if out else run_dir
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not os.access(existing, os.W_OK):
+        raise SystemExit(f"cannot write the JSON into {where}: pass --out <a dir you can write>")
+    return str(where)
 
 
 def is_collective(event: dict) -> bool:
@@ -98,13 +110,14 @@ def main() -> int:
     ap.add_argument("--device-kind", required=True, help="the machine the traces were taken on")
     ap.add_argument("--out", default=None, help="where the JSON goes (default: the run dir, beside the traces)")
     args = ap.parse_args()
+    out = writable_out(args.out, args.run_dir)
     result = waits(rank_traces(args.run_dir, args.step))
     print(f"{len(result['collectives'])} collectives over {result['ranks']} ranks; moving bytes {result['transfer_ms_total']:.1f} ms, "
           f"waiting for the last rank {result['wait_ms_mean']:.1f} ms a rank on average")  # fmt: skip
     print(f"{'rank':>4} {'waited ms':>10} {'last in':>8} {'compute kernels ms':>19}")
     for r in result["per_rank"]:
         print(f"{r['rank']:4d} {r['waited_ms']:10.1f} {r['last_in']:8d} {r['compute_kernels_ms']:19.1f}")
-    path = record("trace_waits", args.device_kind, args.out or str(args.run_dir), {"source": str(args.run_dir), "step": args.step, **result})
+    path = record("trace_waits", args.device_kind, out, {"source": str(args.run_dir), "step": args.step, **result})
     print(f"wrote {path}")
     return 0
 

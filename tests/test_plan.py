@@ -400,3 +400,10 @@ def _one_rank_finds_a_problem(rank: int, world_size: int) -> None:
 
 def test_a_problem_one_rank_finds_ends_every_rank_naming_it():
     run_ranks(2, _one_rank_finds_a_problem)
+
+
+def test_times_keep_their_figures_in_the_unit_that_shows_them():
+    from fsdp_offload.units import format_seconds
+
+    assert [format_seconds(t) for t in (0.0, 0.25, 0.1, 0.0022, 5e-5, 12.345)] == ["0.00 s", "0.25 s", "0.10 s", "2.2 ms", "50 us", "12.35 s"]
+    assert format_seconds(float("nan")) == "nan s"
