@@ -69,12 +69,12 @@ def host_cache_slots(
     minimum = min(prefetch + 1, streamed)
     if slots < minimum:
         if minimum == prefetch + 1:
-            held, fix = f"for prefetch={prefetch}", "lower subgroup_numel or prefetch"
+            held, fix = f"for prefetch={prefetch}", "lower offload.subgroup_numel or offload.prefetch"
         else:  # fewer subgroups than the pipeline holds at once: smaller ones would not all be held
             held = f"(all {streamed} streamed, fewer than prefetch + 1 = {prefetch + 1})"
-            fix = "lower subgroup_numel (more, smaller subgroups, of which the pipeline holds prefetch + 1)"
+            fix = "lower offload.subgroup_numel (more, smaller subgroups, of which the pipeline holds prefetch + 1)"
             if streamed > 1:
-                fix += f", or prefetch below {streamed - 1}"
+                fix += f", or offload.prefetch below {streamed - 1}"
         raise ValueError(
             f"{budget_name} is below the pipeline's minimum of "
             f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "

@@ -25,6 +25,7 @@ This module is the command and the plan's text; machine.py reads the machine, no
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import torch
@@ -32,7 +33,7 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import MachineConfig, measured_speeds, planned_gpu_bytes
+from .machine import MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -49,7 +50,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
          f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; {memory}, host {g(plan.host_bytes)} GiB for the node"),
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
-        "cache(slots) GiB | " + "".join(f"{t}: subgroups GiB (read/written GiB a step) | " for t in cfg.tiers)
+        "cache(slots) GiB | " + "".join(f"{t}: placed sg, file GiB at most (read/written GiB a step) | " for t in cfg.tiers)
         + "update (io / cpu)",
     ]
     for r in plan.ranks:
@@ -164,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(plan, ocfg))
+    budget, host = ocfg.host_budget, planned_host_bytes(machine)
+    if not budget.auto and budget.nbytes is not None and budget.nbytes * machine.ranks_per_node > host:  # as train.py warns
+        print(f"note: {budget.option} over {machine.ranks_per_node} rank(s) is {readable_size(budget.nbytes * machine.ranks_per_node)}, "
+              f"more than the {readable_size(host)} of host memory planned for: the run may swap or be OOM-killed once the "
+              "cache fills; lower it, or use offload.host_budget_gb=auto")  # fmt: skip
+    if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
+        print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
+              "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
     print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine, plan.tier_speeds) or 'none'}")
     return 0
 

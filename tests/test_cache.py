@@ -130,7 +130,7 @@ def test_a_budget_short_of_a_few_subgroups_names_the_minimum_they_need():
     assert host_cache_slots(reserved + slot, streamed=1, tiers=1, **args) == 1
     with pytest.raises(ValueError, match=rf"minimum of [0-9.]+ GiB \({reserved + slot} bytes\).* 1 slots .*all 1 streamed"):
         host_cache_slots(reserved + slot - 1, streamed=1, tiers=1, **args)
-    with pytest.raises(ValueError, match=rf"\({reserved + 2 * slot} bytes\).* 2 slots .*all 2 streamed.*or prefetch below 1$"):
+    with pytest.raises(ValueError, match=rf"\({reserved + 2 * slot} bytes\).* 2 slots .*all 2 streamed.*or offload.prefetch below 1$"):
         host_cache_slots(reserved + slot, streamed=2, tiers=1, **args)
     with pytest.raises(ValueError, match=rf"minimum of [0-9.]+ GiB \({reserved + 3 * slot} bytes\).* 3 slots .*prefetch=2"):
         host_cache_slots(reserved + 2 * slot, streamed=5, tiers=1, **args)

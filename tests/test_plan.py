@@ -407,3 +407,15 @@ def test_times_keep_their_figures_in_the_unit_that_shows_them():
 
     assert [format_seconds(t) for t in (0.0, 0.25, 0.1, 0.0022, 5e-5, 12.345)] == ["0.00 s", "0.25 s", "0.10 s", "2.2 ms", "50 us", "12.35 s"]
     assert format_seconds(float("nan")) == "nan s"
+
+
+def test_the_command_says_where_the_cpu_rate_comes_from_and_a_budget_above_the_host(tmp_path, capsys):
+    common = [f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64", "offload.calibration_gb=0.01"]
+    assert main([*common, "machine.cpu_mparams_per_s=500", "offload.host_budget_gb=100"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU update rate: timed on this machine" not in out  # stated: the rented machine's
+    assert "note: offload.host_budget_gb=100 over 1 rank(s) is 100.00 GiB, more than the 64.00 GiB of host memory planned for" in out
+    assert main(common) == 0
+    out = capsys.readouterr().out
+    assert f"CPU update rate: timed on this machine ({os.cpu_count()} cores)" in out and "machine.cpu_mparams_per_s=" in out
+    assert "note: " not in out
