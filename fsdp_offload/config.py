@@ -324,7 +324,7 @@ class HostBudget:
         how "auto" came to it. Refuses an "auto" that leaves the optimizer nothing."""
         if not self.auto:
             return nbytes, self.option
-        name = f"offload.host_budget_gb=auto ({readable_size(nbytes)} per rank{how})"
+        name = f"offload.host_budget_gb=auto ({readable_size(nbytes) if nbytes > 0 else 'nothing'} per rank{how})"
         if nbytes <= 0:
             raise ValueError(
                 f"{name}: no host memory is left for the optimizer; lower offload.host_headroom_gb or give "

@@ -28,8 +28,10 @@ def format_bytes(nbytes: float) -> str:
 
 
 def in_unit(nbytes: float, unit: str) -> str:
-    """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit."""
-    return f"{nbytes / SIZE_UNITS[unit]:.4g} {unit}"
+    """`nbytes` written in `unit` (one of SIZE_UNITS), for messages that answer a size in that unit: four
+    figures, or all of a whole number past them (21200 MiB, not 2.12e+04 MiB)."""
+    value = nbytes / SIZE_UNITS[unit]
+    return f"{value:.4g} {unit}" if abs(value) < 1e4 else f"{value:.0f} {unit}"
 
 
 def parse_size(text: str) -> tuple[float, str]:

@@ -409,6 +409,12 @@ def test_times_keep_their_figures_in_the_unit_that_shows_them():
     assert format_seconds(float("nan")) == "nan s"
 
 
+def test_a_size_in_a_unit_keeps_its_figures_without_an_exponent():
+    from fsdp_offload.units import in_unit
+
+    assert [in_unit(n * 2**20, "MiB") for n in (0.5, 512, 21200.4)] == ["0.5 MiB", "512 MiB", "21200 MiB"]
+
+
 def test_the_command_says_where_the_cpu_rate_comes_from_and_a_budget_above_the_host(tmp_path, capsys):
     common = [f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64", "offload.calibration_gb=0.01"]
     assert main([*common, "machine.cpu_mparams_per_s=500", "offload.host_budget_gb=100"]) == 0
