@@ -56,13 +56,16 @@ def host_cache_slots(
     what the pipeline holds at once (`prefetch` + 1 subgroups, or all where there are fewer)."""
     if budget is None:
         return streamed
+    # an "auto" budget is what the machine has left: raised by a smaller headroom, or stated outright
+    raise_it = ("raise the budget (lower offload.host_headroom_gb, or state offload.host_budget_gb)"
+                if budget_name.startswith("offload.host_budget_gb=auto") else "raise the budget")  # fmt: skip
     slots = min(streamed, max(0, (budget - reserved_bytes) // slot_bytes))
     if slots == streamed:
         return streamed
     if not tiers:
         raise ValueError(
             f"{budget_name} holds {slots} of {streamed} subgroups and no tier "
-            "is given: add a tier (offload.tiers=['posix:/path']) or raise the budget to "
+            f"is given: add a tier (offload.tiers=['posix:/path']) or {raise_it} to "
             f"{in_unit(reserved_bytes + streamed * slot_bytes, unit)} "
             f"({reserved_bytes + streamed * slot_bytes} bytes)"
         )
@@ -79,7 +82,7 @@ def host_cache_slots(
             f"{budget_name} is below the pipeline's minimum of "
             f"{in_unit(reserved_bytes + minimum * slot_bytes, unit)} "
             f"({reserved_bytes + minimum * slot_bytes} bytes): {format_bytes(reserved_bytes)} of grad "
-            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} {held}; raise the budget, or {fix}"
+            f"staging and buffers + {minimum} slots of {format_bytes(slot_bytes)} {held}; {raise_it}, or {fix}"
         )
     return slots
 

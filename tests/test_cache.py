@@ -136,3 +136,12 @@ def test_a_budget_short_of_a_few_subgroups_names_the_minimum_they_need():
         host_cache_slots(reserved + 2 * slot, streamed=5, tiers=1, **args)
     with pytest.raises(ValueError, match=r"holds 0 of 5 subgroups and no tier is given: add a tier"):  # not "lower prefetch"
         host_cache_slots(reserved, streamed=5, tiers=0, **args)
+
+
+def test_a_short_auto_budget_is_raised_by_a_smaller_headroom_or_a_stated_budget():
+    args = dict(unit="GiB", slot_bytes=100 * MIB, reserved_bytes=10 * MIB, prefetch=2, streamed=5)
+    auto = "offload.host_budget_gb=auto (100.00 MiB per rank: 8.00 GiB available less host_headroom_gb=7.9, over 1 local rank(s))"
+    with pytest.raises(ValueError, match=r"raise the budget \(lower offload.host_headroom_gb, or state offload.host_budget_gb\), or lower"):
+        host_cache_slots(100 * MIB, budget_name=auto, tiers=1, **args)
+    with pytest.raises(ValueError, match=r"; raise the budget, or lower"):  # a stated budget is raised as it is
+        host_cache_slots(100 * MIB, budget_name="offload.host_budget_gb=0.1", tiers=1, **args)
