@@ -17,7 +17,7 @@ import torch
 
 from .cache import host_buffer, unpin
 from .host_windows import HostWindows
-from .subgroups import SubgroupLayout
+from .subgroups import Segment, SubgroupLayout
 
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -75,17 +75,17 @@ class LowpStaging:
         self._make_pieces()
 
     def _make_pieces(self) -> None:
-        # Each param's destination views and the parts of its grad they take, made once: the backward
-        # hook runs per param and must be cheap (a param in one piece takes the grad whole: None).
+        # Each segment's view of the buffer and its part of the param (None: the whole param, no slice),
+        # made once: the backward hook (per param) and the copy back (per subgroup) run every step
+        def piece(sg: int, seg: Segment) -> tuple[torch.Tensor, slice | None]:
+            return self.view(sg)[seg.in_subgroup], None if seg.numel == self.layout.numels[seg.param] else seg.in_param
+
         self._pieces: list[list[tuple[torch.Tensor, slice | None]]] = [
-            [(self.view(sg)[seg.in_subgroup], None if seg.numel == self.layout.numels[p] else seg.in_param) for sg, seg in segs]
-            for p, segs in enumerate(self.layout.param_segments)
+            [piece(sg, seg) for sg, seg in segs] for segs in self.layout.param_segments
         ]
-        # The same pieces by subgroup, for the copy of its new params back into the model after its update
-        self._subgroup_pieces: list[list[tuple[int, torch.Tensor, slice | None]]] = [[] for _ in self.layout.subgroups]
-        for p, pieces in enumerate(self._pieces):
-            for (sg, _), (piece, part) in zip(self.layout.param_segments[p], pieces):
-                self._subgroup_pieces[sg].append((p, piece, part))
+        self._subgroup_pieces: list[list[tuple[int, torch.Tensor, slice | None]]] = [
+            [(seg.param, *piece(sg, seg)) for seg in subgroup.segments] for sg, subgroup in enumerate(self.layout.subgroups)
+        ]
 
     def device_buffer_for(self, subgroups: list[int], device: torch.device) -> torch.Tensor:
         """The device buffer that the parts on the device and those of `subgroups` will share (allocated
