@@ -3,6 +3,8 @@ as `ranks` teams side by side (as `update_rate.node_update_rate` times it), on f
 and company:
 
 - `planner`: torch.zeros state and an ordinary bf16 grad buffer (what the planner times);
+- `cold`: planner memory, but each round on the next of --cold-sets sets of it, as a step meets each
+  subgroup's state once (the planner's one set may stay partly in a large last-level cache);
 - `step_memory`: the step's own allocations, page-aligned state (`cache.host_buffer`) and page-locked
   grads (`host_buffer(pin=True)` where CUDA is there), as the host cache and the staging buffer hold them;
 - `with_launcher`: step memory, with one more thread a team launching GPU work on the team's GPU all the
@@ -32,12 +34,12 @@ from fsdp_offload.kernels.contract import AdamWHyper
 from fsdp_offload.results import record
 from fsdp_offload.threads import use_cpu_threads
 
-VARIANTS = ("planner", "step_memory", "with_launcher", "with_copies")
+VARIANTS = ("planner", "cold", "step_memory", "with_launcher", "with_copies")
 
 
 def buffers(variant: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 state [params | exp_avg | exp_avg_sq] and the bf16 grads, allocated as `variant` says."""
-    if variant == "planner":
+    if variant in ("planner", "cold"):
         return torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16)
     state = host_buffer(3 * n * 4, pin=False).view(torch.float32).view(3, n)
     state.zero_()
@@ -59,7 +61,7 @@ def launcher(stop: threading.Event, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: int, rounds: int) -> dict:
+def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: int, rounds: int, cold_sets: int) -> dict:
     durations = [0.0] * ranks
     times: list[float] = []
     crossings, done = [0], [False]
@@ -79,11 +81,12 @@ def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: in
 
     def team(i: int) -> None:
         use_cpu_threads(threads)
-        state, grads = buffers(variant, n)
+        sets = [buffers(variant, n) for _ in range(cold_sets if variant == "cold" else 1)]
         gpu_params = torch.empty(n, dtype=torch.bfloat16, device=team_device(i)) if variant == "with_copies" else None
         step = 0
         try:
             while True:
+                state, grads = sets[step % len(sets)]
                 grads.fill_(1e-3)
                 barrier.wait()
                 if done[0]:
@@ -101,8 +104,8 @@ def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: in
             errors.append(exc)
             barrier.abort()  # the other teams stop waiting for this one
         finally:
-            if variant != "planner" and torch.cuda.is_available():  # the next variant may get these pages
-                unpin(grads)
+            if variant not in ("planner", "cold") and torch.cuda.is_available():  # the next variant may get these pages
+                unpin(sets[0][1])
 
     before = torch.get_num_threads()
     workers = [threading.Thread(target=team, args=(i,)) for i in range(ranks)]
@@ -131,6 +134,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2, help="passes over the variants, interleaved")
     ap.add_argument("--kernel", default="fused")
+    ap.add_argument("--cold-sets", type=int, default=3, help="buffer sets the `cold` variant cycles through")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device-kind", required=True)
     ap.add_argument("--out", default="benchmarks/results")
@@ -145,7 +149,7 @@ def main() -> int:
     rows = []
     for _ in range(args.repeat):
         for v in variants:
-            rows.append(time_variant(v, kernel, args.numel, args.threads, args.ranks, args.rounds))
+            rows.append(time_variant(v, kernel, args.numel, args.threads, args.ranks, args.rounds, args.cold_sets))
             print(f"{v:14} {rows[-1]['median_round_s'] * 1e3:8.1f} ms  {rows[-1]['mparams_per_s_per_rank']:7.0f} M params/s a rank")
     path = record("bench_update_gap", args.device_kind, args.out, {"args": vars(args), "rows": rows})
     print(f"wrote {path}")
