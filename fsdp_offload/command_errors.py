@@ -36,25 +36,32 @@ def refuse_bad_overrides(overrides: list[str]) -> None:
         sys.exit(2)
 
 
-def did_you_mean(exc: HydraException, overrides: list[str]) -> str:
-    """'; did you mean offload.gpu_fraction?' for an override whose key the config lacks where a key of
-    the same group is close to it (the config composed from the other overrides), else ''."""
+def did_you_mean(exc: HydraException, overrides: list[str], extra_groups: dict[str, list[str]] | None = None) -> str:
+    """'; did you mean offload.gpu_fraction?' for an override whose key the config lacks, where each
+    misspelt part of it (group or key) is close to one the config has (the config composed from the
+    other overrides, plus `extra_groups`: the planner's machine.* options), else ''."""
     missing = re.search(r"Could not override '([^']+)'", str(exc))
     if missing is None:
         return ""
-    *group, key = missing.group(1).split(".")
+    parts = missing.group(1).split(".")
     others = [o for o in overrides if not o.startswith("machine.") and o.lstrip("+~").partition("=")[0] != missing.group(1)]
     from hydra import compose, initialize_config_module
 
     try:
         with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
-            node = compose("train", overrides=others)
-        for part in group:
-            node = node[part]
-    except (HydraException, KeyError, TypeError):  # another override is wrong too: no suggestion
+            composed = compose("train", overrides=others)
+    except HydraException:  # another override is wrong too: no suggestion
         return ""
-    close = difflib.get_close_matches(key, [str(k) for k in node.keys()], n=1)
-    return f"; did you mean {'.'.join([*group, close[0]])}?" if close else ""
+    node = {**{str(k): composed[k] for k in composed.keys()}, **{g: dict.fromkeys(keys) for g, keys in (extra_groups or {}).items()}}
+    nearest = []
+    for part in parts:
+        keys = [str(k) for k in node.keys()] if hasattr(node, "keys") else []
+        close = [part] if part in keys else difflib.get_close_matches(part, keys, n=1)
+        if not close:
+            return ""
+        nearest.append(close[0])
+        node = node[close[0]]
+    return f"; did you mean {'.'.join(nearest)}?" if nearest != parts else ""
 
 
 def hydra_error_line(exc: HydraException) -> str:

@@ -25,6 +25,7 @@ This module is the command and the plan's text; machine.py reads the machine, no
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 
@@ -37,16 +38,17 @@ from .machine import MachineConfig, measured_speeds, planned_gpu_bytes, planned_
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
-from .units import GIB, format_seconds, readable_size
+from .units import GIB, SIZE_UNITS, format_seconds, parse_size, readable_size
 
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
+    count = lambda n: f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731  (a tiny model's is not 0.000B)
     # training on the CPU, the model's columns are host memory
     device = "GPU" if plan.gpu_bytes is not None else "model on the CPU"
     memory = f"GPU {g(plan.gpu_bytes)} GiB per rank" if plan.gpu_bytes is not None else "trains on the CPU"
     lines = [
-        (f"{plan.model}: {plan.params / 1e9:.3f}B params over {plan.world_size} rank(s); CPU update "
+        (f"{plan.model}: {count(plan.params)} params over {plan.world_size} rank(s); CPU update "
          f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; {memory}, host {g(plan.host_bytes)} GiB for the node"),
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
@@ -57,7 +59,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         tiers = " | ".join(f"{t.subgroups} sg {g(t.bytes)} ({g(t.read_bytes_per_step)}/{g(t.written_bytes_per_step)})"
                            for t in r.tiers)  # fmt: skip
         lines.append(
-            f"{r.rank:>4}  {r.params / 1e9:.3f}B  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
+            f"{r.rank:>4}  {count(r.params):>6}  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
             f"{g(r.gpu_state_bytes):>4}  {g(r.gpu_params_bytes):>10}  {g(r.gpu_startup_bytes):>9} {g(r.gpu_train_bytes):>6}"
             f" | {g(r.staging_bytes):>13} {g(r.cache_bytes)}({r.cache_slots})"
             + (f" | {tiers}" if tiers else "") + f" | {format_seconds(r.update_s)} ({format_seconds(r.io_s)} / {format_seconds(r.cpu_s)}"
@@ -71,6 +73,10 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     if cfg.grad_path == "auto" and plan.ranks[0].grad_path == "gpu_bf16":
         lines.append("grad path: the low-precision grads wait for their update in GPU memory (offload.grad_path='auto': "
                      "their host memory goes to the cache, which would spill subgroups to the tiers otherwise)")  # fmt: skip
+    budgets = sorted({(r.host_budget_bytes, r.budget_name) for r in plan.ranks if r.host_budget_bytes is not None})
+    if budgets:  # as resolved for this node: "auto" says what it came to
+        lines.append("host budget a rank: " + ", ".join(name if name.endswith(")") else f"{name} ({readable_size(nbytes)})"
+                                                        for nbytes, name in budgets))  # fmt: skip
     lines.append(f"predicted update phase: {format_seconds(plan.predicted_update_s)} a step (~: estimates)")
     return "\n".join(lines)
 
@@ -94,23 +100,40 @@ def compose_plan_config(overrides: list[str]):
     register_tmpdir_resolver()
     machine_kw = {}
     rest = []
-    names = {f.name for f in dataclasses.fields(MachineConfig)}
+    names = [f.name for f in dataclasses.fields(MachineConfig)]
     for o in overrides:
         if o.startswith("machine."):
             key, _, value = o[len("machine."):].partition("=")
             if key not in names:
-                raise ValueError(f"{o}: unknown machine option; known: {sorted(names)}")
-            whole = key in ("ranks_per_node", "nodes")
-            try:
-                machine_kw[key] = None if value in ("null", "None") else (int(value) if whole else float(value))
-            except ValueError:
-                raise ValueError(f"machine.{key}={value!r} must be a {'whole number' if whole else 'number'}"
-                                 f"{' (null: measured on this machine)' if not whole else ''}, e.g. machine.{key}=8") from None  # fmt: skip
+                close = difflib.get_close_matches(key, names, n=1)
+                raise ValueError(f"{o}: unknown machine option; known: {sorted(names)}"
+                                 + (f"; did you mean machine.{close[0]}?" if close else ""))  # fmt: skip
+            machine_kw[key] = machine_value(key, value)
         else:
             rest.append(o)
     with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
         cfg = compose("train", overrides=rest)
     return cfg, MachineConfig(**machine_kw)
+
+
+def machine_value(key: str, value: str) -> int | float | None:
+    """A machine.* override's value: a whole number of ranks or nodes; GPU and host memory in GiB or as a
+    size ('80GB', '512GiB', as offload.host_budget_gb takes them); speeds as numbers; null: this machine's."""
+    if value in ("null", "None"):
+        return None
+    try:
+        if key in ("ranks_per_node", "nodes"):
+            return int(value)
+        if key in ("gpu_gib", "host_gib"):
+            size, unit = parse_size(value)
+            return size * SIZE_UNITS[unit] / GIB
+        return float(value)
+    except ValueError:
+        kind, example = {"ranks_per_node": ("a whole number", "8"), "nodes": ("a whole number", "2"),
+                         "gpu_gib": ("GiB or a size ('80GB', '96GiB')", "80"),
+                         "host_gib": ("GiB or a size ('1000GB', '512GiB')", "1000")}.get(key, ("a number", "500"))  # fmt: skip
+        null = "" if key in ("ranks_per_node", "nodes") else " (null: measured on this machine)"
+        raise ValueError(f"machine.{key}={value!r} must be {kind}{null}, e.g. machine.{key}={example}") from None
 
 
 def target_device(train_device: str, machine: MachineConfig) -> str:
@@ -159,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine) or 'none'}", file=sys.stderr)
         return 2
     except HydraException as exc:  # a recipe or an option that is not there, an override that does not parse
-        print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, argv)}", file=sys.stderr)
+        machine_keys = [f.name for f in dataclasses.fields(MachineConfig)]
+        print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, argv, {'machine': machine_keys})}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TierError) as exc:  # a bad option, or a tier dir that is not there
         print(f"error: {exc}", file=sys.stderr)

@@ -16,6 +16,8 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
+from fsdp_offload.storage.base import ALIGN
+from fsdp_offload.storage.chunked import tier_file_tag
 from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
 from fsdp_offload.bandwidth import BandwidthModel
 from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
@@ -84,7 +86,24 @@ def test_measure_tier_sees_the_throttle(ram_dir):
     # bounds from above (a RAM dir unthrottled moves GB/s), never a wall-clock race from below
     assert speed.write_bps < speed.read_bps <= 40 * MB * 1.2 and speed.write_bps <= 20 * MB * 1.2
     assert speed.latency_s >= 0.003 * 0.9
-    assert os.listdir(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}")) == []  # its file is gone
+    assert not os.path.exists(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}"))  # its file and its dir are gone
+
+
+def test_the_last_tier_to_close_takes_its_private_dir_away(tmp_path):
+    """A planner's measurement or a finished run leaves no empty dir in the user's tier dir; a tier
+    still holding a file keeps it, and a tier made before the dir went away makes it again."""
+    private = tmp_path / f"fsdp-offload-{os.getuid()}"
+    waiting = make_tier(f"posix:{tmp_path}")  # made now, opened after the others have closed
+    running = make_tier(f"posix:{tmp_path}")
+    running.attach(tier_file_tag("run"), [ALIGN])
+    measure_tier(f"posix:{tmp_path}", nbytes=256 * KIB, transfer_bytes=64 * KIB)
+    assert [p.name for p in private.iterdir()] == [os.path.basename(running.path)]  # the running tier's file keeps it
+    running.close()
+    assert list(tmp_path.iterdir()) == []
+    waiting.attach(tier_file_tag("late"), [ALIGN])
+    assert os.path.dirname(waiting.path) == str(private) and os.path.exists(waiting.path)
+    waiting.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):

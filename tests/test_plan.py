@@ -29,6 +29,7 @@ from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.node_plan import ModelShapes, PlanError, make_plan
 from fsdp_offload.plan import compose_plan_config, main, plan_from_config
+from fsdp_offload.units import GIB
 from fsdp_offload.subgroups import SubgroupLayout
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -286,6 +287,14 @@ def test_train_refuses_a_plan_that_does_not_fit_before_building(tmp_path, monkey
         train.run(cfg)
 
 
+def test_machine_memory_is_taken_in_gib_or_as_a_size():
+    """machine.gpu_gib and machine.host_gib read sizes as offload.host_budget_gb does; a word is refused, naming the forms."""
+    for value, gib in (("80", 80.0), ("80GB", 80e9 / GIB), ("96GiB", 96.0), ("512 MiB", 0.5)):
+        assert compose_plan_config([f"machine.gpu_gib={value}", f"machine.host_gib={value}"])[1].gpu_gib == pytest.approx(gib)
+    with pytest.raises(ValueError, match=r"machine\.host_gib='lots' must be GiB or a size \('1000GB', '512GiB'\)"):
+        compose_plan_config(["machine.host_gib=lots"])
+
+
 def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     rc = main(["offload.calibration_gb=0.01", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64",
                "machine.cpu_mparams_per_s=500"])  # fmt: skip
@@ -295,6 +304,11 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert re.search(r"predicted update phase: \d+(\.\d+)? (s|ms|us) a step", out), out  # a tiny model's in ms, not "0.00 s"
     assert "predicted update phase: 0.00 s" not in out
     assert "largest preset that fits this recipe and machine:" in out
+    assert main(["offload.calibration_gb=0.01", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=20",
+                 "machine.ranks_per_node=2", "offload.host_budget_gb=auto", "offload.host_headroom_gb=8",
+                 "machine.cpu_mparams_per_s=500"]) == 0  # fmt: skip
+    assert "host budget a rank: offload.host_budget_gb=auto (6.00 GiB per rank)" in capsys.readouterr().out  # (20 - 8) / 2
+    assert list(tmp_path.iterdir()) == []  # the tier's speed was measured there, and nothing left
     # a plan that does not fit says why and, in its next line, what does fit the same recipe and machine
     assert main(["offload.host_budget_gb=1KiB", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64",
                  "machine.cpu_mparams_per_s=500"]) == 2  # fmt: skip
@@ -307,6 +321,10 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("; did you mean model?")
     assert main(["machine.gpu=3"]) == 2
     assert "machine.gpu=3: unknown machine option; known: ['cpu_mparams_per_s', 'gpu_gib'" in capsys.readouterr().err
+    assert main(["machine.gpu_gb=80"]) == 2  # a misspelt machine option, and a misspelt group, get the close one too
+    assert capsys.readouterr().err.strip().endswith("; did you mean machine.gpu_gib?")
+    assert main(["machin.gpu_gib=80"]) == 2
+    assert capsys.readouterr().err.strip().endswith("; did you mean machine.gpu_gib?")
     assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
     assert "does not exist" in capsys.readouterr().err
 

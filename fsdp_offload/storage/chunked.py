@@ -227,6 +227,7 @@ class ChunkedFileTier(Tier):
     # -- the skeleton -------------------------------------------------------------------------------
 
     def _open(self, tag: str, total_bytes: int) -> None:
+        self._dir = make_private_dir(self.root, self.spec)  # again: the last tier closed in it may have removed it
         remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
         self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * node_ranks()  # the node's ranks write here too
@@ -323,3 +324,5 @@ class ChunkedFileTier(Tier):
         if self._held >= 0:
             os.close(self._held)
             self._held = -1
+        with contextlib.suppress(OSError):  # the last tier to leave it takes the dir away, so no empty dir is left
+            os.rmdir(self._dir)  # (a planner's or a finished run's)
