@@ -33,6 +33,11 @@ class MachineConfig:
     host_gib: float | None = None  # host memory available to the node's ranks; None: MemAvailable here
     cpu_mparams_per_s: float | None = None  # one rank's CPU update speed; None: the kernel timed here
     gpu_update_gbps: float = 2000.0  # bytes/s the GPU update moves (28 bytes a param), in GB/s
+    # The planned machine's tiers, one entry per offload.tiers (None: the given dirs on this machine,
+    # timed and read here). Speeds in GB/s; free space in GiB, each tier's own (no two share it).
+    tier_read_gbps: list[float] | None = None
+    tier_write_gbps: list[float] | None = None
+    tier_free_gib: list[float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("ranks_per_node", "nodes"):
@@ -44,12 +49,41 @@ class MachineConfig:
                 raise ValueError(f"machine.{name}={value!r} must be a finite number >= 0 (null: this machine's)")
         if self.cpu_mparams_per_s is not None and not (is_number(self.cpu_mparams_per_s) and self.cpu_mparams_per_s > 0):
             raise ValueError(f"machine.cpu_mparams_per_s={self.cpu_mparams_per_s!r} must be a positive number (null: timed here)")
+        for name in TIER_FIELDS:  # free space may be 0; a speed must be more
+            values, free = getattr(self, name), name == "tier_free_gib"
+            if values is not None and not all(is_number(v) and (v >= 0 if free else v > 0) for v in values):
+                raise ValueError(f"machine.{name}={values!r} must be a list of {'numbers >= 0' if free else 'positive numbers'}, "
+                                 "one per offload.tiers (null: this machine's dirs)")  # fmt: skip
+        if (self.tier_read_gbps is None) != (self.tier_write_gbps is None):
+            raise ValueError("machine.tier_read_gbps and machine.tier_write_gbps are stated together (the planned machine's "
+                             "tiers), or neither (timed here)")  # fmt: skip
         if not (is_number(self.gpu_update_gbps) and self.gpu_update_gbps > 0):
             raise ValueError(f"machine.gpu_update_gbps={self.gpu_update_gbps!r} must be a positive number of GB/s (default 2000)")
 
     @property
     def world_size(self) -> int:
         return self.ranks_per_node * self.nodes
+
+    def check_tiers(self, tiers: list[str]) -> None:
+        """Refuses stated tier lists that are not one entry per offload.tiers."""
+        for name in TIER_FIELDS:
+            values = getattr(self, name)
+            if values is not None and len(values) != len(tiers):
+                raise ValueError(f"machine.{name} has {len(values)} entries for the {len(tiers)} offload.tiers {tiers}: "
+                                 "give one per tier, in order")  # fmt: skip
+
+    def tier_free_bytes(self, i: int, spec_path: str) -> int:
+        """Free space for tier `i` (its dir `spec_path`): stated, else its file system's here."""
+        return int(self.tier_free_gib[i] * GIB) if self.tier_free_gib is not None else free_bytes(spec_path)
+
+    def tier_file_system(self, i: int, spec_path: str) -> tuple[int, bool]:
+        """Tier `i`'s file system (file_system): where its free space is stated, its own (a negative id),
+        and in memory as the dir is here (/dev/shm is a tmpfs on any Linux)."""
+        device, in_memory = file_system(spec_path)
+        return (-1 - i, in_memory) if self.tier_free_gib is not None else (device, in_memory)
+
+
+TIER_FIELDS = ("tier_read_gbps", "tier_write_gbps", "tier_free_gib")
 
 
 def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: str) -> int | None:
@@ -124,4 +158,6 @@ def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     else:
         ranks = machine.ranks_per_node
         rate = node_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, ranks), ranks)
+    if machine.tier_read_gbps is not None:  # the planned machine's, stated
+        return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

@@ -23,7 +23,7 @@ from .config import OffloadConfig
 from .grads import TierFP32Grads
 from .job_errors import JobError
 from .levels import MemoryPlan
-from .machine import CUDA_CONTEXT_BYTES, MachineConfig, file_system, free_bytes, planned_gpu_bytes, planned_host_bytes
+from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
 from .placement import make_placement
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
@@ -250,7 +250,7 @@ def _plan_rank(
                 spec, len(mine), min(sum(sizes[sg] for sg in mine), at_once) + grads,
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.reads[k] if tier_of[sg] == i) / kinds + grads,
                 sum(sizes[sg] for k in range(kinds) for sg in traffic.writes[k] if tier_of[sg] == i) / kinds + grads,
-                free_bytes(cfg.tier_specs[i].dir),
+                machine.tier_free_bytes(i, cfg.tier_specs[i].dir),
             ))  # fmt: skip
         if speeds is not None:
             plan.io_s = expected_step_seconds(tier_of, speeds, sizes, traffic)
@@ -260,7 +260,7 @@ def _plan_rank(
             plan.grad_io_s = sum(speeds[tier_of[sg]].seconds("write", grad_slots[sg]) + speeds[tier_of[sg]].seconds("read", grad_slots[sg])
                                  for sg in host_sgs if grad_slots[sg])  # fmt: skip
     else:  # the host cache holds every subgroup off the GPU: no tier is ever written
-        plan.tiers = [TierPlan(spec, 0, 0, 0.0, 0.0, free_bytes(s.dir)) for spec, s in zip(cfg.tiers, cfg.tier_specs)]
+        plan.tiers = [TierPlan(spec, 0, 0, 0.0, 0.0, machine.tier_free_bytes(i, s.dir)) for i, (spec, s) in enumerate(zip(cfg.tiers, cfg.tier_specs))]
         plan.io_s, first_read = 0.0, 0.0
     if cpu_rate is not None:
         plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
@@ -315,7 +315,7 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
 
 def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
     need = [sum(r.tiers[i].bytes for r in plan.ranks) for i in range(len(cfg.tiers))]  # the node's, per tier
-    systems = [file_system(spec.dir) for spec in cfg.tier_specs]
+    systems = [machine.tier_file_system(i, spec.dir) for i, spec in enumerate(cfg.tier_specs)]
     # a tier in memory (tmpfs, ramfs: /dev/shm) keeps its files in host memory, beside the optimizer's
     in_memory = [i for i, (_, mem) in enumerate(systems) if mem and need[i]]
     tier_host = sum(need[i] for i in in_memory)

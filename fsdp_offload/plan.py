@@ -34,7 +34,7 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes
+from .machine import TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -116,22 +116,29 @@ def compose_plan_config(overrides: list[str]):
     return cfg, MachineConfig(**machine_kw)
 
 
-def machine_value(key: str, value: str) -> int | float | None:
-    """A machine.* override's value: a whole number of ranks or nodes; GPU and host memory in GiB or as a
-    size ('80GB', '512GiB', as offload.host_budget_gb takes them); speeds as numbers; null: this machine's."""
+def machine_value(key: str, value: str) -> int | float | list[float] | None:
+    """A machine.* override's value: a whole number of ranks or nodes; GPU and host memory, and a tier's
+    free space, in GiB or as a size ('80GB', '512GiB', as offload.host_budget_gb takes them); speeds as
+    numbers; the tier_* ones a list, one per offload.tiers ('[2.0,12]'); null: this machine's."""
     if value in ("null", "None"):
         return None
+    gib = lambda text: (lambda size, unit: size * SIZE_UNITS[unit] / GIB)(*parse_size(text))  # noqa: E731
     try:
         if key in ("ranks_per_node", "nodes"):
             return int(value)
         if key in ("gpu_gib", "host_gib"):
-            size, unit = parse_size(value)
-            return size * SIZE_UNITS[unit] / GIB
+            return gib(value)
+        if key in TIER_FIELDS:
+            items = value.strip().removeprefix("[").removesuffix("]").split(",")
+            return [gib(v) if key == "tier_free_gib" else float(v) for v in items]
         return float(value)
     except ValueError:
         kind, example = {"ranks_per_node": ("a whole number", "8"), "nodes": ("a whole number", "2"),
                          "gpu_gib": ("GiB or a size ('80GB', '96GiB')", "80"),
-                         "host_gib": ("GiB or a size ('1000GB', '512GiB')", "1000")}.get(key, ("a number", "500"))  # fmt: skip
+                         "host_gib": ("GiB or a size ('1000GB', '512GiB')", "1000"),
+                         "tier_read_gbps": ("a list of GB/s, one per offload.tiers", "[2.0,12]"),
+                         "tier_write_gbps": ("a list of GB/s, one per offload.tiers", "[2.6,10]"),
+                         "tier_free_gib": ("a list of GiB or sizes, one per offload.tiers", "[3500,200GB]")}.get(key, ("a number", "500"))  # fmt: skip
         null = "" if key in ("ranks_per_node", "nodes") else " (null: measured on this machine)"
         raise ValueError(f"machine.{key}={value!r} must be {kind}{null}, e.g. machine.{key}={example}") from None
 
@@ -158,6 +165,7 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     ocfg = recipe.config
     device = target_device(train.device, machine)
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
+    machine.check_tiers(ocfg.tiers)
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
     return make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
 
@@ -186,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, argv, {'machine': machine_keys})}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TierError) as exc:  # a bad option, or a tier dir that is not there
-        print(f"error: {exc}", file=sys.stderr)
+        other = " (planning for another machine whose dirs are not here? state its tiers: machine.tier_read_gbps, " \
+                "machine.tier_write_gbps and machine.tier_free_gib, one per tier)" if isinstance(exc, TierError) else ""  # fmt: skip
+        print(f"error: {exc}{other}", file=sys.stderr)
         return 2
     print(format_plan(plan, ocfg))
     budget, host = ocfg.host_budget, planned_host_bytes(machine)
@@ -197,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
         print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
+    unstated = [n for n in TIER_FIELDS if getattr(machine, n) is None] if ocfg.tiers else []
+    if unstated:  # a rented machine's disk is not this one's
+        print(f"tiers: {'speeds' if 'tier_read_gbps' in unstated else ''}{' and ' if len(unstated) == 3 else ''}"
+              f"{'free space' if 'tier_free_gib' in unstated else ''} of the given dirs on this machine; for another machine, "
+              f"state them, one per tier: {' '.join(f'machine.{n}=[...]' for n in unstated)} (GB/s; GiB)")  # fmt: skip
     print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine, plan.tier_speeds) or 'none'}")
     return 0
 

@@ -111,7 +111,7 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(t
     host memory the cache spills; "auto" keeps them on the GPU, the cache gets their memory and the
     tier moves fewer bytes. Not where the GPU share is "auto" (it takes the GPU's room), where nothing
     spills, where the GPU has no room, or on the CPU."""
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
     machine = MachineConfig(ranks_per_node=4, gpu_gib=139, host_gib=500, cpu_mparams_per_s=5000)
     speeds = [TierSpeed(2e9, 2e9, 1e-3)]
 
@@ -154,10 +154,10 @@ def spills_(r: node_plan.RankPlan) -> bool:
 def test_tiers_on_one_file_system_share_its_free_space(tmp_path, monkeypatch):
     cfg = offload(str(tmp_path), tiers=[f"posix:{tmp_path}/a", f"posix:{tmp_path}/b"], placement="fixed")
     plan = lambda: make_plan("test", ARGS, cfg, MachineConfig(host_gib=64), 32, 2, "cpu")  # noqa: E731
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
     need = [t.bytes for t in plan().ranks[0].tiers]
     assert all(need)
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: max(need))  # room for either tier, not both
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: max(need))  # room for either tier, not both
     with pytest.raises(PlanError, match=rf"tiers posix:{tmp_path}/a and posix:{tmp_path}/b: the node's ranks write up to "
                                         r".* short by .*free space, add a tier on another file system, or raise "
                                         r"offload\.host_budget_gb \(or 'auto'\)$"):  # fmt: skip
@@ -201,9 +201,10 @@ def test_fp32_grads_on_a_tier_are_planned(tmp_path):
 def test_the_readme_s_plan_commands_run(tmp_path, monkeypatch, capsys):
     # Free space is test_tier_short_of_free_space's subject; the CPU speed is stated and the tiers are
     # measured briefly, into a profile of the test's own.
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
-    commands = [line for line in README.read_text().splitlines() if line.startswith("python3 -m fsdp_offload.plan ")]
-    assert len(commands) >= 2
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
+    text = README.read_text().replace("\\\n", " ")  # a command continued over lines is one
+    commands = [line for line in text.splitlines() if line.startswith("python3 -m fsdp_offload.plan ")]
+    assert len(commands) >= 3 and any("machine.tier_free_gib" in c for c in commands)
     for command in commands:
         argv = shlex.split(command)[3:] + ["machine.cpu_mparams_per_s=500", "offload.calibration_gb=0.01",
                                            f"offload.bandwidth_profile={tmp_path}/bandwidth.json"]  # fmt: skip
@@ -214,7 +215,7 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
     # Same world size and layout per rank; on one node the two ranks stream through one disk, so each
     # rank's I/O takes twice as long as with one rank on each of two nodes. The 7b's state would not fit
     # every test machine's /tmp: free space is test_tier_short_of_free_space's subject, not this one's.
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=16, subgroup_numel=100 * (1 << 20), kernel="torch")
     speeds = [TierSpeed(read_bps=2e9, write_bps=2e9, latency_s=0.0)]
     plan = lambda m: make_plan("7b", MODEL_PRESETS["7b"], cfg, m, 2048, 1, "cpu", cpu_rate=1e9, speeds=speeds)  # noqa: E731
@@ -226,7 +227,7 @@ def test_ranks_of_one_node_share_each_tier_s_bandwidth(monkeypatch):
 def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
     """grad_path="gpu_bf16": the host keeps two windows of one subgroup instead of every grad, so the same
     budget holds more of the FP32 state, and the GPU holds the grads instead."""
-    monkeypatch.setattr(node_plan, "free_bytes", lambda path: 1 << 50)
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
     machine = MachineConfig(gpu_gib=80, host_gib=512)
 
     def plan(grad_path: str):
@@ -293,6 +294,24 @@ def test_machine_memory_is_taken_in_gib_or_as_a_size():
         assert compose_plan_config([f"machine.gpu_gib={value}", f"machine.host_gib={value}"])[1].gpu_gib == pytest.approx(gib)
     with pytest.raises(ValueError, match=r"machine\.host_gib='lots' must be GiB or a size \('1000GB', '512GiB'\)"):
         compose_plan_config(["machine.host_gib=lots"])
+
+
+def test_a_machine_whose_tiers_are_not_here_is_planned_from_what_is_stated(tmp_path, capsys):
+    """machine.tier_*: the planned machine's tier speeds and free space, for dirs this machine lacks; its
+    free space bounds the fit, its speeds the predicted update, and a list of the wrong length is refused."""
+    tier = tmp_path / "nvme" / "offload"  # not here
+    base = ["offload=disk", f"offload.tiers=[posix:{tier}]", "offload.subgroup_numel=16384", "offload.host_budget_gb=900KiB", "train.device=cpu",
+            "machine.host_gib=64", "machine.cpu_mparams_per_s=500", "machine.tier_read_gbps=[2.0]", "machine.tier_write_gbps=[2.5]"]  # fmt: skip
+    assert main([*base, "machine.tier_free_gib=[500GB]"]) == 0
+    out = capsys.readouterr().out
+    assert f"posix:{tier}: placed sg" in out and "tiers:" not in out  # nothing of them measured here, so no note
+    assert main([*base, "machine.tier_free_gib=[1MiB]"]) == 2
+    assert f"does not fit: tier posix:{tier}: the node's ranks write up to" in capsys.readouterr().err
+    assert main([*base[:-1], "machine.tier_write_gbps=[2.5,3]"]) == 2
+    assert "machine.tier_write_gbps has 2 entries for the 1 offload.tiers" in capsys.readouterr().err
+    assert main(base[:-2]) == 2  # not stated: measured here, where the dir is not
+    assert "does not exist" in (err := capsys.readouterr().err) and "state its tiers: machine.tier_read_gbps" in err
+    assert not (tmp_path / "nvme").exists()
 
 
 def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
