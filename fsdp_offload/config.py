@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from .kernels import KERNEL_NAMES
 from .order import UPDATE_ORDERS
 from .storage import TierSpec
+from .storage.spec import parse_tiers
 from .storage.lock import access_slots
 from .subgroups import check_subgroup_numel
 from .units import GIB, SIZE_UNITS, parse_size, readable_size
@@ -154,7 +155,7 @@ class OffloadConfig:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.check_types()
         self.tiers = list(self.tiers)
-        self._tier_specs = tuple(TierSpec.parse(t) for t in self.tiers)  # a bad spec fails here, naming itself
+        self._tier_specs = parse_tiers(self.tiers)  # a bad spec, or two in one dir, fails here, naming itself
         self.host_budget  # read once here: a bad size fails now, naming the option
         if not self.host_headroom_gb >= 0:
             raise ValueError(f"offload.host_headroom_gb={self.host_headroom_gb} must be >= 0")
@@ -275,7 +276,7 @@ class OffloadConfig:
     def tier_specs(self) -> tuple[TierSpec, ...]:
         """`tiers`, parsed once (again only if `tiers` was changed since)."""
         if [spec.text for spec in self._tier_specs] != list(self.tiers):
-            self._tier_specs = tuple(TierSpec.parse(t) for t in self.tiers)
+            self._tier_specs = parse_tiers(self.tiers)
         return self._tier_specs
 
     @property

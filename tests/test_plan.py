@@ -346,6 +346,8 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("; did you mean machine.gpu_gib?")
     assert main([f"offload.tiers=[posix:{tmp_path}/missing]"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main([f"offload.tiers=[posix:{tmp_path},posix:{tmp_path}/]"]) == 2  # one dir twice: refused before measuring
+    assert f"both store in {tmp_path}: give each tier its own directory" in capsys.readouterr().err
 
 
 def test_a_plan_that_does_not_fit_is_said_once_for_the_job(tmp_path):

@@ -292,10 +292,12 @@ def fake_checkpoint(path: Path) -> Path:
 @pytest.mark.bad_input
 def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
     from fsdp_offload.checkpoint import CheckpointConfig, resume_point
+    from fsdp_offload.job_errors import JobError
 
     runs = tmp_path / "ck"
     assert resume_point(CheckpointConfig(dir=str(runs))) == (None, f"no checkpoint in checkpoint.dir={runs}: starting fresh")
-    with pytest.raises(ValueError, match="checkpoint.resume=required, but checkpoint.dir=.* holds no complete checkpoint"):
+    # a JobError: every rank meets it alike, and rank 0 says it once for the job
+    with pytest.raises(JobError, match="checkpoint.resume=required, but checkpoint.dir=.* holds no complete checkpoint"):
         resume_point(CheckpointConfig(dir=str(runs), resume="required"))
     step4 = fake_checkpoint(runs / "step_00000004")
     fake_checkpoint(runs / "step_00000008")
@@ -305,8 +307,10 @@ def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
     assert resume_point(CheckpointConfig(dir=str(runs), resume=False))[0] is None  # false means never
     with pytest.raises(ValueError, match="is one checkpoint, not the dir of a run's checkpoints: give checkpoint.dir="):
         resume_point(CheckpointConfig(dir=str(step4)))
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(ValueError, match="not a complete checkpoint.*; the newest in checkpoint.dir=.*: step_00000004, step_00000008$"):
         resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="; did you mean checkpoint.resume=required\\?"):
+        resume_point(CheckpointConfig(dir=str(runs), resume="requird"))
 
 
 def test_tensorboard_gets_every_logged_row(tmp_path):

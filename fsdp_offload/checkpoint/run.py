@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import io
 import json
@@ -93,9 +94,10 @@ def is_checkpoint(path: str) -> bool:
 
 def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
     """The checkpoint a run starts from (None: fresh) and one line that says which, per
-    `checkpoint.resume`; a clear error where that cannot be honoured."""
+    `checkpoint.resume`; a clear error where that cannot be honoured (a JobError: every rank reads the
+    same dir, and rank 0 says it for the job)."""
     if cfg.dir and is_checkpoint(cfg.dir):
-        raise ValueError(
+        raise JobError(
             f"checkpoint.dir={cfg.dir} is one checkpoint, not the dir of a run's checkpoints: give "
             f"checkpoint.dir={os.path.dirname(os.path.abspath(cfg.dir))}, or checkpoint.resume={cfg.dir} to start from it"
         )
@@ -103,9 +105,13 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
         return None, "checkpoint.resume=never: starting fresh"
     if cfg.resume not in ("auto", "required"):
         if not is_checkpoint(cfg.resume):
-            raise ValueError(
+            mode = difflib.get_close_matches(str(cfg.resume), ["auto", "required", "never"], n=1)
+            there = [os.path.basename(p) for p in _step_dirs(cfg.dir)[-3:]] if cfg.dir and os.path.isdir(cfg.dir) else []
+            raise JobError(
                 f"checkpoint.resume={cfg.resume}: not a complete checkpoint (it needs model/ and optimizer/ with their "
                 ".metadata); give a step_* dir, or auto, required or never"
+                + (f"; did you mean checkpoint.resume={mode[0]}?" if mode else "")
+                + (f"; the newest in checkpoint.dir={cfg.dir}: {', '.join(there)}" if there else "")
             )
         return cfg.resume, f"resuming from {cfg.resume}"
     latest = latest_checkpoint(cfg.dir)
@@ -113,7 +119,7 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
         return latest, f"resuming from {latest}"
     if cfg.resume == "required":
         where = "checkpoint.dir is not set" if not cfg.dir else f"checkpoint.dir={cfg.dir} holds no complete checkpoint"
-        raise ValueError(f"checkpoint.resume=required, but {where}: start with checkpoint.resume=auto or never")
+        raise JobError(f"checkpoint.resume=required, but {where}: start with checkpoint.resume=auto or never")
     return None, f"no checkpoint in checkpoint.dir={cfg.dir}: starting fresh" if cfg.dir else "starting fresh"
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from .base import ALIGN, CorruptSubgroupError, Tier, TierError, Transfer
 from .lock import LockedTier, NodeTierLock, access_slots
 from .posix import PosixTier
-from .spec import TierSpec, as_spec
+from .spec import TierSpec, as_spec, parse_tiers
 from .throttle import Limits, ThrottledTier
 
 
@@ -35,13 +33,7 @@ def open_tiers(specs: list[TierSpec | str], access: str | int, lock_dir: str, lo
     """Builds the tiers; unless access is "shared", each only does I/O while holding its node lock
     (one of k slots; "exclusive" is k = 1), kept in `lock_dir`, waited for at most `lock_timeout_s`."""
     slots = access_slots(access)
-    parsed = [as_spec(s) for s in specs]
-    dirs: dict[str, TierSpec] = {}
-    for spec in parsed:
-        real = os.path.realpath(spec.dir)
-        if real in dirs:
-            raise ValueError(f"offload.tiers {dirs[real].text!r} and {spec.text!r} both store in {real}: give each tier its own directory")
-        dirs[real] = spec
+    parsed = parse_tiers(specs)
     tiers: list[Tier] = []
     try:
         for spec in parsed:

@@ -212,3 +212,16 @@ SCHEMES: dict[str, Scheme] = {
     "kvikio": Scheme(("threads", "task_mb"), _file_io("task_mb", "task")),
     "throttle": Scheme(THROTTLE_OPTIONS, _limits, wraps=True),
 }
+
+
+def parse_tiers(tiers: list[str | TierSpec]) -> tuple[TierSpec, ...]:
+    """offload.tiers parsed, each in a directory of its own (two tiers in one dir would write over each
+    other's files): the one check, made wherever the tiers are read."""
+    parsed = tuple(as_spec(t) for t in tiers)
+    dirs: dict[str, TierSpec] = {}
+    for spec in parsed:
+        real = os.path.realpath(spec.dir)
+        if real in dirs:
+            raise ValueError(f"offload.tiers {dirs[real].text!r} and {spec.text!r} both store in {real}: give each tier its own directory")
+        dirs[real] = spec
+    return parsed
