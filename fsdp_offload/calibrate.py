@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,17 +59,24 @@ def _timed_transfers(ops: list[Callable[[torch.Tensor], Future]], buffers: list[
     return time.perf_counter() - start
 
 
+MAX_TRANSFERS = 256  # transfers a measuring pass makes at most
+
+
 def tier_passes(
     spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
 ) -> dict[str, float]:
-    """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` in
-    transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
+    """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` (at most
+    MAX_TRANSFERS transfers and half the free space, at least two transfers) in transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
     writing the other half, as the pipeline's fetches do; `samples` times. Returns the median seconds
     of each pass ("write", "read", "mixed"), the bytes of one pass ("bytes"), the transfers per pass
     ("count") and the fastest one-page read ("latency")."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
-    count = max(2, nbytes // transfer_bytes // 2 * 2)
-    tier: Tier = make_tier(spec)
+    tier: Tier = make_tier(spec)  # (checks the dir)
+    # At most MAX_TRANSFERS a pass (a small model's transfers are many to a GiB, and as many tell no more),
+    # and at most half the file system's free space (a small tier is measured, not filled).
+    room = shutil.disk_usage(as_spec(spec).dir).free // 2
+    count = max(2, min(nbytes, room) // transfer_bytes // 2 * 2)
+    count = min(count, MAX_TRANSFERS)
     times: dict[str, list[float]] = {"read": [], "write": [], "mixed": []}
     try:
         tier.attach(tier_file_tag("calibrate"), [ALIGN] + [transfer_bytes] * count)
@@ -96,8 +104,9 @@ def tier_passes(
             latencies.append(time.perf_counter() - t0)
     except OSError as exc:
         hint = "the file system is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "check the file system"
+        what = os.strerror(exc.errno) if exc.errno else str(exc)  # (the tier's own text speaks of a step's subgroups)
         raise TierError(
-            f"calibrating {spec}: {count} x {transfer_bytes} bytes failed: {exc.strerror or exc} ({hint}; free "
+            f"calibrating {spec}: {count} x {transfer_bytes} bytes failed: {what} ({hint}; free "
             "space, lower offload.calibration_gb, or pick another path)"
         ) from exc
     finally:

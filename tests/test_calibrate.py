@@ -10,11 +10,13 @@ import logging
 import os
 import threading
 import time
+from collections import namedtuple
 
 import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload import calibrate, tier_speeds
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
 from fsdp_offload.storage.base import ALIGN
 from fsdp_offload.storage.chunked import tier_file_tag
@@ -28,6 +30,7 @@ from test_optimizer import SG, budget_for, make_params
 
 KIB = 1 << 10
 MB = 1e6
+shutil_usage = lambda free: namedtuple("usage", "total used free")(free, 0, free)  # noqa: E731
 
 
 def two_tiers(tmp_path) -> list[str]:
@@ -109,7 +112,7 @@ def test_the_last_tier_to_close_takes_its_private_dir_away(tmp_path):
 def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):
     """Reads and writes under way together (a disk) slow both; a mixed pass that ran faster than the
     separate ones (full duplex, or noise) leaves the measured bandwidths as they are, never above."""
-    from fsdp_offload import calibrate
+    from fsdp_offload import calibrate, tier_speeds
 
     passes = {"write": 2.0, "read": 1.0, "bytes": 1e9, "count": 2, "latency": 0.0}
     monkeypatch.setattr(calibrate, "tier_passes", lambda *a, **kw: {**passes, "mixed": 0.5})
@@ -150,13 +153,21 @@ def test_unwritable_tier_fails_before_training(tmp_path):
         build(tmp_path, [two_tiers(tmp_path)[0], f"posix:{target}"], str(tmp_path / "p.json"))
 
 
+def test_a_pass_makes_at_most_max_transfers_and_fills_at_most_half_the_free_space(tmp_path, monkeypatch):
+    """A small model's transfers: 1 GiB of them would be thousands, and a small tier would be filled."""
+    assert calibrate.tier_passes(f"posix:{tmp_path}", nbytes=1 << 30, transfer_bytes=4 * KIB)["count"] == calibrate.MAX_TRANSFERS
+    monkeypatch.setattr(calibrate.shutil, "disk_usage", lambda path: shutil_usage(free=40 * KIB))
+    assert calibrate.tier_passes(f"posix:{tmp_path}", nbytes=1 << 30, transfer_bytes=4 * KIB)["count"] == 4  # 20 KiB: 5, even
+
+
 def test_full_file_system_is_a_clear_error(tmp_path, monkeypatch):
     def full(fd, view, offset):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(posix_mod, "pwrite_all", full)
-    with pytest.raises(TierError, match=r"calibrating posix:.*: 2 x 65536 bytes failed: .*No space left on device.*\(the file system is full"):
+    with pytest.raises(TierError, match=r"calibrating posix:.*: 2 x 65536 bytes failed: No space left on device \(the file system is full") as err:
         measure_tier(f"posix:{tmp_path}", nbytes=128 * KIB, transfer_bytes=64 * KIB)
+    assert "subgroup" not in str(err.value) and "step()" not in str(err.value)  # the tier's own words are about a step's writes
     with pytest.raises(TierError, match="the file system is full"):
         build(tmp_path, two_tiers(tmp_path), str(tmp_path / "p.json"))
 
@@ -208,7 +219,8 @@ def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
     assert hosts["some-other-node"][tier_profile_key(tiers[0])]["read_gbps"] == 123
 
 
-def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_dir, caplog):
+def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_dir, caplog, monkeypatch):
+    monkeypatch.setattr(tier_speeds, "LEARNED_MIN_TRANSFER_BYTES", 0)  # this test's subgroups are small
     tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(ram_dir)]
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))
@@ -260,7 +272,7 @@ def test_mixed_io_timeline_windows_cover_the_run(tmp_path):
 def test_without_a_profile_the_node_s_ranks_measure_in_turns(monkeypatch):
     """Two ranks seeding without a bandwidth profile measure one after the other, never at once (each
     would see a share of the device)."""
-    from fsdp_offload import calibrate
+    from fsdp_offload import calibrate, tier_speeds
 
     spans = []
 

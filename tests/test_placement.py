@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
+from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate, tier_speeds
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key, write_profile
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
@@ -184,7 +184,8 @@ def test_two_to_one_tiers_converge_to_a_two_to_one_split(tmp_path, ram_dir):
     run.opt.close()
 
 
-def test_split_follows_a_tier_that_slows_to_a_quarter(tmp_path, ram_dir, capsys):
+def test_split_follows_a_tier_that_slows_to_a_quarter(tmp_path, ram_dir, capsys, monkeypatch):
+    monkeypatch.setattr(tier_speeds, "LEARNED_MIN_TRANSFER_BYTES", 0)  # this test's subgroups are small; it checks the profile
     m, c = 24, 6
     tiers = [throttled(ram_dir, "a", 48, 48), throttled(ram_dir, "b", 24, 24)]
     profile = write_profile(str(tmp_path / "p.json"), {tiers[0]: TierSpeed(48 * MB, 48 * MB, 0.0), tiers[1]: TierSpeed(24 * MB, 24 * MB, 0.0)})
@@ -360,6 +361,9 @@ def test_one_decision_about_tier_speeds(tmp_path, monkeypatch):
     assert (again.speeds, len(measured)) == (with_profile.speeds, 4)  # read, not measured again
     kept = starting_speeds(OffloadConfig(tiers=tiers, bandwidth_profile=profile), given=given)
     assert (kept.speeds, kept.source, kept.save_learned, len(measured)) == (given, "given", True, 4)
+    # a small model's transfers (16K params a subgroup: 192 KiB) time each request's costs: used, not saved
+    small = starting_speeds(OffloadConfig(tiers=tiers, bandwidth_profile=profile, subgroup_numel=16384), given=given)
+    assert (small.source, small.save_learned) == ("given", False)
     with pytest.raises(ValueError, match="tier_speeds has 1 entries"):
         starting_speeds(OffloadConfig(tiers=tiers, placement="fixed"), given=given[:1])
 
