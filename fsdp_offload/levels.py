@@ -24,6 +24,7 @@ from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
+from .machine import SHARED_FILE_SYSTEM_NOTE, tiers_sharing_a_file_system
 from .memory import resolve_host_budget
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
@@ -129,6 +130,9 @@ def build_levels(
         made.append(placement)
         tiers = open_tiers(cfg.tier_specs, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         made.extend(tiers)
+        if group is None or dist.get_rank(group) == 0:
+            for shared in tiers_sharing_a_file_system(cfg.tier_specs):
+                log.warning("offload.tiers %s %s", " and ".join(shared), SHARED_FILE_SYSTEM_NOTE)
         path = TierFP32Grads(layout, tiers, placement.tier_for) if cfg.grad_path == "tier_fp32" else LowpGrads()
         grads = StepGrads(cfg, staging, path, sums, local_shapes, group, device)
         # the store owns the cache, the placement and the tiers from here on (and closes them if it fails)

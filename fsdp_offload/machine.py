@@ -149,6 +149,19 @@ def file_system(spec_path: str) -> tuple[int, bool]:
     return os.stat(path).st_dev, kind in IN_MEMORY_FILE_SYSTEMS
 
 
+def tiers_sharing_a_file_system(specs: list) -> list[list[str]]:
+    """The tiers (TierSpec) that lie on one file system here, in groups of two or more: a second path
+    only where it is another device (each tier is measured alone, so their bandwidths seem to add)."""
+    groups: dict[int, list[str]] = {}
+    for spec in specs:
+        groups.setdefault(file_system(spec.dir)[0], []).append(spec.text)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+SHARED_FILE_SYSTEM_NOTE = ("are on one file system: they share its bandwidth, where the placement (each tier measured alone) "
+                           "counts it for each; a second path needs another device")  # fmt: skip
+
+
 def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
     """Each rank's CPU update speed (machine.cpu_mparams_per_s, else timed here as the node's ranks run
     it, side by side: update_rate.node_update_rate) and the tiers' speeds (profile, else measured), for a predicted

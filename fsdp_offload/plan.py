@@ -34,7 +34,8 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes
+from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes,
+                      tiers_sharing_a_file_system)
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -207,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
         print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
+    if machine.tier_free_gib is None:  # the dirs are this machine's
+        for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
+            print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")
     unstated = [n for n in TIER_FIELDS if getattr(machine, n) is None] if ocfg.tiers else []
     if unstated:  # a rented machine's disk is not this one's
         print(f"tiers: {'speeds' if 'tier_read_gbps' in unstated else ''}{' and ' if len(unstated) == 3 else ''}"

@@ -233,7 +233,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         log.info(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
-              + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip
+              + f"; {resume_line}; metrics in {out_dir}"
+              + (f"; nothing to run: the checkpoint is at step {start_step}, train.steps={tcfg.steps}" if start_step >= tcfg.steps else ""))  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)
@@ -266,7 +267,7 @@ def _run(cfg: DictConfig) -> list[dict]:
                 row["profiled"] = True  # its times carry the profiler's cost: left out of the summary below
             lr = optimizer.param_groups[0]["lr"]  # the lr this step's update took
             scheduler.step()
-            row.update(step=step, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+            row.update(step=step, rank=rank, time=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
                        lr=lr, tokens_per_s=tokens_per_step / row["step_s"],
                        host_peak_gib=host_peak_gib(), **process_now(), cpu_threads=torch.get_num_threads())  # fmt: skip
             if device.type == "cuda":

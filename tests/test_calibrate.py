@@ -112,8 +112,6 @@ def test_the_last_tier_to_close_takes_its_private_dir_away(tmp_path):
 def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):
     """Reads and writes under way together (a disk) slow both; a mixed pass that ran faster than the
     separate ones (full duplex, or noise) leaves the measured bandwidths as they are, never above."""
-    from fsdp_offload import calibrate, tier_speeds
-
     passes = {"write": 2.0, "read": 1.0, "bytes": 1e9, "count": 2, "latency": 0.0}
     monkeypatch.setattr(calibrate, "tier_passes", lambda *a, **kw: {**passes, "mixed": 0.5})
     speed = measure_tier("posix:/tmp")
@@ -147,10 +145,27 @@ def test_cli_on_a_read_only_dir_is_a_clear_error(tmp_path, capsys):
     assert err.startswith(f"error: posix:{target}: ") and target in err
 
 
+def test_two_tiers_on_one_file_system_are_said_to_share_it(tmp_path, caplog):
+    """Each is measured alone, so their bandwidths seem to add: the optimizer says they do not."""
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.levels"):
+        build(tmp_path, two_tiers(tmp_path), None).close()
+    assert f"offload.tiers posix:{tmp_path}/a and posix:{tmp_path}/b are on one file system: they share its bandwidth" in caplog.text
+
+
 def test_unwritable_tier_fails_before_training(tmp_path):
     target = read_only_dir(tmp_path)
     with pytest.raises(TierError, match=f"posix:{target}: .*{target}"):
         build(tmp_path, [two_tiers(tmp_path)[0], f"posix:{target}"], str(tmp_path / "p.json"))
+
+
+def test_a_tier_on_a_read_only_file_system_is_told_so(tmp_path, monkeypatch):
+    """A mode fix would not help there: the message says what would."""
+    from fsdp_offload.storage.chunked import tier_root_problem
+
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*statvfs(p)[:8], os.ST_RDONLY, statvfs(p)[9])))
+    assert tier_root_problem(str(tmp_path), f"posix:{tmp_path}") == (
+        f"posix:{tmp_path}: tier dir {tmp_path} is on a read-only file system; pick a path on a writable one")
 
 
 def test_a_pass_makes_at_most_max_transfers_and_fills_at_most_half_the_free_space(tmp_path, monkeypatch):
@@ -272,8 +287,6 @@ def test_mixed_io_timeline_windows_cover_the_run(tmp_path):
 def test_without_a_profile_the_node_s_ranks_measure_in_turns(monkeypatch):
     """Two ranks seeding without a bandwidth profile measure one after the other, never at once (each
     would see a share of the device)."""
-    from fsdp_offload import calibrate, tier_speeds
-
     spans = []
 
     def slow_measure(spec, nbytes, transfer_bytes):

@@ -328,6 +328,10 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
                  "machine.cpu_mparams_per_s=500"]) == 0  # fmt: skip
     assert "host budget a rank: offload.host_budget_gb=auto (6.00 GiB per rank)" in capsys.readouterr().out  # (20 - 8) / 2
     assert list(tmp_path.iterdir()) == []  # the tier's speed was measured there, and nothing left
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert main(["offload.calibration_gb=0.01", f"offload.tiers=[posix:{tmp_path}/a,posix:{tmp_path}/b]", "train.device=cpu",
+                 "machine.host_gib=64", "machine.cpu_mparams_per_s=500"]) == 0  # fmt: skip
+    assert f"note: offload.tiers posix:{tmp_path}/a and posix:{tmp_path}/b are on one file system" in capsys.readouterr().out
     # a plan that does not fit says why and, in its next line, what does fit the same recipe and machine
     assert main(["offload.host_budget_gb=1KiB", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64",
                  "machine.cpu_mparams_per_s=500"]) == 2  # fmt: skip

@@ -109,6 +109,8 @@ def test_killed_run_resumes_bit_for_bit(tmp_path):
     assert not list((tmp_path / "tier_b").rglob("*.subgroups"))  # its start removed them, its close its own
     assert f"resuming from {tmp_path}/ck_b/step_00000004" in resumed_run.stdout
     assert (tmp_path / "b2" / "rank1.metrics.jsonl").exists()  # every rank writes into the one run dir
+    assert {r["rank"] for r in rows(tmp_path / "b2" / "rank1.metrics.jsonl")} == {1}  # rows merged from both still say whose
+    assert {r["rank"] for r in rows(tmp_path / "b2" / "metrics.jsonl")} == {0}
     whole = {r["step"]: r["loss"] for r in rows(tmp_path / "a" / "metrics.jsonl")}
     resumed = {r["step"]: r["loss"] for r in rows(tmp_path / "b2" / "metrics.jsonl")}
     assert sorted(resumed) == [4, 5, 6, 7]
@@ -176,6 +178,9 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     assert out.returncode == 2 and "train.profile_step=1 is not a step of this run: it resumes from" in out.stderr, out.stderr[-2000:]
     assert "profile one of steps 2 to 3" in out.stderr
     train(tmp_path / "run", *common)
+    assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    again = train(tmp_path / "run", *common)  # a finished run started again says so, and keeps its rows
+    assert "nothing to run: the checkpoint is at step 4, train.steps=4" in again.stdout, again.stdout[-2000:]
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 

@@ -44,6 +44,8 @@ def tier_root_problem(root: str, spec: str) -> str | None:
         return f"{spec}: tier dir {root} does not exist; create it or pick another path"
     if not os.path.isdir(root):
         return f"{spec}: {root} is not a directory; give a directory for the tier"
+    if os.statvfs(root).f_flag & os.ST_RDONLY:  # no mode would help
+        return f"{spec}: tier dir {root} is on a read-only file system; pick a path on a writable one"
     if not os.access(root, os.W_OK | os.X_OK):
         return f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path"
     return None
