@@ -16,19 +16,15 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
-import random
 import signal
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import hydra
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
@@ -44,92 +40,23 @@ from .node import node_ranks
 from .optimizer import OffloadAdamW
 from .memory import resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
-from .machine import MachineConfig, nearest_existing
+from .machine import MachineConfig
 from .node_plan import make_plan, preset_name
 from .command_errors import refuse_bad_overrides
 from .plan import plan_summary
 from .resume_config import follow_config, train_hyper
-from .recipe import TrainConfig, read_config
+from .recipe import read_config
+from .run_setup import check_writable_dir, init_distributed, lr_lambda, rng_state, run_dir, set_rng_state
 from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, tensorboard_writer
 from .storage import TierError
 from .storage.chunked import tier_root_problem
 from .storage.lock import lock_root_problem
+from .train_step import profiled, run_step
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
-
-def lr_lambda(cfg: TrainConfig):
-    def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def init_distributed(device: str, timeout_s: float = 1800) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible: use train.device=cpu")
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():  # else the caller's group (run() from a notebook or a test)
-        backend, timeout = "nccl" if device == "cuda" else "gloo", timedelta(seconds=timeout_s)
-        if "RANK" in os.environ:  # a launcher's job (torchrun, srun): its rendezvous
-            dist.init_process_group(backend, timeout=timeout)
-        else:  # plain `python scripts/train.py`: a world of one, met in this process, with no port to collide on
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-
-
-def rng_state() -> dict:
-    """Every RNG's state as tensors and plain values (a checkpoint is loaded with weights_only)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    numpy_state = {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
-    state = {"torch": torch.get_rng_state(), "numpy": numpy_state, "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def check_writable_dir(path: str, option: str) -> None:
-    """`path` is a dir this process can write in, or can be made one: an output dir that cannot fails
-    here, before the model is built, not at the first save after hours of training."""
-    existing = nearest_existing(path)
-    if not os.path.isdir(existing):
-        raise ValueError(f"{option}={path}: {existing} is a file, not a directory; give a directory path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{option}={path}: {existing} is not writable by uid {os.getuid()}; fix its mode or give another path")
-
-
-def run_dir(out_dir: str | None) -> str:
-    """The job's one output dir: `train.out_dir`, else rank 0's Hydra run dir, which every rank writes
-    its files into (each rank's Hydra picks a dir of its own from its own clock: under torchrun they
-    can differ)."""
-    if out_dir is None:
-        if not hydra.core.hydra_config.HydraConfig.initialized():
-            raise ValueError("train.out_dir is not set and no Hydra run dir exists (run() outside @hydra.main): set train.out_dir")
-        out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
-    out = [out_dir]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(out, src=0)
-    os.makedirs(out[0], exist_ok=True)
-    return out[0]
-
 
 def run(cfg: DictConfig) -> list[dict]:
     """Trains as the composed config `cfg` says; returns this rank's per-step rows. Callable again
@@ -305,65 +232,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
-def profiled(prefix: str, device: torch.device):
-    """One step under torch.profiler: `<prefix>.json` (a Chrome/Perfetto trace: the GPU's streams, the
-    copies and collectives, the CPU ops of every thread) and `<prefix>.txt`, its ops by time. Every
-    thread, not only this one: the overlapped update runs on a worker thread of its own (torch's
-    experimental all-threads switch, torch >= 2.7)."""
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
-        yield
-    prof.export_chrome_trace(f"{prefix}.json")
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    with open(f"{prefix}.txt", "w") as f:
-        f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
-    log.info("profiled this step: %s.json", prefix)
-
-
-def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
-    start = time.perf_counter()
-    for _ in range(tcfg.micro_batches):
-        tokens = next(batches).to(device)
-        t0 = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / tcfg.micro_batches
-        sync()
-        t1 = time.perf_counter()
-        (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
-        sync()
-        row["forward_s"] += t1 - t0
-        row.setdefault("first_forward_s", t1 - t0)  # the one forward that waits for the last update
-        row["backward_s"] += time.perf_counter() - t1
-        row["loss"] += loss.item()
-    t2 = time.perf_counter()
-    if not isinstance(optimizer, OffloadAdamW) and max_grad_norm is not None:  # OffloadAdamW clips in step()
-        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    optimizer.step()
-    optimizer.zero_grad()
-    sync()
-    row["step_call_s"] = time.perf_counter() - t2  # with the update overlapped, only its start
-    row["step_s"] = time.perf_counter() - start
-    loss_sum = torch.tensor([row["loss"]], device=device)
-    dist.all_reduce(loss_sum)
-    row["loss"] = loss_sum.item() / dist.get_world_size()
-    if isinstance(optimizer, OffloadAdamW):
-        row["grad_norm"] = optimizer.last_grad_norm
-        row["grad_accumulation"] = optimizer.grad_accumulation  # where several micro-batches' grads were summed
-        row["grad_path"] = optimizer.grad_path  # where the low-precision grads waited for their update
-        if optimizer.loss_scaler is not None:
-            row["loss_scale"] = optimizer.loss_scaler.scale
-    else:
-        row["update_s"] = row["exposed_update_s"] = row["step_call_s"]
-    return row
-
-
 register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
-
-
 
 
 def main() -> None:

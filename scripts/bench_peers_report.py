@@ -19,6 +19,7 @@ RATIOS = {
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
     "ratio_host_gpu0_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_gpu0"),
+    "ratio_host_gpu0_vs_zero_offload": ("zero_offload", "host_gpu0"),
     "ratio_disk_gpu0_vs_zero_infinity": ("zero_infinity", "disk_gpu0"),
     "ratio_disk_gpu0_host_grads_vs_zero_infinity": ("zero_infinity", "disk_gpu0_host_grads"),
 }

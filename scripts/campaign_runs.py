@@ -38,7 +38,7 @@ STARTED = "[train][INFO] - start-up: "  # rank 0's line once the run is built an
 @dataclass(frozen=True)
 class Launch:
     """Where the runs' ranks go: `device` is train.device ("cpu": gloo ranks; "cuda": NCCL, rank r on
-    GPU r, as train.init_distributed picks them), `nproc` ranks, the optimizer's tier `tier_scheme:dir`."""
+    GPU r, as run_setup.init_distributed picks them), `nproc` ranks, the optimizer's tier `tier_scheme:dir`."""
 
     device: str = "cpu"
     nproc: int = 2
@@ -54,7 +54,7 @@ class Launch:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.device == "cuda" else "gloo"  # train.init_distributed's choice
+        return "nccl" if self.device == "cuda" else "gloo"  # run_setup.init_distributed's choice
 
     def tier(self, where: Path | str) -> str:
         return f"{self.tier_scheme}:{where}"

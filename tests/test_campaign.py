@@ -34,11 +34,11 @@ def the_record(tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_a_launch_places_ranks_as_train_py_does(tmp_path, monkeypatch, device):
-    """The campaign's backend is the one train.py's init_distributed picks for that train.device, and
+    """The campaign's backend is the one train.py's init_distributed (run_setup.py) picks for that train.device, and
     each run names the device, the rank count and the tier scheme."""
     import torch.distributed as dist
 
-    from fsdp_offload import train
+    from fsdp_offload import run_setup
 
     launch = Launch(device, 4, "kvikio" if device == "cuda" else "posix")
     cmd = Runs(tmp_path, launch, 6, 2, 60, 29999).command(tmp_path / "run")
@@ -53,7 +53,7 @@ def test_a_launch_places_ranks_as_train_py_does(tmp_path, monkeypatch, device):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: picked.get("gpu", 0))
     for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
         monkeypatch.setenv(name, value)
-    train.init_distributed(device)
+    run_setup.init_distributed(device)
     assert picked["backend"] == launch.backend == {"cpu": "gloo", "cuda": "nccl"}[device]
     assert picked.get("gpu") == (3 if device == "cuda" else None)  # rank r on GPU r
 

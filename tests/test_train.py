@@ -357,7 +357,7 @@ def test_a_profiled_step_holds_the_ops_of_a_thread_started_before_it(tmp_path):
     and ops are in the trace too."""
     import threading
 
-    from fsdp_offload.train import profiled
+    from fsdp_offload.train_step import profiled
 
     go, done = threading.Event(), threading.Event()
 

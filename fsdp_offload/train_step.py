@@ -1,0 +1,74 @@
+"""One training step as train.py runs it (its micro-batches' forward and backward, then the optimizer),
+timed into the step's row; and a step run under torch.profiler."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .data import TokenBatches
+from .optimizer import OffloadAdamW
+from .recipe import TrainConfig
+
+log = logging.getLogger("train")  # train.py's logger: Hydra sends it to the console and the run dir's train.log
+
+
+@contextlib.contextmanager
+def profiled(prefix: str, device: torch.device):
+    """One step under torch.profiler: `<prefix>.json` (a Chrome/Perfetto trace: the GPU's streams, the
+    copies and collectives, the CPU ops of every thread) and `<prefix>.txt`, its ops by time. Every
+    thread, not only this one: the overlapped update runs on a worker thread of its own (torch's
+    experimental all-threads switch, torch >= 2.7)."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
+        yield
+    prof.export_chrome_trace(f"{prefix}.json")
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(f"{prefix}.txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=40))
+    log.info("profiled this step: %s.json", prefix)
+
+
+def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
+    start = time.perf_counter()
+    for _ in range(tcfg.micro_batches):
+        tokens = next(batches).to(device)
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) / tcfg.micro_batches
+        sync()
+        t1 = time.perf_counter()
+        (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
+        sync()
+        row["forward_s"] += t1 - t0
+        row.setdefault("first_forward_s", t1 - t0)  # the one forward that waits for the last update
+        row["backward_s"] += time.perf_counter() - t1
+        row["loss"] += loss.item()
+    t2 = time.perf_counter()
+    if not isinstance(optimizer, OffloadAdamW) and max_grad_norm is not None:  # OffloadAdamW clips in step()
+        row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad()
+    sync()
+    row["step_call_s"] = time.perf_counter() - t2  # with the update overlapped, only its start
+    row["step_s"] = time.perf_counter() - start
+    loss_sum = torch.tensor([row["loss"]], device=device)
+    dist.all_reduce(loss_sum)
+    row["loss"] = loss_sum.item() / dist.get_world_size()
+    if isinstance(optimizer, OffloadAdamW):
+        row["grad_norm"] = optimizer.last_grad_norm
+        row["grad_accumulation"] = optimizer.grad_accumulation  # where several micro-batches' grads were summed
+        row["grad_path"] = optimizer.grad_path  # where the low-precision grads waited for their update
+        if optimizer.loss_scaler is not None:
+            row["loss_scale"] = optimizer.loss_scaler.scale
+    else:
+        row["update_s"] = row["exposed_update_s"] = row["step_call_s"]
+    return row
