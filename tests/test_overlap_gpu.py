@@ -62,6 +62,11 @@ def train(tmp: str, overlap: str, gpu_fraction: float, disk: bool, grad_path: st
 
 
 def every_variant(tmp: str) -> None:
+    # Deterministic kernels (cuBLAS's workspace set before its first handle, in this fresh process): the
+    # embedding's backward adds with atomics otherwise, and two synchronous runs differed by 2e-6 in a
+    # loss on one H200 machine (session 23), as once before (f747bba, session 15)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
     out = {}
     for name, variant in VARIANTS.items():
         os.makedirs(f"{tmp}/{name}", exist_ok=True)
