@@ -87,9 +87,10 @@ def _run(cfg: DictConfig) -> list[dict]:
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
     run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
                "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
-    hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time
-    start_watchdog(tcfg.watchdog_s)
+    # which checkpoint first: a resume that cannot be honoured is refused before the dir (and its lock) is made
     resume_from, resume_line = resume_point(ckcfg)
+    hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time (no other can write one meanwhile)
+    start_watchdog(tcfg.watchdog_s)
     if resume_from:
         first_step = check_checkpoint(resume_from, run_key)
         if tcfg.profile_step is not None and tcfg.profile_step < first_step:

@@ -179,6 +179,9 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     assert "profile one of steps 2 to 3" in out.stderr
     train(tmp_path / "run", *common)
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
+    typo = train(tmp_path / "run", *common[:2], f"checkpoint.dir={tmp_path}/cj", "checkpoint.resume=required", check=False)
+    assert typo.returncode == 2 and "holds no complete checkpoint" in typo.stderr, typo.stderr[-2000:]
+    assert not (tmp_path / "cj").exists()  # refused before the mistyped dir was made
     again = train(tmp_path / "run", *common)  # a finished run started again says so, and keeps its rows
     assert "nothing to run: the checkpoint is at step 4, train.steps=4" in again.stdout, again.stdout[-2000:]
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
