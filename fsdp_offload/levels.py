@@ -24,8 +24,9 @@ from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
-from .machine import SHARED_FILE_SYSTEM_NOTE, tiers_sharing_a_file_system
+from .machine import SHARED_FILE_SYSTEM_NOTE, MachineConfig, tier_room_subgroups, tiers_sharing_a_file_system
 from .memory import resolve_host_budget
+from .node import node_ranks
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
 from .storage import open_tiers
@@ -126,7 +127,8 @@ def build_levels(
                                                               layout.slot_bytes, reserved, cfg.prefetch, len(cfg.tiers)))  # fmt: skip
         made.append(cache)
         traffic = steady_traffic(streamed, cache.num_slots, cfg.update_order, [sg for sg in forward if sg < streamed])
-        placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn)
+        room = tier_room_subgroups(MachineConfig(), list(cfg.tier_specs), node_ranks(group), layout.slot_bytes)  # this node's
+        placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn, room)
         made.append(placement)
         tiers = open_tiers(cfg.tier_specs, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         made.extend(tiers)

@@ -86,6 +86,14 @@ class MachineConfig:
 TIER_FIELDS = ("tier_read_gbps", "tier_write_gbps", "tier_free_gib")
 
 
+def tier_room_subgroups(machine: MachineConfig, specs: list, ranks: int, slot_bytes: int) -> list[int]:
+    """The subgroups of `slot_bytes` each tier (TierSpec) has room for, for one of the node's `ranks`:
+    its file system's free space, shared by those ranks and by the tiers on it (stated, else read here)."""
+    systems = [machine.tier_file_system(i, spec.dir)[0] for i, spec in enumerate(specs)]
+    free = [machine.tier_free_bytes(i, spec.dir) for i, spec in enumerate(specs)]
+    return [free[i] // systems.count(systems[i]) // ranks // max(slot_bytes, 1) for i in range(len(specs))]
+
+
 def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: str) -> int | None:
     """GPU memory per rank of a run on `device_type` (None: it trains on the CPU); raises ValueError for
     options that need a GPU the run does not have, as the optimizer would."""

@@ -23,9 +23,9 @@ from .config import OffloadConfig
 from .grads import TierFP32Grads
 from .job_errors import JobError
 from .levels import MemoryPlan
-from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes
+from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes, tier_room_subgroups
 from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
-from .placement import make_placement
+from .placement import planned_split
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
 from .host_windows import windows_bytes
@@ -236,9 +236,8 @@ def _plan_rank(
     sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
     if cfg.tiers and (spills(slots, streamed) or fp32_grads):
         traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
-        placement = make_placement(cfg, layout, streamed, traffic, speeds=placement_speeds)
-        tier_of = [placement.tier_for(sg) for sg in host_sgs]
-        placement.close()
+        room = tier_room_subgroups(machine, list(cfg.tier_specs), machine.ranks_per_node, layout.slot_bytes)
+        tier_of = planned_split(cfg, sizes, traffic, placement_speeds, room)  # (host_sgs: the first `streamed`)
         kinds = len(traffic.orders)
         # A tier holds what is not in host memory, and the prefetch window's reads: the copy of a subgroup
         # that came back into host memory and changed is discarded (SubgroupPipeline._discard_stored).

@@ -21,6 +21,8 @@ import logging
 import math
 from typing import Sequence
 
+import torch.distributed as dist
+
 from .bandwidth import MIN_BPS, BandwidthModel, StepTraffic, TierSpeed, expected_step_seconds, io_seconds
 from .calibrate import BandwidthProfile
 from .config import OffloadConfig
@@ -118,6 +120,22 @@ def plan_makespan(speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffi
     return tier_of
 
 
+def fit_to_room(tier_of: list[int], room: list[int], speeds: list[TierSpeed]) -> list[int]:
+    """`tier_of` with no tier given more subgroups than its `room`: the last of a full tier's subgroups
+    go to the fastest tiers with room left. Unchanged where every tier has room for its share, or where
+    all the tiers together have too little (the plan's fit check then names the one that is short)."""
+    counts = [tier_of.count(i) for i in range(len(room))]
+    if all(c <= r for c, r in zip(counts, room)) or len(tier_of) > sum(room):
+        return tier_of
+    fastest_first = sorted(range(len(room)), key=lambda i: -min(speeds[i].read_bps, speeds[i].write_bps))
+    out = list(tier_of)
+    for sg in reversed(range(len(out))):
+        if counts[out[sg]] > room[out[sg]]:
+            to = next(i for i in fastest_first if counts[i] < room[i])
+            counts[out[sg]], counts[to], out[sg] = counts[out[sg]] - 1, counts[to] + 1, to
+    return out
+
+
 class FixedRatioPlacement:
     """Spreads subgroups over tiers in fixed proportions (1 tier: everything goes there)."""
 
@@ -165,11 +183,12 @@ class AdaptivePlacement:
 
     def __init__(
         self, seeds: list[TierSpeed], rule: str, sizes: list[int], traffic: StepTraffic, tier_specs: Sequence[TierSpec],
-        profile: BandwidthProfile | None = None,
+        profile: BandwidthProfile | None = None, room: list[int] | None = None,
     ) -> None:  # fmt: skip
         if len(tier_specs) != len(seeds):
             raise ValueError(f"{len(tier_specs)} tier specs for {len(seeds)} tier speeds")
         self.name, self.sizes, self.traffic = rule, sizes, traffic
+        self.room = room  # subgroups each tier's free space takes (None: no limit)
         self.tier_specs = tier_specs
         self._profile = profile
         self._keys = [s.key for s in tier_specs]
@@ -182,18 +201,21 @@ class AdaptivePlacement:
 
     def plan(self, speeds: list[TierSpeed]) -> list[int]:
         """The rule's tier of each subgroup for these speeds."""
-        if self.name == "eq1":
-            return plan_eq1(speeds, len(self.sizes))
-        return plan_makespan(speeds, self.sizes, self.traffic)
+        return rule_split(self.name, speeds, self.sizes, self.traffic)
 
     def _plan(self, speeds: list[TierSpeed]) -> None:
         usable = [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
         fastest = max((i for i in range(len(speeds)) if i not in self.dropped), key=lambda i: min(usable[i].read_bps, usable[i].write_bps))
-        previous, self.tier_of = self.tier_of, [fastest if t in self.dropped else t for t in self.plan(usable)]
+        wanted = self.plan(usable)
+        if self.room is not None:  # a fast tier short of space takes what it has room for
+            wanted = fit_to_room(wanted, [0 if i in self.dropped else r for i, r in enumerate(self.room)], usable)
+        previous, self.tier_of = self.tier_of, [fastest if t in self.dropped else t for t in wanted]
         self.basis = speeds
+        ranked = dist.is_initialized() and dist.get_world_size() > 1  # each rank places its own subgroups
         log.log(
             logging.INFO if self.tier_of != previous else logging.DEBUG,  # a replan that moves nothing is noise
-            "placement %s (expected update I/O %.3g s a step): %s",
+            "%splacement %s (expected update I/O %.3g s a step): %s",
+            f"rank {dist.get_rank()}: " if ranked else "",
             self.name,
             expected_step_seconds(self.tier_of, speeds, self.sizes, self.traffic),
             ", ".join(
@@ -253,16 +275,33 @@ class AdaptivePlacement:
         self._profile = None
 
 
+def rule_split(rule: str, speeds: list[TierSpeed], sizes: list[int], traffic: StepTraffic) -> list[int]:
+    """A bandwidth rule's tier of each subgroup of `sizes` for these speeds."""
+    return plan_eq1(speeds, len(sizes)) if rule == "eq1" else plan_makespan(speeds, sizes, traffic)
+
+
+def planned_split(cfg: OffloadConfig, sizes: list[int], traffic: StepTraffic, speeds: list[TierSpeed] | None,
+                  room: list[int] | None) -> list[int]:  # fmt: skip
+    """The tier of each streamed subgroup (`sizes`) as make_placement's placement starts, without its
+    log or its learning: the planner's split."""
+    if speeds is None or not sizes or not cfg.places_by_bandwidth:
+        return smooth_round_robin(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), len(sizes))
+    split = rule_split(cfg.placement, speeds, sizes, traffic)
+    return split if room is None else fit_to_room(split, room, speeds)
+
+
 def make_placement(
     cfg: OffloadConfig, layout: SubgroupLayout, streamed: int, traffic: StepTraffic, speeds: list[TierSpeed] | None = None,
-    learn_into: BandwidthProfile | None = None,
+    learn_into: BandwidthProfile | None = None, room: list[int] | None = None,
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
     stay in GPU memory and never move), whose steady-state `traffic` (bandwidth.steady_traffic) a
     bandwidth rule plans for. It starts from `speeds` (tier_speeds.starting_speeds decides them: None,
-    or no subgroup to place, is the fixed split) and saves what it learns to `learn_into`, which it closes."""
+    or no subgroup to place, is the fixed split) and saves what it learns to `learn_into`, which it closes.
+    A bandwidth rule gives no tier more subgroups than its `room` (machine.tier_room_subgroups); the fixed
+    split is the user's, as given."""
     m = streamed
     if speeds is None or m == 0 or not cfg.places_by_bandwidth:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
-    return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into)
+    return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into, room)

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate, tier_speeds
+from fsdp_offload import machine as machine_module
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key, write_profile
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
-from fsdp_offload.placement import AdaptivePlacement, eq1_counts, make_placement, plan_eq1, plan_makespan
+from fsdp_offload.placement import AdaptivePlacement, eq1_counts, fit_to_room, make_placement, plan_eq1, plan_makespan
 from fsdp_offload.tier_speeds import starting_speeds
 from fsdp_offload.storage import Limits, ThrottledTier, TierError, TierSpec, Transfer
 from fsdp_offload.subgroups import SubgroupLayout
@@ -339,6 +340,12 @@ def test_given_tier_speeds_are_used_and_nothing_is_measured(tmp_path, monkeypatc
             OffloadAdamW(params(), offload=cfg, tier_speeds=bad)
         assert all(os.listdir(d) == [] for d in dirs)  # refused before any tier file was made
     OffloadAdamW(params(), offload=cfg, tier_speeds=given).close()  # built on them, without a measurement
+    # the faster tier (a) with free space for one subgroup (STATE bytes; halved, as both dirs are on one file
+    # system here) takes one; the others go to b
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 2 * STATE + 2 if path == str(dirs[0]) else 1 << 40)
+    opt = OffloadAdamW(params(), offload=cfg, tier_speeds=given)
+    assert opt.placement()["tier_subgroups"] == {tiers[0]: 1, tiers[1]: 5}, opt.placement()
+    opt.close()
 
 
 def test_one_decision_about_tier_speeds(tmp_path, monkeypatch):
@@ -425,3 +432,25 @@ def test_a_replan_is_logged_when_it_moves_a_subgroup(caplog):
     assert placement.replans == 2 and placement.tier_of == [1, 1]
     levels = [r.levelno for r in caplog.records if r.message.startswith("placement learned")]
     assert levels == [logging.INFO, logging.DEBUG, logging.INFO]
+
+
+def test_a_fast_tier_short_of_space_takes_only_what_it_has_room_for(tmp_path):
+    """A bandwidth rule would put most subgroups on the fast tier; with room for two there, the rest go
+    to the tier with room (the planner and the optimizer alike), and the plan fits."""
+    fast = [TierSpeed(1e9, 1e9, 0.0), TierSpeed(10e9, 10e9, 0.0)]
+    assert fit_to_room([1, 1, 0, 1, 1, 1], [10, 2], fast) == [1, 1, 0, 0, 0, 0]  # the last of the full tier's move
+    assert fit_to_room([1, 1, 1], [1, 1], fast) == [1, 1, 1]  # no room for all anywhere: as it was, for the fit check
+    from fsdp_offload.plan import compose_plan_config, plan_from_config
+
+    a, b = tmp_path / "a", tmp_path / "b"  # not made: the machine's tiers are stated
+
+    def split(free_b: str) -> tuple[int, int]:
+        cfg, machine = compose_plan_config([
+            f"offload.tiers=[posix:{a},posix:{b}]", "offload.placement=learned", "offload.subgroup_numel=16384",
+            "offload.host_budget_gb=900KiB", "train.device=cpu", "machine.host_gib=64", "machine.cpu_mparams_per_s=500",
+            "machine.tier_read_gbps=[1,10]", "machine.tier_write_gbps=[1,10]", f"machine.tier_free_gib=[100,{free_b}]"])  # fmt: skip
+        return tuple(t.subgroups for t in plan_from_config(cfg, machine)[0].ranks[0].tiers)
+
+    roomy = split("100")
+    assert roomy[1] > 2, roomy  # with room, the fast tier takes more than two
+    assert split("400KiB") == (roomy[0] + roomy[1] - 2, 2)  # 400 KiB: two 192 KiB subgroups
