@@ -34,7 +34,7 @@ from .cache import aligned_host_buffer
 from .config import NULL
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
-from .storage.chunked import tier_file_tag
+from .storage.chunked import private_dir, tier_file_tag
 from .storage.spec import as_spec
 
 log = logging.getLogger(__name__)
@@ -59,24 +59,30 @@ def _timed_transfers(ops: list[Callable[[torch.Tensor], Future]], buffers: list[
     return time.perf_counter() - start
 
 
-MAX_TRANSFERS = 256  # transfers a measuring pass makes at most
+MAX_SMALL_TRANSFERS = 256  # transfers under PROFILE_MIN_TRANSFER_BYTES a measuring pass makes at most
+# Transfers under this time each request's own costs (threads, checksums, calls) more than the device:
+# speeds measured or learned with them are used by the run that has them, never saved to the profile.
+PROFILE_MIN_TRANSFER_BYTES = 8 << 20
 
 
 def tier_passes(
     spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
 ) -> dict[str, float]:
     """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` (at most
-    MAX_TRANSFERS transfers and half the free space, at least two transfers) in transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
+    half the free space, and MAX_SMALL_TRANSFERS small transfers; at least two) in transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
     writing the other half, as the pipeline's fetches do; `samples` times. Returns the median seconds
     of each pass ("write", "read", "mixed"), the bytes of one pass ("bytes"), the transfers per pass
     ("count") and the fastest one-page read ("latency")."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
+    mine = private_dir(as_spec(spec).dir)
+    made = not os.path.exists(mine)  # then the measurement takes it away again: a planner leaves nothing there
     tier: Tier = make_tier(spec)  # (checks the dir)
-    # At most MAX_TRANSFERS a pass (a small model's transfers are many to a GiB, and as many tell no more),
-    # and at most half the file system's free space (a small tier is measured, not filled).
+    # At most half the file system's free space (a small tier is measured, not filled); small transfers at
+    # most MAX_SMALL_TRANSFERS a pass (a small model's are thousands to a GiB, and as many tell no more).
     room = shutil.disk_usage(as_spec(spec).dir).free // 2
     count = max(2, min(nbytes, room) // transfer_bytes // 2 * 2)
-    count = min(count, MAX_TRANSFERS)
+    if transfer_bytes < PROFILE_MIN_TRANSFER_BYTES:
+        count = min(count, MAX_SMALL_TRANSFERS)
     times: dict[str, list[float]] = {"read": [], "write": [], "mixed": []}
     try:
         tier.attach(tier_file_tag("calibrate"), [ALIGN] + [transfer_bytes] * count)
@@ -111,6 +117,9 @@ def tier_passes(
         ) from exc
     finally:
         tier.close()
+        if made:
+            with contextlib.suppress(OSError):  # (another process's file in it keeps it)
+                os.rmdir(mine)
     # the fastest page read: scheduling noise only ever adds to a latency
     return {**{k: statistics.median(v) for k, v in times.items()}, "bytes": count * transfer_bytes, "count": count,
             "latency": min(latencies)}  # fmt: skip
@@ -313,10 +322,13 @@ def seed_speeds(specs: list[TierSpec], profile: BandwidthProfile | None, nbytes:
         measured: dict[str, TierSpeed] = {}
         for spec in specs:
             if spec.key not in known:
-                log.info("measuring %s (%d bytes) for the bandwidth profile %s", spec, nbytes, profile.path)
+                log.info("measuring %s (%d bytes in transfers of %d) for the bandwidth profile %s", spec, nbytes, transfer_bytes, profile.path)
                 known[spec.key] = measured[spec.key] = measure_tier(spec, nbytes, transfer_bytes)
-        if measured:
+        if measured and transfer_bytes >= PROFILE_MIN_TRANSFER_BYTES:
             profile.store(measured, "calibrated")
+        elif measured:
+            log.info("the bandwidth profile keeps none of these: transfers of %d bytes (a small model's) time each "
+                     "request's own costs more than the tier; this run uses them", transfer_bytes)  # fmt: skip
         return [known[s.key] for s in specs]
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from .job_errors import LET_RANK0_SAY_S
 
@@ -52,7 +53,8 @@ def did_you_mean(exc: HydraException, overrides: list[str], extra_groups: dict[s
             composed = compose("train", overrides=others)
     except HydraException:  # another override is wrong too: no suggestion
         return ""
-    node = {**{str(k): composed[k] for k in composed.keys()}, **{g: dict.fromkeys(keys) for g, keys in (extra_groups or {}).items()}}
+    # (as plain values, unresolved: a mandatory '???' option is a key like any other here)
+    node = {**OmegaConf.to_container(composed, resolve=False), **{g: dict.fromkeys(keys) for g, keys in (extra_groups or {}).items()}}
     nearest = []
     for part in parts:
         keys = [str(k) for k in node.keys()] if hasattr(node, "keys") else []

@@ -143,7 +143,8 @@ class OffloadConfig:
     bandwidth_profile: str | None = None
     # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written (once to
     # allocate), then 3 times each: written, read, and half read while half written; the medians
-    # count (calibrate.measure_tier).
+    # count (calibrate.measure_tier). At most half the tier's free space, and 256 transfers where they
+    # are under 8 MiB (a small model's subgroups).
     calibration_gb: float = 1.0
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .bandwidth import TierSpeed, steady_traffic
 from .cache import HostCache, host_cache_slots
+from . import calibrate
 from .calibrate import BandwidthProfile
 from .config import OffloadConfig
 from .gpu_share import gpu_subgroup_bytes, starting_share
@@ -33,7 +34,7 @@ from .storage import open_tiers
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
-from .units import GIB
+from .units import GIB, readable_size
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,14 @@ def build_levels(
     # on every rank (a rank's own layout may leave it nothing to stream)
     needed = cfg.places_by_bandwidth and (not share.everything if group is not None else streamed > 0)
     start = starting_speeds(cfg, needed=needed, given=tier_speeds, group=group)
-    learn = BandwidthProfile(cfg.bandwidth_profile) if start.save_learned and streamed else None
+    learn = None
+    if start.save_learned and streamed and layout.slot_bytes < calibrate.PROFILE_MIN_TRANSFER_BYTES:
+        if group is None or dist.get_rank(group) == 0:  # each transfer is one subgroup's
+            log.info("offload.bandwidth_profile: the speeds this run learns are used, not saved: its subgroups of %s are "
+                     "moved in transfers too small to time the tier (under %s)", readable_size(layout.slot_bytes),
+                     readable_size(calibrate.PROFILE_MIN_TRANSFER_BYTES))  # fmt: skip
+    elif start.save_learned and streamed:
+        learn = BandwidthProfile(cfg.bandwidth_profile)
     made: list = [] if learn is None else [learn]  # closed, in reverse, if the build fails part-way
     try:
         staged_on_gpu = frozenset(range(len(layout))) if grads_on_gpu else share.subgroups

@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, argv, {'machine': machine_keys})}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, TierError) as exc:  # a bad option, or a tier dir that is not there
+        missing = isinstance(exc, TierError) and "does not exist" in str(exc)  # a tier dir not on this machine
         other = " (planning for another machine whose dirs are not here? state its tiers: machine.tier_read_gbps, " \
-                "machine.tier_write_gbps and machine.tier_free_gib, one per tier)" if isinstance(exc, TierError) else ""  # fmt: skip
+                "machine.tier_write_gbps and machine.tier_free_gib, one per tier)" if missing else ""  # fmt: skip
         print(f"error: {exc}{other}", file=sys.stderr)
         return 2
     print(format_plan(plan, ocfg))
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
         print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
-    if machine.tier_free_gib is None:  # the dirs are this machine's
+    if machine.tier_read_gbps is None and all(os.path.isdir(spec.dir) for spec in ocfg.tier_specs):  # measured here
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")
     unstated = [n for n in TIER_FIELDS if getattr(machine, n) is None] if ocfg.tiers else []

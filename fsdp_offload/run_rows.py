@@ -23,7 +23,7 @@ def tensorboard_writer(path: str):
 def add_scalars(board, row: dict) -> None:
     """A JSONL row as TensorBoard scalars: its numbers, and the bytes it moved summed over tiers."""
     for key, value in row.items():
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if key not in ("step", "rank") and isinstance(value, (int, float)) and not isinstance(value, bool):  # (rank 0 writes)
             board.add_scalar(f"train/{key}", value, row["step"])
     for key in ("bytes_read", "bytes_written"):
         if isinstance(row.get(key), dict):

@@ -6,7 +6,6 @@ learns back to the profile (whenever one is set, however the starting speeds wer
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -16,12 +15,9 @@ from .calibrate import BandwidthProfile, seed_speeds
 from .config import OffloadConfig
 from .node import node_peers
 from .storage import TierError
-from .units import GIB, readable_size
-
-log = logging.getLogger(__name__)
+from .units import GIB
 
 SOURCES = ("given", "profile", "measured", "unneeded")
-LEARNED_MIN_TRANSFER_BYTES = 8 << 20  # speeds learned from smaller transfers are not saved to the profile
 
 
 @dataclass(frozen=True)
@@ -47,12 +43,6 @@ def starting_speeds(
     if not (cfg.places_by_bandwidth if needed is None else needed):
         return StartingSpeeds(None, "unneeded", save_learned=False)
     save = cfg.bandwidth_profile is not None and cfg.places_by_bandwidth  # only a bandwidth rule learns
-    if save and placement_request_bytes(cfg) < LEARNED_MIN_TRANSFER_BYTES:
-        save = False  # a small model's transfers time the requests' own costs, not the tier: they would spoil the profile
-        if group is None or dist.get_rank(group) == 0:
-            log.info("offload.bandwidth_profile: the speeds this run learns are used, not saved: its transfers of %s are "
-                     "under %s, bound by each request's own costs (threads, checksums, calls) more than by the tier",
-                     readable_size(placement_request_bytes(cfg)), readable_size(LEARNED_MIN_TRANSFER_BYTES))  # fmt: skip
     if given is not None:
         return StartingSpeeds(list(given), "given", save)
     return StartingSpeeds(_node_speeds(cfg, group), "measured" if cfg.bandwidth_profile is None else "profile", save)

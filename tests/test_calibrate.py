@@ -92,21 +92,22 @@ def test_measure_tier_sees_the_throttle(ram_dir):
     assert not os.path.exists(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}"))  # its file and its dir are gone
 
 
-def test_the_last_tier_to_close_takes_its_private_dir_away(tmp_path):
-    """A planner's measurement or a finished run leaves no empty dir in the user's tier dir; a tier
-    still holding a file keeps it, and a tier made before the dir went away makes it again."""
+def test_a_measurement_takes_away_the_private_dir_it_made(tmp_path):
+    """A planner's measurement leaves nothing in the user's tier dir; a dir a tier was already using is
+    left; a tier made before a measurement removed the dir makes it again when it opens."""
     private = tmp_path / f"fsdp-offload-{os.getuid()}"
-    waiting = make_tier(f"posix:{tmp_path}")  # made now, opened after the others have closed
+    measure_tier(f"posix:{tmp_path}", nbytes=256 * KIB, transfer_bytes=64 * KIB)
+    assert list(tmp_path.iterdir()) == []
     running = make_tier(f"posix:{tmp_path}")
     running.attach(tier_file_tag("run"), [ALIGN])
     measure_tier(f"posix:{tmp_path}", nbytes=256 * KIB, transfer_bytes=64 * KIB)
-    assert [p.name for p in private.iterdir()] == [os.path.basename(running.path)]  # the running tier's file keeps it
+    assert [p.name for p in private.iterdir()] == [os.path.basename(running.path)]  # not made by it: kept
     running.close()
-    assert list(tmp_path.iterdir()) == []
+    waiting = make_tier(f"posix:{tmp_path}")
+    private.rmdir()  # as a measurement that made the dir takes it away, after this tier was made
     waiting.attach(tier_file_tag("late"), [ALIGN])
     assert os.path.dirname(waiting.path) == str(private) and os.path.exists(waiting.path)
     waiting.close()
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):
@@ -170,7 +171,7 @@ def test_a_tier_on_a_read_only_file_system_is_told_so(tmp_path, monkeypatch):
 
 def test_a_pass_makes_at_most_max_transfers_and_fills_at_most_half_the_free_space(tmp_path, monkeypatch):
     """A small model's transfers: 1 GiB of them would be thousands, and a small tier would be filled."""
-    assert calibrate.tier_passes(f"posix:{tmp_path}", nbytes=1 << 30, transfer_bytes=4 * KIB)["count"] == calibrate.MAX_TRANSFERS
+    assert calibrate.tier_passes(f"posix:{tmp_path}", nbytes=1 << 30, transfer_bytes=4 * KIB)["count"] == calibrate.MAX_SMALL_TRANSFERS
     monkeypatch.setattr(calibrate.shutil, "disk_usage", lambda path: shutil_usage(free=40 * KIB))
     assert calibrate.tier_passes(f"posix:{tmp_path}", nbytes=1 << 30, transfer_bytes=4 * KIB)["count"] == 4  # 20 KiB: 5, even
 
@@ -207,7 +208,19 @@ def test_zero_bandwidths_are_refused_or_measured_again(tmp_path, caplog):
         build(tmp_path, tiers, None, calibration_gb=0)
 
 
-def test_corrupt_profile_is_moved_aside_and_measured_again(tmp_path, caplog):
+def test_a_small_model_s_speeds_are_used_and_never_saved(tmp_path, caplog):
+    """Transfers under 8 MiB time each request's costs, not the tier: measured or learned with them, the
+    speeds serve this run and never reach the profile a real run would start from."""
+    path = tmp_path / "p.json"
+    with caplog.at_level(logging.INFO):
+        opt = build(tmp_path, two_tiers(tmp_path), str(path))
+        opt.close()
+    assert BandwidthProfile(str(path)).load() == {}
+    assert "the bandwidth profile keeps none of these" in caplog.text and "the speeds this run learns are used, not saved" in caplog.text
+
+
+def test_corrupt_profile_is_moved_aside_and_measured_again(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(calibrate, "PROFILE_MIN_TRANSFER_BYTES", 0)  # this test's small transfers are saved, as a real run's
     tiers = two_tiers(tmp_path)
     path = tmp_path / "p.json"
     path.write_text('{"format": "fsdp-offload-bandwidth-profile/1", "hosts": {')  # cut off mid-write
@@ -220,7 +233,8 @@ def test_corrupt_profile_is_moved_aside_and_measured_again(tmp_path, caplog):
     assert set(fresh["hosts"][BandwidthProfile(str(path)).host]) == {tier_profile_key(t) for t in tiers}
 
 
-def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
+def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibrate, "PROFILE_MIN_TRANSFER_BYTES", 0)  # this test's small transfers are saved, as a real run's
     tiers = two_tiers(tmp_path)
     path = str(tmp_path / "p.json")
     other = BandwidthProfile(path, host="some-other-node")
@@ -235,7 +249,7 @@ def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path):
 
 
 def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_dir, caplog, monkeypatch):
-    monkeypatch.setattr(tier_speeds, "LEARNED_MIN_TRANSFER_BYTES", 0)  # this test's subgroups are small
+    monkeypatch.setattr(calibrate, "PROFILE_MIN_TRANSFER_BYTES", 0)  # this test's subgroups are small
     tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(ram_dir)]
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))

@@ -340,6 +340,8 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert err[1] == "largest preset that fits this recipe and machine: none"
     assert main(["offload=disk", "offload.gpu_fractoin=0.5"]) == 2  # a misspelt option: the close one named
     assert capsys.readouterr().err.strip().endswith("; did you mean offload.gpu_fraction?")
+    assert main(["data=memmap", "data.pth=x"]) == 2  # a group whose recipe has a mandatory ('???') option
+    assert capsys.readouterr().err.strip().endswith("; did you mean data.path?")
     assert main(["modle=15b"]) == 2
     assert capsys.readouterr().err.strip().endswith("; did you mean model?")
     assert main(["machine.gpu=3"]) == 2

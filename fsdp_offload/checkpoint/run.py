@@ -106,7 +106,7 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
     if cfg.resume not in ("auto", "required"):
         if not is_checkpoint(cfg.resume):
             mode = difflib.get_close_matches(str(cfg.resume), ["auto", "required", "never"], n=1)
-            there = [os.path.basename(p) for p in _step_dirs(cfg.dir)[-3:]] if cfg.dir and os.path.isdir(cfg.dir) else []
+            there = _step_dirs(cfg.dir)[-3:] if cfg.dir and os.path.isdir(cfg.dir) else []
             raise JobError(
                 f"checkpoint.resume={cfg.resume}: not a complete checkpoint (it needs model/ and optimizer/ with their "
                 ".metadata); give a step_* dir, or auto, required or never"

@@ -51,12 +51,17 @@ def tier_root_problem(root: str, spec: str) -> str | None:
     return None
 
 
+def private_dir(root: str) -> str:
+    """This user's dir under a tier dir `root`: `root`/fsdp-offload-<uid>."""
+    return os.path.join(root, f"fsdp-offload-{os.getuid()}")
+
+
 def make_private_dir(root: str, spec: str) -> str:
     """Returns `root`/fsdp-offload-<uid>, created 0700 and checked to be ours and not a symlink."""
     problem = tier_root_problem(root, spec)
     if problem is not None:
         raise TierError(problem)
-    path = os.path.join(root, f"fsdp-offload-{os.getuid()}")
+    path = private_dir(root)
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -229,7 +234,7 @@ class ChunkedFileTier(Tier):
     # -- the skeleton -------------------------------------------------------------------------------
 
     def _open(self, tag: str, total_bytes: int) -> None:
-        self._dir = make_private_dir(self.root, self.spec)  # again: the last tier closed in it may have removed it
+        self._dir = make_private_dir(self.root, self.spec)  # again: a measurement that made it may have removed it
         remove_stale_files(self._dir, tag)
         self._path = os.path.join(self._dir, f"{tag}.subgroups")
         self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * node_ranks()  # the node's ranks write here too
@@ -326,5 +331,3 @@ class ChunkedFileTier(Tier):
         if self._held >= 0:
             os.close(self._held)
             self._held = -1
-        with contextlib.suppress(OSError):  # the last tier to leave it takes the dir away, so no empty dir is left
-            os.rmdir(self._dir)  # (a planner's or a finished run's)
