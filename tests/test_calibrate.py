@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload import calibrate, tier_speeds
+from fsdp_offload import calibrate
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
 from fsdp_offload.storage.base import ALIGN
 from fsdp_offload.storage.chunked import tier_file_tag

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate, tier_speeds
+from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
 from fsdp_offload import machine as machine_module
 from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key, write_profile
 from fsdp_offload.parallelize import build_offloaded_model
