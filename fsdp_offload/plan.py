@@ -39,17 +39,16 @@ from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measu
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
-from .units import GIB, SIZE_UNITS, format_seconds, parse_size, readable_size
+from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size
 
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
-    count = lambda n: f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"  # noqa: E731  (a tiny model's is not 0.000B)
     # training on the CPU, the model's columns are host memory
     device = "GPU" if plan.gpu_bytes is not None else "model on the CPU"
     memory = f"GPU {g(plan.gpu_bytes)} GiB per rank" if plan.gpu_bytes is not None else "trains on the CPU"
     lines = [
-        (f"{plan.model}: {count(plan.params)} params over {plan.world_size} rank(s); CPU update "
+        (f"{plan.model}: {format_count(plan.params)} params over {plan.world_size} rank(s); CPU update "
          f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; {memory}, host {g(plan.host_bytes)} GiB for the node"),
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
@@ -60,7 +59,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         tiers = " | ".join(f"{t.subgroups} sg {g(t.bytes)} ({g(t.read_bytes_per_step)}/{g(t.written_bytes_per_step)})"
                            for t in r.tiers)  # fmt: skip
         lines.append(
-            f"{r.rank:>4}  {count(r.params):>6}  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
+            f"{r.rank:>4}  {format_count(r.params):>6}  {r.subgroups:>9}  {g(r.state_bytes):>9} | {r.gpu_subgroups:>13} "
             f"{g(r.gpu_state_bytes):>4}  {g(r.gpu_params_bytes):>10}  {g(r.gpu_startup_bytes):>9} {g(r.gpu_train_bytes):>6}"
             f" | {g(r.staging_bytes):>13} {g(r.cache_bytes)}({r.cache_slots})"
             + (f" | {tiers}" if tiers else "") + f" | {format_seconds(r.update_s)} ({format_seconds(r.io_s)} / {format_seconds(r.cpu_s)}"
@@ -96,9 +95,9 @@ def compose_plan_config(overrides: list[str]):
     """The train.py config composed from `overrides` (machine.* ones apart) and the MachineConfig."""
     from hydra import compose, initialize_config_module
 
-    from .config import register_tmpdir_resolver
+    from .config import register_recipe_resolvers
 
-    register_tmpdir_resolver()
+    register_recipe_resolvers()
     machine_kw = {}
     rest = []
     names = [f.name for f in dataclasses.fields(MachineConfig)]

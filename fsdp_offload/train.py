@@ -32,7 +32,7 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
-from .config import register_tmpdir_resolver
+from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
@@ -55,6 +55,7 @@ from .train_step import profiled, run_step
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
+from .units import format_count
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -158,7 +159,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
-        log.info(f"{num_params(margs) / 1e6:.1f}M params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
+        log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
               + f"; {resume_line}; metrics in {out_dir}"
@@ -233,7 +234,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-register_tmpdir_resolver()  # `${tmpdir:}` in the recipes, resolved when the config is read
+register_recipe_resolvers()  # `${tmpdir:}` and `${if_null:...}` in the recipes, resolved when the config is read
 
 
 def main() -> None:

@@ -63,3 +63,7 @@ def parse_seconds(text: str) -> float | None:
     m = re.fullmatch(_NUMBER + r"(s|ms|us)?\s*", text)
     return None if m is None else float(m.group(1)) * TIME_UNITS[m.group(2) or ""]
 
+
+def format_count(n: float) -> str:
+    """Params as the planner and train.py say them: 1.345B, 0.13M."""
+    return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"

@@ -11,12 +11,12 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from fsdp_offload import OffloadConfig
-from fsdp_offload.config import register_tmpdir_resolver
+from fsdp_offload.config import register_recipe_resolvers
 from fsdp_offload.data import DataConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs
 
 RECIPES = Path(__file__).resolve().parents[1] / "fsdp_offload" / "recipes"
-register_tmpdir_resolver()
+register_recipe_resolvers()
 
 
 def names(group: str) -> list[str]:
