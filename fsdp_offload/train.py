@@ -98,6 +98,11 @@ def _run(cfg: DictConfig) -> list[dict]:
             fix = f"profile one of steps {first_step} to {tcfg.steps - 1}" if first_step < tcfg.steps else f"raise train.steps past {first_step}"
             raise JobError(f"train.profile_step={tcfg.profile_step} is not a step of this run: it resumes from {resume_from} "
                            f"at step {first_step}; {fix}")  # fmt: skip
+        if first_step >= tcfg.steps:  # said before a model is built for nothing
+            if rank == 0:
+                log.info(f"{resume_line}: nothing to run, the checkpoint is at step {first_step}, train.steps={tcfg.steps} "
+                         "(raise train.steps to train on)")  # fmt: skip
+            return []
 
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
@@ -162,8 +167,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
-              + f"; {resume_line}; metrics in {out_dir}"
-              + (f"; nothing to run: the checkpoint is at step {start_step}, train.steps={tcfg.steps}" if start_step >= tcfg.steps else ""))  # fmt: skip
+              + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip
     bar = tqdm(total=tcfg.steps, initial=start_step, disable=rank != 0 or not tcfg.progress, dynamic_ncols=True)
     rows = []
     waiting: list[dict] = []  # rows whose update may still run (overlapped with the next step's forward)

@@ -183,7 +183,7 @@ def test_a_run_resumed_into_its_own_dir_has_one_row_per_step(tmp_path):
     assert typo.returncode == 2 and "holds no complete checkpoint" in typo.stderr, typo.stderr[-2000:]
     assert not (tmp_path / "cj").exists()  # refused before the mistyped dir was made
     again = train(tmp_path / "run", *common)  # a finished run started again says so, and keeps its rows
-    assert "nothing to run: the checkpoint is at step 4, train.steps=4" in again.stdout, again.stdout[-2000:]
+    assert "nothing to run, the checkpoint is at step 4, train.steps=4" in again.stdout, again.stdout[-2000:]
     assert [r["step"] for r in rows(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
