@@ -26,7 +26,7 @@ from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumula
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
 from .machine import SHARED_FILE_SYSTEM_NOTE, MachineConfig, tier_room_subgroups, tiers_sharing_a_file_system
-from .memory import resolve_host_budget
+from .memory import resolve_host_budget, warn_over_memory
 from .node import node_ranks
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
@@ -84,6 +84,7 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
+        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, group)
         windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
         def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short

@@ -89,18 +89,28 @@ def resolve_host_budget(
         return budget.named(None)  # no limit: nothing to measure, no collective
     available = available_host_bytes()
     local_ranks = node_ranks(group)
-    if not budget.auto:
-        if budget.nbytes * local_ranks > available and (group is None or dist.get_rank(group) == 0):
-            log.warning(
-                "%s over %d local rank(s) is %s, more than the %s of host memory this machine has available now "
-                "(MemAvailable, or the memory cgroup's limit less its use): the run may swap or be OOM-killed once "
-                "the cache fills. Lower it, or use offload.host_budget_gb=auto; where the machine's memory grows as "
-                "it is used (MemTotal rising), this is expected", budget.option, local_ranks,
-                readable_size(budget.nbytes * local_ranks), readable_size(available),
-            )  # fmt: skip
+    if not budget.auto:  # (whether the node's ranks can take it: the plan's fit check, or warn_over_memory)
         return budget.named(budget.nbytes)
     mine = torch.tensor([budget.for_rank(available, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
     how = f": {readable_size(available)} available less host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s)"
     return budget.named(int(mine.item()), how)
+
+
+def warn_over_memory(cfg: OffloadConfig, most_bytes: int, group: dist.ProcessGroup | None) -> None:
+    """Warns once a node (its first rank) where a stated budget lets the node's ranks take more host memory
+    than is available: each takes its budget, or `most_bytes` (all its state off the GPU, and its staging),
+    whichever is less. train.py's plan refuses such a run; a loop of one's own is warned here."""
+    budget = cfg.host_budget
+    if budget.auto or budget.nbytes is None:
+        return
+    local, available = node_ranks(group), available_host_bytes()
+    take = min(budget.nbytes, most_bytes) * local
+    if take > available and (group is None or dist.get_rank(group) % local == 0):
+        log.warning(
+            "%s over %d local rank(s) lets them take %s, more than the %s of host memory this machine has available "
+            "now (MemAvailable, or the memory cgroup's limit less its use): the run may swap or be OOM-killed once "
+            "the cache fills. Lower it, or use offload.host_budget_gb=auto; where the machine's memory grows as it "
+            "is used (MemTotal rising), this is expected", budget.option, local, readable_size(take), readable_size(available),
+        )  # fmt: skip

@@ -201,10 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_plan(plan, ocfg))
     budget, host = ocfg.host_budget, planned_host_bytes(machine)
-    if not budget.auto and budget.nbytes is not None and budget.nbytes * machine.ranks_per_node > host:  # as train.py warns
+    if not budget.auto and budget.nbytes is not None and budget.nbytes * machine.ranks_per_node > host:
         print(f"note: {budget.option} over {machine.ranks_per_node} rank(s) is {readable_size(budget.nbytes * machine.ranks_per_node)}, "
-              f"more than the {readable_size(host)} of host memory planned for: the run may swap or be OOM-killed once the "
-              "cache fills; lower it, or use offload.host_budget_gb=auto")  # fmt: skip
+              f"more than the {readable_size(host)} of host memory planned for; it fits because the ranks take only what "
+              f"their state needs ({readable_size(sum(r.host_bytes for r in plan.ranks))} for the node)")  # fmt: skip
     if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
         print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
