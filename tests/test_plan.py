@@ -6,7 +6,6 @@ the command prints the table and the largest preset that fits."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import re
@@ -459,20 +458,6 @@ def test_a_size_in_a_unit_keeps_its_figures_without_an_exponent():
     from fsdp_offload.units import in_unit
 
     assert [in_unit(n * 2**20, "MiB") for n in (0.5, 512, 21200.4)] == ["0.5 MiB", "512 MiB", "21200 MiB"]
-
-
-def test_a_loop_of_one_s_own_is_warned_only_where_its_state_could_take_more_than_the_host(monkeypatch, caplog):
-    """A stated budget above the host warns only where the ranks could fill it: each takes its budget or
-    all its state, whichever is less."""
-    from fsdp_offload import memory
-
-    monkeypatch.setattr(memory, "available_host_bytes", lambda: 10 * GIB)
-    cfg = OffloadConfig(host_budget_gb=100)
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.memory"):
-        memory.warn_over_memory(cfg, 1 * GIB, None)  # a small state: it takes 1 GiB of the 100
-        assert caplog.text == ""
-        memory.warn_over_memory(cfg, 20 * GIB, None)
-    assert "offload.host_budget_gb=100 over 1 local rank(s) lets them take 20.00 GiB, more than the 10.00 GiB" in caplog.text
 
 
 def test_the_command_says_where_the_cpu_rate_comes_from_and_a_budget_above_the_host(tmp_path, capsys):
