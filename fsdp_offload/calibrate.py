@@ -69,8 +69,9 @@ def tier_passes(
     spec: TierSpec | str, nbytes: int = 1 << 30, transfer_bytes: int = 64 << 20, in_flight: int = 4, samples: int = 1
 ) -> dict[str, float]:
     """Through the tier itself (its threads, O_DIRECT, checksums, any throttle): writes `nbytes` (at most
-    half the free space, and MAX_SMALL_TRANSFERS small transfers; at least two) in transfers of `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while
-    writing the other half, as the pipeline's fetches do; `samples` times. Returns the median seconds
+    half the free space, and MAX_SMALL_TRANSFERS small transfers; at least two) in transfers of
+    `transfer_bytes`, `in_flight` at a time, reads them back, then reads half while writing the other
+    half, as the pipeline's fetches do; `samples` times. Returns the median seconds
     of each pass ("write", "read", "mixed"), the bytes of one pass ("bytes"), the transfers per pass
     ("count") and the fastest one-page read ("latency")."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
