@@ -365,9 +365,7 @@ def _tmpdir() -> str:
 
 
 def register_recipe_resolvers() -> None:
-    """The recipes' own resolvers: `${tmpdir:}`, the node's scratch dir for this user (see _tmpdir); and
-    `${if_null:a,b}`, a unless it is null, else b (Hydra's run dir: train.out_dir where it is given)."""
+    """The recipes' own resolver: `${tmpdir:}`, the node's scratch dir for this user (see _tmpdir)."""
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-    OmegaConf.register_new_resolver("if_null", lambda value, default: default if value is None else value, replace=True)

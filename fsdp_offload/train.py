@@ -238,7 +238,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     return rows
 
 
-register_recipe_resolvers()  # `${tmpdir:}` and `${if_null:...}` in the recipes, resolved when the config is read
+register_recipe_resolvers()  # `${tmpdir:}` in the recipes, resolved when the config is read
 
 
 def main() -> None:
