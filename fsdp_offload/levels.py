@@ -72,6 +72,7 @@ def build_levels(
     placement needs them), and the step's grads over them. What is decided comes first, then what is
     built, each level once."""
     share = starting_share(cfg.gpu_fraction, layout, device, None if memory is None else memory.gpu_subgroups)
+    local = node_ranks(group)  # the node's ranks share its host memory and its tiers' room (a collective: counted once)
     streamed = len(layout) - len(share.subgroups)  # the subgroups off the GPU, the first ones: the host and tiers hold these
     grad_slots = TierFP32Grads.slot_bytes(layout) if cfg.grad_path == "tier_fp32" else []
     if memory is None:  # the optimizer's own plan: "auto" sums the grads on the GPU where its free memory, less gpu_headroom_gb, holds them
@@ -84,7 +85,8 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
-        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, group)
+        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, local,
+                         group is None or dist.get_rank(group) % local == 0)  # fmt: skip
         windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
         def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
@@ -136,7 +138,8 @@ def build_levels(
                                                               layout.slot_bytes, reserved, cfg.prefetch, len(cfg.tiers)))  # fmt: skip
         made.append(cache)
         traffic = steady_traffic(streamed, cache.num_slots, cfg.update_order, [sg for sg in forward if sg < streamed])
-        room = tier_room_subgroups(MachineConfig(), list(cfg.tier_specs), node_ranks(group), layout.slot_bytes)  # this node's
+        # a bandwidth rule keeps to each tier's room on this node (a fixed split is the user's, as given)
+        room = tier_room_subgroups(MachineConfig(), list(cfg.tier_specs), local, layout.slot_bytes) if cfg.places_by_bandwidth else None
         placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn, room)
         made.append(placement)
         tiers = open_tiers(cfg.tier_specs, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)

@@ -98,19 +98,19 @@ def resolve_host_budget(
     return budget.named(int(mine.item()), how)
 
 
-def warn_over_memory(cfg: OffloadConfig, most_bytes: int, group: dist.ProcessGroup | None) -> None:
-    """Warns once a node (its first rank) where a stated budget lets the node's ranks take more host memory
-    than is available: each takes its budget, or `most_bytes` (all its state off the GPU, and its staging),
-    whichever is less. train.py's plan refuses such a run; a loop of one's own is warned here."""
+def warn_over_memory(cfg: OffloadConfig, most_bytes: int, local_ranks: int, says: bool) -> None:
+    """Warns (where `says`: a node's first rank) where a stated budget lets the node's `local_ranks` take
+    more host memory than is available: each takes its budget, or `most_bytes` (all its state off the GPU,
+    and its staging), whichever is less. train.py's plan refuses such a run; a loop of one's own is warned here."""
     budget = cfg.host_budget
     if budget.auto or budget.nbytes is None:
         return
-    local, available = node_ranks(group), available_host_bytes()
-    take = min(budget.nbytes, most_bytes) * local
-    if take > available and (group is None or dist.get_rank(group) % local == 0):
+    available = available_host_bytes()
+    take = min(budget.nbytes, most_bytes) * local_ranks
+    if take > available and says:
         log.warning(
             "%s over %d local rank(s) lets them take %s, more than the %s of host memory this machine has available "
             "now (MemAvailable, or the memory cgroup's limit less its use): the run may swap or be OOM-killed once "
             "the cache fills. Lower it, or use offload.host_budget_gb=auto; where the machine's memory grows as it "
-            "is used (MemTotal rising), this is expected", budget.option, local, readable_size(take), readable_size(available),
+            "is used (MemTotal rising), this is expected", budget.option, local_ranks, readable_size(take), readable_size(available),
         )  # fmt: skip

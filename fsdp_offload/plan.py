@@ -122,7 +122,10 @@ def machine_value(key: str, value: str) -> int | float | list[float] | None:
     numbers; the tier_* ones a list, one per offload.tiers ('[2.0,12]'); null: this machine's."""
     if value in ("null", "None"):
         return None
-    gib = lambda text: (lambda size, unit: size * SIZE_UNITS[unit] / GIB)(*parse_size(text))  # noqa: E731
+    def gib(text: str) -> float:
+        size, unit = parse_size(text)
+        return size * SIZE_UNITS[unit] / GIB
+
     try:
         if key in ("ranks_per_node", "nodes"):
             return int(value)
@@ -212,10 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")
     unstated = [n for n in TIER_FIELDS if getattr(machine, n) is None] if ocfg.tiers else []
-    if unstated:  # a rented machine's disk is not this one's
-        print(f"tiers: {'speeds' if 'tier_read_gbps' in unstated else ''}{' and ' if len(unstated) == 3 else ''}"
-              f"{'free space' if 'tier_free_gib' in unstated else ''} of the given dirs on this machine; for another machine, "
-              f"state them, one per tier: {' '.join(f'machine.{n}=[...]' for n in unstated)} (GB/s; GiB)")  # fmt: skip
+    if unstated:  # a rented machine's disk is not this one's (read and write speeds are stated together)
+        what = " and ".join(w for w, n in (("speeds", "tier_read_gbps"), ("free space", "tier_free_gib")) if n in unstated)
+        print(f"tiers: {what} of the given dirs on this machine; for another machine, state them, one per tier: "
+              f"{' '.join(f'machine.{n}=[...]' for n in unstated)} (GB/s; GiB)")  # fmt: skip
     print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine, plan.tier_speeds) or 'none'}")
     return 0
 

@@ -115,10 +115,10 @@ def test_a_host_budget_above_the_available_memory_is_said_naming_both(monkeypatc
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 3 * GIB)
     with caplog.at_level(logging.WARNING, logger="fsdp_offload.memory"):
-        memory.warn_over_memory(OffloadConfig(host_budget_gb=2), 100 * GIB, None)
-        memory.warn_over_memory(OffloadConfig(host_budget_gb=4), 1 * GIB, None)  # a small state: it takes 1 GiB
+        memory.warn_over_memory(OffloadConfig(host_budget_gb=2), 100 * GIB, 1, True)
+        memory.warn_over_memory(OffloadConfig(host_budget_gb=4), 1 * GIB, 1, True)  # a small state: it takes 1 GiB
         assert not caplog.records
-        memory.warn_over_memory(OffloadConfig(host_budget_gb=4), 100 * GIB, None)
+        memory.warn_over_memory(OffloadConfig(host_budget_gb=4), 100 * GIB, 1, True)
     (said,) = [r.getMessage() for r in caplog.records]
     assert "offload.host_budget_gb=4" in said and "4.00 GiB" in said and "3.00 GiB" in said and "auto" in said
 
