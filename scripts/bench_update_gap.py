@@ -5,6 +5,9 @@ and company:
 - `planner`: torch.zeros state and an ordinary bf16 grad buffer (what the planner times);
 - `cold`: planner memory, but each round on the next of --cold-sets sets of it, as a step meets each
   subgroup's state once (the planner's one set may stay partly in a large last-level cache);
+- `sweep`: planner memory, each round --cold-sets kernels back to back, each on its own set, as a step
+  updates its subgroups one after another (the planner's rounds are one kernel each, after a pause);
+- `repeat`: as `sweep`, but the --cold-sets kernels of a round all on one set (back to back, not distinct);
 - `step_memory`: the step's own allocations, page-aligned state (`cache.host_buffer`) and page-locked
   grads (`host_buffer(pin=True)` where CUDA is there), as the host cache and the staging buffer hold them;
 - `with_launcher`: step memory, with one more thread a team launching GPU work on the team's GPU all the
@@ -34,12 +37,13 @@ from fsdp_offload.kernels.contract import AdamWHyper
 from fsdp_offload.results import record
 from fsdp_offload.threads import use_cpu_threads
 
-VARIANTS = ("planner", "cold", "step_memory", "with_launcher", "with_copies")
+VARIANTS = ("planner", "cold", "sweep", "repeat", "step_memory", "with_launcher", "with_copies")
+PLANNER_MEMORY = ("planner", "cold", "sweep", "repeat")
 
 
 def buffers(variant: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 state [params | exp_avg | exp_avg_sq] and the bf16 grads, allocated as `variant` says."""
-    if variant in ("planner", "cold"):
+    if variant in PLANNER_MEMORY:
         return torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16)
     state = host_buffer(3 * n * 4, pin=False).view(torch.float32).view(3, n)
     state.zero_()
@@ -81,19 +85,22 @@ def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: in
 
     def team(i: int) -> None:
         use_cpu_threads(threads)
-        sets = [buffers(variant, n) for _ in range(cold_sets if variant == "cold" else 1)]
+        sets = [buffers(variant, n) for _ in range(cold_sets if variant in ("cold", "sweep") else 1)]
+        calls = cold_sets if variant in ("sweep", "repeat") else 1  # kernels a round, back to back
         gpu_params = torch.empty(n, dtype=torch.bfloat16, device=team_device(i)) if variant == "with_copies" else None
         step = 0
         try:
             while True:
-                state, grads = sets[step % len(sets)]
-                grads.fill_(1e-3)
+                chosen = [sets[k % len(sets)] for k in range(calls)] if calls > 1 else [sets[step % len(sets)]]
+                for _, grads in chosen:
+                    grads.fill_(1e-3)
                 barrier.wait()
                 if done[0]:
                     return
                 step += 1
                 t0 = time.perf_counter()
-                kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
+                for state, grads in chosen:
+                    kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
                 if gpu_params is not None:
                     gpu_params.copy_(grads, non_blocking=True)
                     torch.cuda.synchronize(gpu_params.device)
@@ -104,7 +111,7 @@ def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: in
             errors.append(exc)
             barrier.abort()  # the other teams stop waiting for this one
         finally:
-            if variant not in ("planner", "cold") and torch.cuda.is_available():  # the next variant may get these pages
+            if variant not in PLANNER_MEMORY and torch.cuda.is_available():  # the next variant may get these pages
                 unpin(sets[0][1])
 
     before = torch.get_num_threads()
@@ -122,8 +129,9 @@ def time_variant(variant: str, kernel: Callable, n: int, threads: int, ranks: in
     if errors:
         raise errors[0]
     median = statistics.median(times)
-    return {"variant": variant, "ranks": ranks, "threads": threads, "numel": n, "rounds_s": times,
-            "median_round_s": median, "mparams_per_s_per_rank": n / median / 1e6}  # fmt: skip
+    calls = cold_sets if variant in ("sweep", "repeat") else 1
+    return {"variant": variant, "ranks": ranks, "threads": threads, "numel": n, "kernels_a_round": calls, "rounds_s": times,
+            "median_round_s": median, "mparams_per_s_per_rank": n * calls / median / 1e6}  # fmt: skip
 
 
 def main() -> int:
@@ -134,7 +142,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=2, help="passes over the variants, interleaved")
     ap.add_argument("--kernel", default="fused")
-    ap.add_argument("--cold-sets", type=int, default=3, help="buffer sets the `cold` variant cycles through")
+    ap.add_argument("--cold-sets", type=int, default=3,
+                    help="buffer sets `cold` cycles through and `sweep` updates a round; kernels a round of `repeat`")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device-kind", required=True)
     ap.add_argument("--out", default="benchmarks/results")
