@@ -1,10 +1,10 @@
-"""Measuring tiers: the bandwidth model's seeds, and where they are kept between runs.
+"""Measuring tiers: the bandwidth model's seeds.
 
 - `measure_tier`: writes, reads, and reads and writes at once through a tier itself (its threads,
   O_DIRECT, any throttle): the read and write bandwidth and per-request latency the offload
   pipeline will see.
-- `BandwidthProfile`: a JSON file of those numbers per host and tier, which the bandwidth model also
-  writes back what it learned into, so the next run starts from it.
+- `seed_speeds`: the speeds a run starts from, from the bandwidth profile (bandwidth_profile.py) where
+  it has them, else measured once for the node and saved there.
 
     python -m fsdp_offload.calibrate posix:/local/nvme posix:/pfs/run   # measure, print, save
 """
@@ -15,10 +15,8 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -30,8 +28,8 @@ from typing import Callable, Iterator
 import torch
 
 from .bandwidth import TierSpeed
+from .bandwidth_profile import DEFAULT_PROFILE, BandwidthProfile, tier_profile_key
 from .cache import aligned_host_buffer
-from .config import NULL
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
 from .storage.chunked import private_dir, tier_file_tag
@@ -39,8 +37,6 @@ from .storage.spec import as_spec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PROFILE = "~/.cache/fsdp-offload/bandwidth.json"
-PROFILE_FORMAT = "fsdp-offload-bandwidth-profile/1"
 
 
 # -- measuring a tier -------------------------------------------------------------------------------
@@ -151,151 +147,6 @@ def measure_tier(
     log.info("measured %s: read %.2f GB/s, write %.2f GB/s, latency %.2f ms", spec, speed.read_bps / 1e9, speed.write_bps / 1e9,
              speed.latency_s * 1e3)  # fmt: skip
     return speed
-
-
-# -- the profile ------------------------------------------------------------------------------------
-
-
-def tier_profile_key(spec: TierSpec | str) -> str:
-    """A tier spec with its path resolved and its options sorted: one key per distinct tier (TierSpec.key)."""
-    return as_spec(spec).key
-
-
-class BandwidthProfile:
-    """`{"format": ..., "hosts": {host: {tier key: {read_gbps, write_gbps, latency_ms, source, updated}}}}`.
-
-    Read and rewritten under an flock on `<path>.lock`, and replaced atomically, so the ranks of a node
-    (and nodes sharing a home dir) can use one file.
-    """
-
-    def __init__(self, path: str, host: str | None = None) -> None:
-        self.path = os.path.abspath(os.path.expanduser(path))
-        self.host = host or platform.node() or "unknown-host"
-        folder = os.path.dirname(self.path)
-        if os.path.isdir(self.path):
-            raise TierError(
-                f"offload.bandwidth_profile={path!r} is a directory: give the path of a JSON file, e.g. "
-                f"{os.path.join(path, 'bandwidth.json')}"
-            )
-        try:
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise TierError(
-                f"offload.bandwidth_profile={path!r}: cannot use {folder}: {exc.strerror}; point it to a writable "
-                f"file or set it to {NULL} (measure every run, keep nothing)"
-            ) from exc
-
-    @contextlib.contextmanager
-    def locked(self, wait: bool = True) -> Iterator[bool]:
-        """Holds the profile's lock inside the block; with wait=False, yields False if it is busy."""
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-    def _read_all(self) -> dict:
-        """The whole file (call with the lock held). A corrupt file is moved aside with a warning."""
-        try:
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError as exc:
-                if exc.errno != errno.ELOOP:
-                    raise
-                raise TierError(
-                    f"offload.bandwidth_profile={self.path!r} is a symbolic link, which is never followed: "
-                    "point it to the file itself"
-                ) from exc
-            with os.fdopen(fd) as f:
-                data = json.load(f)
-            hosts = data.get("hosts") if isinstance(data, dict) else None
-            well_formed = isinstance(hosts, dict) and all(isinstance(h, dict) for h in hosts.values())
-            if not well_formed or data.get("format") != PROFILE_FORMAT:
-                raise ValueError(f"not a {PROFILE_FORMAT} file")
-            return data
-        except FileNotFoundError:
-            return {"format": PROFILE_FORMAT, "hosts": {}}
-        except (ValueError, UnicodeDecodeError) as exc:
-            aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
-            os.replace(self.path, aside)
-            log.warning("bandwidth profile %s is unreadable (%s): moved it to %s; tiers will be measured again", self.path, exc, aside)
-            return {"format": PROFILE_FORMAT, "hosts": {}}
-
-    def load(self) -> dict[str, TierSpeed]:
-        """This host's valid entries (call with the lock held); invalid ones are reported and left out."""
-        data = self._read_all()
-        mine = data["hosts"].get(self.host)
-        if mine is None:
-            if data["hosts"]:
-                log.info("bandwidth profile %s has no entry for host %s (it has %s)", self.path, self.host, sorted(data["hosts"]))
-            return {}
-        out = {}
-        for key, entry in mine.items():
-            try:
-                speed = TierSpeed(entry["read_gbps"] * 1e9, entry["write_gbps"] * 1e9, entry["latency_ms"] / 1e3)
-            except (TypeError, KeyError):
-                speed = None
-            if speed is None or not speed.valid:
-                log.warning(
-                    "bandwidth profile %s: entry for %s on %s is not usable (%s); it will be measured again",
-                    self.path, key, self.host, entry,
-                )  # fmt: skip
-                continue
-            out[key] = speed
-        return out
-
-    def store(self, speeds: dict[str, TierSpeed], source: str) -> None:
-        """Merges `speeds` (tier key -> speed) into this host's entries (call with the lock held)."""
-        data = self._read_all()
-        mine = data["hosts"].setdefault(self.host, {})
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-        for key, s in speeds.items():
-            mine[key] = {
-                "read_gbps": s.read_bps / 1e9, "write_gbps": s.write_bps / 1e9, "latency_ms": s.latency_s * 1e3,
-                "source": source, "updated": stamp,
-            }  # fmt: skip
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".bandwidth-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-
-    def save_learned(self, speeds: dict[str, TierSpeed]) -> None:
-        """Stores learned speeds if the file is free right now; never raises (training goes on)."""
-        try:
-            with self.locked(wait=False) as got:
-                if got:
-                    self.store(speeds, "learned")
-                else:
-                    log.debug("bandwidth profile %s is busy; learned speeds saved later", self.path)
-        except OSError as exc:
-            log.warning("cannot save learned bandwidths to %s: %s (training goes on)", self.path, exc)
-
-    def close(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-
-
-def write_profile(path: str, speeds: dict[str, TierSpeed]) -> str:
-    """Stores `speeds` (tier spec -> speed) as calibrated in the profile at `path` (what a benchmark or
-    a test starts a run from); returns `path`."""
-    profile = BandwidthProfile(path)
-    try:
-        with profile.locked():
-            profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
-    finally:
-        profile.close()
-    return path
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .bandwidth import TierSpeed, steady_traffic
 from .cache import HostCache, host_cache_slots
 from . import calibrate
-from .calibrate import BandwidthProfile
+from .bandwidth_profile import BandwidthProfile
 from .config import OffloadConfig
 from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation

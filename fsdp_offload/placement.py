@@ -24,7 +24,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from .bandwidth import MIN_BPS, BandwidthModel, StepTraffic, TierSpeed, expected_step_seconds, io_seconds
-from .calibrate import BandwidthProfile
+from .bandwidth_profile import BandwidthProfile
 from .config import OffloadConfig
 from .storage import TierSpec, Transfer
 from .subgroups import SubgroupLayout

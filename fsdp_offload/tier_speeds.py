@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .bandwidth import TierSpeed
-from .calibrate import BandwidthProfile, seed_speeds
+from .bandwidth_profile import BandwidthProfile
+from .calibrate import seed_speeds
 from .config import OffloadConfig
 from .node import node_peers
 from .storage import TierError

@@ -39,7 +39,8 @@ import time
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, measure_tier, tier_profile_key
+from fsdp_offload.bandwidth_profile import BandwidthProfile, tier_profile_key
+from fsdp_offload.calibrate import TierSpeed, measure_tier
 from fsdp_offload.results import record
 
 STATE_BYTES_PER_PARAM = 12  # FP32 master, exp_avg, exp_avg_sq

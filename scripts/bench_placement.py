@@ -24,7 +24,8 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.bandwidth import expected_step_seconds, steady_traffic
-from fsdp_offload.calibrate import TierSpeed, write_profile
+from fsdp_offload.bandwidth import TierSpeed
+from fsdp_offload.bandwidth_profile import write_profile
 from fsdp_offload.results import record
 
 MB = 1e6

@@ -164,7 +164,7 @@ def test_no_symlink_is_followed(tmp_path):
     profile = tmp_path / "profile.json"
     profile.symlink_to(target / "x.json")
     (target / "x.json").write_text("{}")
-    from fsdp_offload.calibrate import BandwidthProfile
+    from fsdp_offload.bandwidth_profile import BandwidthProfile
 
     with pytest.raises(TierError, match="is a symbolic link, which is never followed"):
         prof = BandwidthProfile(str(profile))

@@ -17,7 +17,8 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload import calibrate
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, main, measure_tier, tier_profile_key
+from fsdp_offload.bandwidth_profile import BandwidthProfile, tier_profile_key
+from fsdp_offload.calibrate import TierSpeed, main, measure_tier
 from fsdp_offload.storage.base import ALIGN
 from fsdp_offload.storage.chunked import tier_file_tag
 from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
@@ -197,7 +198,7 @@ def test_zero_bandwidths_are_refused_or_measured_again(tmp_path, caplog):
     data = json.loads(open(path).read())
     data["hosts"][profile.host][tier_profile_key(tiers[1])]["write_gbps"] = 0.0  # say, hand-edited
     open(path, "w").write(json.dumps(data))
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.bandwidth_profile"):
         opt = build(tmp_path, tiers, path)
     assert "is not usable" in caplog.text and tier_profile_key(tiers[1]) in caplog.text
     assert opt.store.placement.model.speeds()[1].write_bps > 0  # measured again
@@ -224,7 +225,7 @@ def test_corrupt_profile_is_moved_aside_and_measured_again(tmp_path, caplog, mon
     tiers = two_tiers(tmp_path)
     path = tmp_path / "p.json"
     path.write_text('{"format": "fsdp-offload-bandwidth-profile/1", "hosts": {')  # cut off mid-write
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.bandwidth_profile"):
         opt = build(tmp_path, tiers, str(path))
     assert f"bandwidth profile {path} is unreadable" in caplog.text
     assert len([f for f in os.listdir(tmp_path) if f.startswith("p.json.corrupt-")]) == 1
@@ -262,7 +263,7 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
     while not isinstance(tier, ThrottledTier):
         tier = tier.inner
     tier.set_limits(Limits(10 * MB, 10 * MB, 0.0))  # a drift: the placement replans and saves
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.calibrate"):
+    with caplog.at_level(logging.WARNING, logger="fsdp_offload.bandwidth_profile"):
         for step in range(2):
             for p in opt._params:
                 p.grad = torch.randn(p.shape).bfloat16()

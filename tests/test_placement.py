@@ -16,7 +16,8 @@ import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig, calibrate
 from fsdp_offload import machine as machine_module
-from fsdp_offload.calibrate import BandwidthProfile, TierSpeed, tier_profile_key, write_profile
+from fsdp_offload.bandwidth_profile import BandwidthProfile, tier_profile_key, write_profile
+from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.bandwidth import BandwidthModel, expected_step_seconds, spills, steady_traffic
 from fsdp_offload.placement import AdaptivePlacement, eq1_counts, fit_to_room, make_placement, plan_eq1, plan_makespan
