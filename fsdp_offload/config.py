@@ -139,6 +139,7 @@ class OffloadConfig:
     tier_lock_timeout_s: float = 1800.0
     # JSON file of measured and learned bandwidths per host and tier: a run starts from the last run's
     # numbers and measures only tiers it lacks (the multipath recipe keeps one in ~/.cache/fsdp-offload).
+    # A run also saves its CPU update's rate there, which the planner then predicts from on this host.
     # None: measure every run (2+ tiers only) and write nothing outside the tiers.
     bandwidth_profile: str | None = None
     # GiB per pass of the calibration microbenchmark, when the profile lacks a tier: written (once to

@@ -35,6 +35,7 @@ from .store import SubgroupStore
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB, readable_size
+from .update_rate import UpdateRateLearner
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class Levels:
     grad_accumulation: str  # "gpu" | "host", resolved
     grad_path: str  # resolved
     size_gpu_share_later: bool  # gpu_fraction="auto" with no planned count: sized after the first step
+    rate_learner: UpdateRateLearner | None  # keeps the CPU update's rate in offload.bandwidth_profile for the planner
 
 
 def build_levels(
@@ -118,6 +120,10 @@ def build_levels(
     # on every rank (a rank's own layout may leave it nothing to stream)
     needed = cfg.places_by_bandwidth and (not share.everything if group is not None else streamed > 0)
     start = starting_speeds(cfg, needed=needed, given=tier_speeds, group=group)
+    # the CPU kernel's rate as the step runs it, for the planner's next prediction here (where a profile is kept)
+    learner = None
+    if cfg.bandwidth_profile is not None and streamed:
+        learner = UpdateRateLearner(cfg.bandwidth_profile, local, 0 if group is None else dist.get_rank(group) % local)
     learn = None
     if start.save_learned and streamed and layout.slot_bytes < calibrate.PROFILE_MIN_TRANSFER_BYTES:
         if group is None or dist.get_rank(group) == 0:  # each transfer is one subgroup's
@@ -164,4 +170,4 @@ def build_levels(
     if cfg.grad_path == "auto" and grads_on_gpu:
         log.info("offload.grad_path='auto': the grads wait for their update in GPU memory, leaving their host memory "
                  "to the cache (it would spill subgroups to the tiers otherwise)")  # fmt: skip
-    return Levels(staging, sums, grads, store, accumulation, memory.grad_path, share.later)
+    return Levels(staging, sums, grads, store, accumulation, memory.grad_path, share.later, learner)

@@ -20,7 +20,8 @@ from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
-from .update_rate import node_update_rate
+from .kernels import get_adamw_kernel
+from .update_rate import CpuRate, kernel_label, learned_update_rate, node_update_rate, update_rate_key
 
 
 @dataclass
@@ -170,15 +171,25 @@ SHARED_FILE_SYSTEM_NOTE = ("are on one file system: they share its bandwidth, wh
                            "counts it for each; a second path needs another device")  # fmt: skip
 
 
-def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[float, list[TierSpeed] | None]:
-    """Each rank's CPU update speed (machine.cpu_mparams_per_s, else timed here as the node's ranks run
-    it, side by side: update_rate.node_update_rate) and the tiers' speeds (profile, else measured), for a predicted
-    update time."""
+def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[CpuRate, list[TierSpeed] | None]:
+    """Each rank's CPU update speed (machine.cpu_mparams_per_s; else learned from an earlier run's steps on
+    this host, in offload.bandwidth_profile; else timed here as the node's ranks run it, side by side:
+    update_rate.node_update_rate) and the tiers' speeds (profile, else measured), for a predicted update
+    time."""
     if machine.cpu_mparams_per_s is not None:
-        rate = machine.cpu_mparams_per_s * 1e6
+        rate = CpuRate(machine.cpu_mparams_per_s * 1e6, "given")
     else:
         ranks = machine.ranks_per_node
-        rate = node_update_rate(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, ranks), ranks)
+        threads = cpu_threads_per_rank(cpu_threads, ranks)
+        learned = None
+        if cfg.bandwidth_profile is not None:  # the grads the kernel reads: FP32 where micro-batches are summed
+            grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
+            key = update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads)
+            learned = learned_update_rate(cfg.bandwidth_profile, key)
+        if learned is not None:
+            rate = CpuRate(learned, "learned")
+        else:
+            rate = CpuRate(node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks), "timed")
     if machine.tier_read_gbps is not None:  # the planned machine's, stated
         return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

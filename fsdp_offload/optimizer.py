@@ -144,7 +144,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._copies = CopyStream(device)
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
-                                 kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later)  # fmt: skip
+                                 kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
         if self.store.gpu_state:  # the GPU share reads FP32 sums where micro-batches are summed, else the staged grads
             warm_up_gpu_kernel(kernels[1], device, torch.float32 if cfg.micro_batches > 1 else self.param_dtype, self.param_dtype)
         self._states = OptimizerStates(self.engine, self.param_groups, self._copies, self._settle)

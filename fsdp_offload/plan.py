@@ -14,10 +14,11 @@ preset that fits the same recipe.
 
 The placement is computed by the functions the optimizer runs, so it is the placement the run
 reports. The update time is a model: the busiest tier's I/O (from the tiers' speeds in the bandwidth
-profile, measured when it lacks them, each shared by the node's ranks) against the CPU update (the
-kernel timed here as the node's ranks run it, side by side: update_rate.py; or
-`machine.cpu_mparams_per_s`), whichever is longer. A plan that does not fit raises `PlanError` naming the level that is short and by how much; train.py runs
-the same check before it builds the model.
+profile, measured when it lacks them, each shared by the node's ranks) against the CPU update
+(`machine.cpu_mparams_per_s`; else the rate an earlier run's steps on this host saved in the bandwidth
+profile; else the kernel timed here as the node's ranks run it, side by side: update_rate.py), whichever
+is longer. A plan that does not fit raises `PlanError` naming the level that is short and by how much;
+train.py runs the same check before it builds the model.
 
 This module is the command and the plan's text; machine.py reads the machine, node_plan.py plans.
 """
@@ -170,7 +171,9 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
     machine.check_tiers(ocfg.tiers)
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
-    return make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate, speeds), ocfg
+    plan = make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate.params_per_s, speeds)
+    plan.cpu_rate_source = rate.source
+    return plan, ocfg
 
 
 def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str | None:
@@ -208,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {budget.option} over {machine.ranks_per_node} rank(s) is {readable_size(budget.nbytes * machine.ranks_per_node)}, "
               f"more than the {readable_size(host)} of host memory planned for; it fits because the ranks take only what "
               f"their state needs ({readable_size(sum(r.host_bytes for r in plan.ranks))} for the node)")  # fmt: skip
-    if machine.cpu_mparams_per_s is None:  # a rented machine's update needs that machine's rate
-        print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
+    if plan.cpu_rate_source == "learned":
+        print(f"CPU update rate: learned from an earlier run's steps on this host ({ocfg.bandwidth_profile})")
+    elif plan.cpu_rate_source == "timed":  # a rented machine's update needs that machine's rate
+        kept = "" if ocfg.bandwidth_profile is None else f"; a run here saves its own to {ocfg.bandwidth_profile}, and the next plan uses it"
+        print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it{kept}; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
     if machine.tier_read_gbps is None and all(os.path.isdir(spec.dir) for spec in ocfg.tier_specs):  # measured here
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):

@@ -36,6 +36,7 @@ from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
+from .update_rate import UpdateRateLearner, kernel_label
 
 
 class StepEngine:
@@ -44,7 +45,7 @@ class StepEngine:
     def __init__(
         self, cfg: OffloadConfig, param_groups: list[dict[str, Any]], params: list[torch.Tensor], layout: SubgroupLayout,
         forward: list[int], store: SubgroupStore, grads: StepGrads, copies: CopyStream, kernels: tuple[Callable, Callable | None],
-        inflight: UpdateInFlight | None, during_backward: bool, root, size_gpu_share: bool,
+        inflight: UpdateInFlight | None, during_backward: bool, root, size_gpu_share: bool, rate_learner: UpdateRateLearner | None,
     ) -> None:  # fmt: skip
         self.cfg, self.param_groups, self.params, self.layout = cfg, param_groups, params, layout
         self.device = local_data(params[0]).device
@@ -54,6 +55,7 @@ class StepEngine:
         self.cpu_kernel, self.gpu_kernel = kernels
         self.inflight, self.during_backward, self.root = inflight, during_backward, root
         self.size_gpu_share = size_gpu_share  # gpu_fraction="auto" without a plan: sized after the first step
+        self.rate_learner = rate_learner  # keeps the CPU kernel's rate for the planner (with offload.bandwidth_profile)
         self.subgroups_of = [sorted({sg for sg, _ in segs}) for segs in layout.param_segments]
         # overlap="backward": per subgroup, how many of its params that take grads have yet to hand them in
         self.grads_expected = [0] * len(layout)
@@ -72,6 +74,7 @@ class StepEngine:
         self._begin_s = 0.0  # time step() took before the update could start
         self._norm_s = 0.0  # time this step took to take the grad norm (metrics.norm_s)
         self._cpu_kernel_s = 0.0  # time in the CPU kernel this step (metrics.cpu_kernel_s)
+        self._cpu_kernel_run = (0, 0, None)  # this step's CPU kernel: params updated, threads, grad dtype (for the rate)
         self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
         self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.untaken: deque[StepMetrics] = deque(maxlen=1024)  # finished steps' metrics, for take_metrics()
@@ -240,7 +243,7 @@ class StepEngine:
     def run(self, start: float) -> None:
         """Updates the subgroups of `pending` and copies their params back into the model."""
         params = [local_data(p) for p in self.params]
-        self._cpu_kernel_s = 0.0  # a failed try's kernels are not in this try's update_s
+        self._cpu_kernel_s, self._cpu_kernel_run = 0.0, (0, 0, None)  # a failed try's kernels are not in this try's update_s
         updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:
@@ -309,6 +312,8 @@ class StepEngine:
             kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
         if not state.is_cuda:
             self._cpu_kernel_s += time.perf_counter() - began
+            updated = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs)
+            self._cpu_kernel_run = (updated, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
 
@@ -338,6 +343,9 @@ class StepEngine:
         m.subgroups_on_gpu = len(self.store.gpu_state)
         m.norm_s, self._norm_s = self._norm_s, 0.0
         m.cpu_kernel_s, self._cpu_kernel_s = self._cpu_kernel_s, 0.0
+        (updated, threads, grad_dtype), self._cpu_kernel_run = self._cpu_kernel_run, (0, 0, None)
+        if self.rate_learner is not None and updated:
+            self.rate_learner.observe(kernel_label(self.cpu_kernel), threads, grad_dtype, updated, m.cpu_kernel_s)
         self._finished = m
         for i, has in enumerate(self.grads.staged):
             self.steps[i] += has

@@ -1,17 +1,24 @@
-"""How fast this node's CPU updates params: the AdamW kernel timed as a node's ranks run it, side by side."""
+"""How fast this node's CPU updates params: learned from the steps of an earlier run on this host
+(`UpdateRateLearner` saves it to the bandwidth profile, `learned_update_rate` reads it), else the AdamW
+kernel timed as a node's ranks run it, side by side (`node_update_rate`)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from .bandwidth_profile import BandwidthProfile
 from .kernels.contract import AdamWHyper
 from .threads import use_cpu_threads
+
+log = logging.getLogger(__name__)
 
 WINDOW_S = 0.3  # rounds are timed for at least this long after the warm-up round ...
 MIN_ROUNDS = 4  # ... and at least this many
@@ -85,3 +92,78 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return n / statistics.median(rounds)
+
+
+# -- learned from a run's steps -----------------------------------------------------------------------
+
+LEARN_STEPS = 3  # steps after the first whose median rate a run saves
+
+
+@dataclass(frozen=True)
+class CpuRate:
+    """Each rank's CPU update speed for a prediction, and where it came from."""
+
+    params_per_s: float
+    source: str  # "given" (machine.cpu_mparams_per_s), "learned" (an earlier run's steps here) or "timed" (node_update_rate)
+
+
+def kernel_label(kernel: object) -> str:
+    """The CPU kernel as a rate is kept for: the fused one with its instruction set, or torch's."""
+    isa = getattr(kernel, "isa", None)
+    return f"fused-{isa}" if isa else "torch"
+
+
+def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dtype) -> str:
+    """What a learned rate holds for: the kernel, the node's ranks updating at once, each one's threads,
+    and the grads it reads (bf16 staged, or FP32 sums of several micro-batches: more bytes a param)."""
+    return f"{kernel} {ranks} ranks x {threads} threads, {str(grad_dtype).removeprefix('torch.')} grads"
+
+
+def learned_update_rate(profile_path: str, key: str) -> float | None:
+    """The slowest local rank's rate under `key` in the profile (a step's update is its slowest rank's);
+    None where no run here has saved one."""
+    profile = BandwidthProfile(profile_path)
+    try:
+        with profile.locked():
+            rates = profile.update_rates(key)
+    finally:
+        profile.close()
+    return min(rates.values()) if rates else None
+
+
+class UpdateRateLearner:
+    """Keeps one rank's CPU update rate as its steps ran it: the median over LEARN_STEPS steps after the
+    first (params the kernel updated over the time it took), saved once to the bandwidth profile under
+    this local rank, for the planner's next prediction on this host. The kernel timed alone before a
+    run read 0.7-2.2x a step's own on nvidia-h200-x4 (session 24): the machines differ, and the step's
+    kernel ran faster than the timing at 1 rank on all three timed."""
+
+    def __init__(self, profile_path: str, ranks: int, local_rank: int) -> None:
+        BandwidthProfile(profile_path).close()  # a path that cannot hold a profile fails now, naming itself
+        self.profile_path, self.ranks, self.local_rank = profile_path, ranks, local_rank
+        self._seen = 0
+        self._rates: list[float] = []
+
+    def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float) -> None:
+        """One step's CPU kernel: `params` updated in `seconds` by `threads` threads."""
+        self._seen += 1
+        if self._seen == 1 or len(self._rates) >= LEARN_STEPS or params <= 0 or seconds <= 0:
+            return  # the first step warms up; after LEARN_STEPS the rate is saved
+        self._rates.append(params / seconds)
+        if len(self._rates) == LEARN_STEPS:
+            self._save(update_rate_key(kernel, self.ranks, threads, grad_dtype), statistics.median(self._rates))
+
+    def _save(self, key: str, rate: float) -> None:
+        profile = BandwidthProfile(self.profile_path)
+        try:
+            with profile.locked():
+                profile.store_update_rate(key, self.local_rank, rate)
+        except OSError as exc:
+            log.warning("cannot save the learned CPU update rate to %s: %s (training goes on)", self.profile_path, exc)
+            return
+        finally:
+            profile.close()
+        if self.local_rank == 0:  # said once a node
+            log.info("learned the CPU update rate: %.0f M params/s a rank (%s), saved to %s for the planner", rate / 1e6, key,
+                     self.profile_path)  # fmt: skip
+

@@ -9,8 +9,9 @@ the start-up and training GPU peaks, the host peak and the bytes on each tier.
 One JSON under --out with a row per case (result keys: command, device, commit, model,
 params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, tier_bytes, update_s,
 predicted_update_s, iteration_s; cpu_kernel_s, the slowest rank's time in the CPU kernel, beside
-predicted_cpu_s, and predicted_cpu_over_kernel), the logs under --log-dir. Steps after the first are
-averaged.
+predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the planner's CPU rate came from:
+"timed" before the case, or "learned" where offload.bandwidth_profile holds an earlier run's on this
+host for the same ranks and threads), the logs under --log-dir. Steps after the first are averaged.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
                predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
                predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
-               planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s)  # fmt: skip
+               planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
     os.makedirs(out_dir, exist_ok=True)
     launch = [sys.executable, TRAIN] if nproc == 1 else [
