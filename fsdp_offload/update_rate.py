@@ -134,9 +134,9 @@ def learned_update_rate(profile_path: str, key: str) -> float | None:
 class UpdateRateLearner:
     """Keeps one rank's CPU update rate as its steps ran it: the median over LEARN_STEPS steps after the
     first (params the kernel updated over the time it took), saved once to the bandwidth profile under
-    this local rank, for the planner's next prediction on this host. The kernel timed alone before a
-    run read 0.7-2.2x a step's own on nvidia-h200-x4 (session 24): the machines differ, and the step's
-    kernel ran faster than the timing at 1 rank on all three timed."""
+    this local rank, for the planner's next prediction on this host. Timed alone before a run, the
+    kernel's time came out 0.85-2.18x a step's own on nvidia-h200-x4 (session 24): the machines differ,
+    and at 1 rank the step's kernel ran 1.2-2.2x faster than the timing on all three that ran it."""
 
     def __init__(self, profile_path: str, ranks: int, local_rank: int) -> None:
         BandwidthProfile(profile_path).close()  # a path that cannot hold a profile fails now, naming itself
