@@ -11,6 +11,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import platform
 import tempfile
@@ -144,7 +145,7 @@ class BandwidthProfile:
             rates = rates.get(part) if isinstance(rates, dict) else None
         if not isinstance(rates, dict):
             return {}
-        return {r: v * 1e6 for r, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+        return {r: v * 1e6 for r, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf}
 
     def store_update_rate(self, key: str, local_rank: int, params_per_s: float) -> None:
         """Stores one local rank's learned CPU update rate under `key` (call with the lock held)."""

@@ -27,7 +27,7 @@ from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
 from .machine import SHARED_FILE_SYSTEM_NOTE, MachineConfig, tier_room_subgroups, tiers_sharing_a_file_system
 from .memory import resolve_host_budget, warn_over_memory
-from .node import node_ranks
+from .node import node_position
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
 from .storage import open_tiers
@@ -74,7 +74,7 @@ def build_levels(
     placement needs them), and the step's grads over them. What is decided comes first, then what is
     built, each level once."""
     share = starting_share(cfg.gpu_fraction, layout, device, None if memory is None else memory.gpu_subgroups)
-    local = node_ranks(group)  # the node's ranks share its host memory and its tiers' room (a collective: counted once)
+    local, place = node_position(group)  # the node's ranks share its host memory and its tiers' room (a collective: counted once)
     streamed = len(layout) - len(share.subgroups)  # the subgroups off the GPU, the first ones: the host and tiers hold these
     grad_slots = TierFP32Grads.slot_bytes(layout) if cfg.grad_path == "tier_fp32" else []
     if memory is None:  # the optimizer's own plan: "auto" sums the grads on the GPU where its free memory, less gpu_headroom_gb, holds them
@@ -88,7 +88,7 @@ def build_levels(
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
         warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, local,
-                         group is None or dist.get_rank(group) % local == 0)  # fmt: skip
+                         group is None or place == 0)  # fmt: skip
         windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
         def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
@@ -123,7 +123,7 @@ def build_levels(
     # the CPU kernel's rate as the step runs it, for the planner's next prediction here (where a profile is kept)
     learner = None
     if cfg.bandwidth_profile is not None and streamed:
-        learner = UpdateRateLearner(cfg.bandwidth_profile, local, 0 if group is None else dist.get_rank(group) % local)
+        learner = UpdateRateLearner(cfg.bandwidth_profile, local, place)
     learn = None
     if start.save_learned and streamed and layout.slot_bytes < calibrate.PROFILE_MIN_TRANSFER_BYTES:
         if group is None or dist.get_rank(group) == 0:  # each transfer is one subgroup's

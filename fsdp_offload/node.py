@@ -44,15 +44,22 @@ def node_ranks(group: dist.ProcessGroup | None = None) -> int:
     host name: launchers other than torchrun (srun, mp.spawn) set no LOCAL_WORLD_SIZE. Without one (before
     init_process_group, or where one rank alone asks: a tier's file, a calibration): the job's count if a
     call with a group spanning the job has counted it, else $LOCAL_WORLD_SIZE, else 1."""
+    return node_position(group)[0]
+
+
+def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """The ranks on this node (as node_ranks counts them) and this rank's place among them, 0 first: with
+    `group` (a collective) its place among the node's ranks of `group`, whichever way the launcher numbered
+    them (srun --distribution=cyclic spreads a node's ranks apart); without one, $LOCAL_RANK, else 0."""
     global _job_node_ranks
     if group is None:
         if dist.is_initialized() and dist.get_world_size() == 1:
-            return 1  # (whatever an earlier job in this process counted)
-        return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    count = len(node_peers(group))
+            return 1, 0  # (whatever an earlier job in this process counted)
+        return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    peers = node_peers(group)
     if dist.get_world_size(group) == dist.get_world_size():
-        _job_node_ranks = count
-    return count
+        _job_node_ranks = len(peers)
+    return len(peers), peers.index(dist.get_rank(group))
 
 
 def node_peers(group: dist.ProcessGroup) -> list[int]:

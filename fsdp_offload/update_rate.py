@@ -143,27 +143,35 @@ class UpdateRateLearner:
         self.profile_path, self.ranks, self.local_rank = profile_path, ranks, local_rank
         self._seen = 0
         self._rates: list[float] = []
+        self._saved = False
 
     def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float) -> None:
         """One step's CPU kernel: `params` updated in `seconds` by `threads` threads."""
         self._seen += 1
-        if self._seen == 1 or len(self._rates) >= LEARN_STEPS or params <= 0 or seconds <= 0:
-            return  # the first step warms up; after LEARN_STEPS the rate is saved
-        self._rates.append(params / seconds)
-        if len(self._rates) == LEARN_STEPS:
-            self._save(update_rate_key(kernel, self.ranks, threads, grad_dtype), statistics.median(self._rates))
+        if self._seen == 1 or self._saved or params <= 0 or seconds <= 0:
+            return  # the first step warms up; once saved, the rate is kept
+        if len(self._rates) < LEARN_STEPS:
+            self._rates.append(params / seconds)
+        if len(self._rates) == LEARN_STEPS:  # (a profile busy now is tried again at the next step)
+            self._saved = self._save(update_rate_key(kernel, self.ranks, threads, grad_dtype), statistics.median(self._rates))
 
-    def _save(self, key: str, rate: float) -> None:
-        profile = BandwidthProfile(self.profile_path)
+    def _save(self, key: str, rate: float) -> bool:
+        """Saves `rate` if the profile is free right now (another process may hold it for minutes while it
+        measures a tier, and this runs inside a step); True once done or given up. Never raises: training
+        goes on."""
         try:
-            with profile.locked():
-                profile.store_update_rate(key, self.local_rank, rate)
-        except OSError as exc:
+            profile = BandwidthProfile(self.profile_path)
+            try:
+                with profile.locked(wait=False) as got:
+                    if not got:
+                        return False
+                    profile.store_update_rate(key, self.local_rank, rate)
+            finally:
+                profile.close()
+        except Exception as exc:  # the file or its dir gone, a symbolic link, a full disk: said, not raised
             log.warning("cannot save the learned CPU update rate to %s: %s (training goes on)", self.profile_path, exc)
-            return
-        finally:
-            profile.close()
+            return True
         if self.local_rank == 0:  # said once a node
             log.info("learned the CPU update rate: %.0f M params/s a rank (%s), saved to %s for the planner", rate / 1e6, key,
                      self.profile_path)  # fmt: skip
-
+        return True

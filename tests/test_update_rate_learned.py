@@ -116,3 +116,27 @@ def test_the_plan_command_says_the_rate_was_learned(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"CPU update rate: learned from an earlier run's steps on this host ({path})" in out
     assert "1000 M params/s per rank" in out
+
+
+def test_a_busy_profile_is_tried_again_and_a_broken_one_only_warns(tmp_path, caplog):
+    path = str(tmp_path / "p.json")
+    learner = UpdateRateLearner(path, ranks=1, local_rank=0)
+    holder = BandwidthProfile(path)  # another process measuring a tier holds the profile for minutes
+    with holder.locked():
+        for _ in range(1 + LEARN_STEPS):
+            learner.observe("torch", 4, torch.bfloat16, 1000, 1.0)  # would wait inside a step: not saved yet
+    holder.close()
+    key = update_rate_key("torch", 1, 4, torch.bfloat16)
+    assert learned_update_rate(path, key) is None
+    learner.observe("torch", 4, torch.bfloat16, 1000, 0.001)  # the next step finds it free: the kept median goes in
+    assert learned_update_rate(path, key) == pytest.approx(1000.0)
+
+    target = tmp_path / "real.json"
+    target.write_text("{}")
+    link = tmp_path / "link.json"
+    broken = UpdateRateLearner(str(link), ranks=1, local_rank=0)
+    link.symlink_to(target)  # made a symbolic link after start-up, which the profile never follows
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2 + LEARN_STEPS):
+            broken.observe("torch", 4, torch.bfloat16, 1000, 1.0)
+    assert caplog.text.count(f"cannot save the learned CPU update rate to {link}") == 1  # said once; training goes on
