@@ -20,8 +20,7 @@ from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
-from .kernels import get_adamw_kernel
-from .update_rate import CpuRate, kernel_label, learned_update_rate, node_update_rate, update_rate_key
+from .update_rate import CpuRate, learned_rate_for, node_update_rate
 
 
 @dataclass
@@ -181,11 +180,7 @@ def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     else:
         ranks = machine.ranks_per_node
         threads = cpu_threads_per_rank(cpu_threads, ranks)
-        learned = None
-        if cfg.bandwidth_profile is not None:  # the grads the kernel reads: FP32 where micro-batches are summed
-            grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
-            key = update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads)
-            learned = learned_update_rate(cfg.bandwidth_profile, key)
+        learned = learned_rate_for(cfg, ranks, threads)
         if learned is not None:
             rate = CpuRate(learned, "learned")
         else:

@@ -55,7 +55,8 @@ from .train_step import profiled, run_step
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
-from .units import format_count
+from .units import format_count, format_seconds
+from .update_rate import learned_rate_for
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -119,11 +120,16 @@ def _run(cfg: DictConfig) -> list[dict]:
         if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
+        # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
+        rate = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
-                         dcfg.seq_len, dcfg.micro_batch, device.type, speeds=speeds, host_budget=budget)  # fmt: skip
+                         dcfg.seq_len, dcfg.micro_batch, device.type, rate, speeds, host_budget=budget)  # fmt: skip
         mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
+            if plan.predicted_update_s is not None:
+                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved in %s",
+                         format_seconds(plan.predicted_update_s), recipe.config.bandwidth_profile)  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
         # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
         # run at speed), from the plan's tier speeds (the profile, if set, keeps what the run learns);

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .bandwidth_profile import BandwidthProfile
+from .config import OffloadConfig
 from .kernels.contract import AdamWHyper
 from .threads import use_cpu_threads
 
@@ -117,6 +118,19 @@ def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dty
     """What a learned rate holds for: the kernel, the node's ranks updating at once, each one's threads,
     and the grads it reads (bf16 staged, or FP32 sums of several micro-batches: more bytes a param)."""
     return f"{kernel} {ranks} ranks x {threads} threads, {str(grad_dtype).removeprefix('torch.')} grads"
+
+
+def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> float | None:
+    """The rate an earlier run's steps saved in cfg.bandwidth_profile on this host for a run of `cfg` with
+    `ranks` on the node, `threads` each (the kernel's grads: FP32 where micro-batches are summed or the
+    FP32 grad path is taken, else the params' dtype); None without a profile or such a run."""
+    if cfg.bandwidth_profile is None:
+        return None
+    from .kernels import get_adamw_kernel
+
+    grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
+    key = update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads)
+    return learned_update_rate(cfg.bandwidth_profile, key)
 
 
 def learned_update_rate(profile_path: str, key: str) -> float | None:

@@ -140,3 +140,17 @@ def test_a_busy_profile_is_tried_again_and_a_broken_one_only_warns(tmp_path, cap
         for _ in range(2 + LEARN_STEPS):
             broken.observe("torch", 4, torch.bfloat16, 1000, 1.0)
     assert caplog.text.count(f"cannot save the learned CPU update rate to {link}") == 1  # said once; training goes on
+
+
+def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved(tmp_path):
+    from test_train import train
+
+    profile = tmp_path / "p.json"
+    common = ["offload=host", f"offload.bandwidth_profile={profile}", "train.steps=5"]  # (a tier would need its speeds too)
+    first = train(tmp_path / "a", *common, "train.out_dir=" + str(tmp_path / "a"))
+    assert "learned the CPU update rate" in first.stdout + first.stderr
+    assert json.loads((tmp_path / "a" / "placement.json").read_text())["plan"]["update_s"] is None  # nothing learned yet
+    second = train(tmp_path / "b", *common, "train.out_dir=" + str(tmp_path / "b"))
+    planned = json.loads((tmp_path / "b" / "placement.json").read_text())["plan"]
+    assert planned["update_s"] is not None and planned["update_s"] > 0
+    assert f"a step predicted, from the CPU rate an earlier run saved in {profile}" in second.stdout + second.stderr
