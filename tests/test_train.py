@@ -387,4 +387,6 @@ def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
     dirs = {p.parent for p in tmp_path.rglob("*metrics.jsonl")}
     assert len(dirs) == 1, dirs
     assert {p.name for p in next(iter(dirs)).glob("*metrics.jsonl")} == {"metrics.jsonl", "rank1.metrics.jsonl"}
+    # and one Hydra dir, however far apart the ranks started: named from torchrun's start, not each rank's own
+    assert [p.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*")] == [next(iter(dirs)).relative_to(tmp_path)]
 
