@@ -36,9 +36,21 @@ def tier_profile_key(spec: TierSpec | str) -> str:
     return as_spec(spec).key
 
 
+def profile_problem(path: str | None) -> str | None:
+    """What keeps `path` (offload.bandwidth_profile) from holding a profile, or None (None: no profile).
+    Makes its dir and lock file, as the first use would."""
+    if path is None:
+        return None
+    try:
+        BandwidthProfile(path).close()
+    except TierError as exc:
+        return str(exc)
+    return None
+
+
 class BandwidthProfile:
     """`{"format": ..., "hosts": {host: {tier key: {read_gbps, write_gbps, latency_ms, source, updated}}},
-    "update_rates": {host: {rate key: {"mparams_per_s": {local rank: M params/s}, updated}}}}`.
+    "update_rates": {host: {rate key: {"run": id, "mparams_per_s": {local rank: M params/s}, updated}}}}`.
 
     Read and rewritten under an flock on `<path>.lock`, and replaced atomically, so the ranks of a node
     (and nodes sharing a home dir) can use one file.
@@ -53,12 +65,14 @@ class BandwidthProfile:
                 f"offload.bandwidth_profile={path!r} is a directory: give the path of a JSON file, e.g. "
                 f"{os.path.join(path, 'bandwidth.json')}"
             )
+        making = folder
         try:
             os.makedirs(folder, mode=0o700, exist_ok=True)
-            self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            making = self.path + ".lock"  # (beside the file: its lock)
+            self._lock_fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise TierError(
-                f"offload.bandwidth_profile={path!r}: cannot use {folder}: {exc.strerror}; point it to a writable "
+                f"offload.bandwidth_profile={path!r}: cannot create {making}: {exc.strerror}; point it to a writable "
                 f"file or set it to {NULL} (measure every run, keep nothing)"
             ) from exc
 
@@ -99,7 +113,8 @@ class BandwidthProfile:
         except (ValueError, UnicodeDecodeError) as exc:
             aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
             os.replace(self.path, aside)
-            log.warning("bandwidth profile %s is unreadable (%s): moved it to %s; tiers will be measured again", self.path, exc, aside)
+            log.warning("bandwidth profile %s is unreadable (%s): moved it to %s; its tiers' speeds will be measured, and its CPU "
+                        "rates learned, again", self.path, exc, aside)  # fmt: skip
             return {"format": PROFILE_FORMAT, "hosts": {}}
 
     def load(self) -> dict[str, TierSpeed]:
@@ -137,26 +152,37 @@ class BandwidthProfile:
             }  # fmt: skip
         self._write(data)
 
-    def update_rates(self, key: str) -> dict[str, float]:
-        """This host's learned CPU update rates under `key` (update_rate.update_rate_key), params/s by the
-        local rank that measured it (call with the lock held)."""
-        rates = self._read_all().get(UPDATE_RATES)
-        for part in (self.host, key, "mparams_per_s"):  # a hand-edited file may hold anything: it counts as none
-            rates = rates.get(part) if isinstance(rates, dict) else None
-        if not isinstance(rates, dict):
-            return {}
-        return {r: v * 1e6 for r, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf}
+    def update_rate_entry(self, key: str) -> tuple[str | None, dict[str, float], str | None]:
+        """This host's learned CPU update rates under `key` (update_rate.update_rate_key): the run that saved
+        them, params/s by the local rank that measured it, and when (call with the lock held). A
+        hand-edited value that is not a positive finite number counts as none."""
+        entry = self._read_all().get(UPDATE_RATES)
+        for part in (self.host, key):
+            entry = entry.get(part) if isinstance(entry, dict) else None
+        if not isinstance(entry, dict):
+            return None, {}, None
+        rates = entry.get("mparams_per_s") if isinstance(entry.get("mparams_per_s"), dict) else {}
+        usable = {r: v * 1e6 for r, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf}
+        return entry.get("run"), usable, entry.get("updated")
 
-    def store_update_rate(self, key: str, local_rank: int, params_per_s: float) -> None:
-        """Stores one local rank's learned CPU update rate under `key` (call with the lock held)."""
+    def update_rate_keys(self) -> list[str]:
+        """The keys this host has learned CPU update rates under (call with the lock held)."""
+        mine = self._read_all().get(UPDATE_RATES)
+        mine = mine.get(self.host) if isinstance(mine, dict) else None
+        return sorted(mine) if isinstance(mine, dict) else []
+
+    def store_update_rate(self, key: str, run: str, local_rank: int, params_per_s: float) -> None:
+        """Stores one local rank's learned CPU update rate under `key` for `run` (call with the lock held):
+        the first rank of a new run to save clears the last run's ranks, so one entry is one run's."""
         data = self._read_all()
         section = data[UPDATE_RATES] = data.get(UPDATE_RATES) if isinstance(data.get(UPDATE_RATES), dict) else {}
         mine = section[self.host] = section.get(self.host) if isinstance(section.get(self.host), dict) else {}
-        entry = mine[key] = mine.get(key) if isinstance(mine.get(key), dict) else {}
-        if not isinstance(entry.get("mparams_per_s"), dict):
-            entry["mparams_per_s"] = {}
+        entry = mine.get(key) if isinstance(mine.get(key), dict) else {}
+        if entry.get("run") != run or not isinstance(entry.get("mparams_per_s"), dict):
+            entry = {"run": run, "mparams_per_s": {}}
         entry["mparams_per_s"][str(local_rank)] = params_per_s / 1e6
         entry["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        mine[key] = entry
         self._write(data)
 
     def _write(self, data: dict) -> None:

@@ -27,7 +27,7 @@ from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
 from .machine import SHARED_FILE_SYSTEM_NOTE, MachineConfig, tier_room_subgroups, tiers_sharing_a_file_system
 from .memory import resolve_host_budget, warn_over_memory
-from .node import node_position
+from .node import job_id, node_position
 from .placement import make_placement
 from .staging import LowpStaging, resolve_grad_path
 from .storage import open_tiers
@@ -35,7 +35,7 @@ from .store import SubgroupStore
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB, readable_size
-from .update_rate import UpdateRateLearner
+from .learned_rate import UpdateRateLearner
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,9 @@ def build_levels(
     start = starting_speeds(cfg, needed=needed, given=tier_speeds, group=group)
     # the CPU kernel's rate as the step runs it, for the planner's next prediction here (where a profile is kept)
     learner = None
-    if cfg.bandwidth_profile is not None and streamed:
-        learner = UpdateRateLearner(cfg.bandwidth_profile, local, place)
+    if cfg.bandwidth_profile is not None:
+        run = job_id(group)  # (a collective: its condition is the config's, the same on every rank)
+        learner = UpdateRateLearner(cfg.bandwidth_profile, local, place, run, cfg.subgroup_numel) if streamed else None
     learn = None
     if start.save_learned and streamed and layout.slot_bytes < calibrate.PROFILE_MIN_TRANSFER_BYTES:
         if group is None or dist.get_rank(group) == 0:  # each transfer is one subgroup's

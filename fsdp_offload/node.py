@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 
 import torch.distributed as dist
 
@@ -67,3 +68,11 @@ def node_peers(group: dist.ProcessGroup) -> list[int]:
     hosts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     return [r for r, host in enumerate(hosts) if host == socket.gethostname()]
+
+
+def job_id(group: dist.ProcessGroup | None) -> str:
+    """One id for the job, the same on every rank of `group` (a collective): rank 0's, new each job."""
+    mine = [uuid.uuid4().hex]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
+    return mine[0]

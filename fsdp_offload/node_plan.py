@@ -96,7 +96,8 @@ class Plan:
     gpu_bytes: int | None
     host_bytes: int
     tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
-    cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (update_rate.CpuRate)
+    cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
+    cpu_rate_detail: str = ""  # for "learned": the run it came from
 
     @property
     def predicted_update_s(self) -> float | None:

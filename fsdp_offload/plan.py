@@ -37,6 +37,7 @@ from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes,
                       tiers_sharing_a_file_system)
+from .learned_rate import LEARN_STEPS, learned_rate_keys
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -172,7 +173,7 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     machine.check_tiers(ocfg.tiers)
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
     plan = make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate.params_per_s, speeds)
-    plan.cpu_rate_source = rate.source
+    plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     return plan, ocfg
 
 
@@ -212,11 +213,15 @@ def main(argv: list[str] | None = None) -> int:
               f"more than the {readable_size(host)} of host memory planned for; it fits because the ranks take only what "
               f"their state needs ({readable_size(sum(r.host_bytes for r in plan.ranks))} for the node)")  # fmt: skip
     if plan.cpu_rate_source == "learned":
-        print(f"CPU update rate: learned from an earlier run's steps on this host ({ocfg.bandwidth_profile})")
+        print(f"CPU update rate: learned from an earlier run's steps on this host ({plan.cpu_rate_detail})")
     elif plan.cpu_rate_source == "timed":  # a rented machine's update needs that machine's rate
-        kept = "" if ocfg.bandwidth_profile is None else f"; a run here saves its own to {ocfg.bandwidth_profile}, and the next plan uses it"
-        print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it{kept}; for "
+        print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
+        if ocfg.bandwidth_profile is not None:
+            others = learned_rate_keys(ocfg)
+            print(f"  a run here of {LEARN_STEPS + 1} steps or more saves its own to {ocfg.bandwidth_profile}, and the next plan "
+                  "uses it" + (f"; it holds rates learned for other runs ({'; '.join(others)}): state machine.ranks_per_node "
+                               "and train.cpu_threads as that run had them" if others else ""))  # fmt: skip
     if machine.tier_read_gbps is None and all(os.path.isdir(spec.dir) for spec in ocfg.tier_specs):  # measured here
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")

@@ -36,7 +36,7 @@ from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
-from .update_rate import UpdateRateLearner, kernel_label
+from .learned_rate import UpdateRateLearner, kernel_label
 
 
 class StepEngine:

@@ -56,7 +56,8 @@ from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
 from .units import format_count, format_seconds
-from .update_rate import learned_rate_for
+from .bandwidth_profile import profile_problem
+from .learned_rate import learned_rate_for
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -107,11 +108,12 @@ def _run(cfg: DictConfig) -> list[dict]:
 
     t_build = time.perf_counter()
     if recipe.optimizer == "offload":
-        # A tier dir (or the tier lock dir) missing on any rank's node ends the job first, said once.
+        # A tier dir, the tier lock dir or the bandwidth profile unusable on any rank's node ends the job first, said once.
         ocfg = recipe.config
         problems = [tier_root_problem(spec.dir, str(spec)) for spec in ocfg.tier_specs]
         if ocfg.tier_specs and ocfg.tier_access != "shared":  # the node's tier locks live there
             problems.append(lock_root_problem(ocfg.tier_lock_dir))
+        problems.append(profile_problem(ocfg.bandwidth_profile))
         raise_on_every_rank(next((p for p in problems if p), None), group)
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
@@ -121,15 +123,16 @@ def _run(cfg: DictConfig) -> list[dict]:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
-        rate = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
+        learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
         plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
-                         dcfg.seq_len, dcfg.micro_batch, device.type, rate, speeds, host_budget=budget)  # fmt: skip
+                         dcfg.seq_len, dcfg.micro_batch, device.type, None if learned is None else learned.params_per_s, speeds,
+                         host_budget=budget)  # fmt: skip
         mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
             if plan.predicted_update_s is not None:
-                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved in %s",
-                         format_seconds(plan.predicted_update_s), recipe.config.bandwidth_profile)  # fmt: skip
+                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)",
+                         format_seconds(plan.predicted_update_s), learned.detail)  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
         # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
         # run at speed), from the plan's tier speeds (the profile, if set, keeps what the run learns);

@@ -1,25 +1,18 @@
-"""How fast this node's CPU updates params: learned from the steps of an earlier run on this host
-(`UpdateRateLearner` saves it to the bandwidth profile, `learned_update_rate` reads it), else the AdamW
-kernel timed as a node's ranks run it, side by side (`node_update_rate`)."""
+"""How fast this node's CPU updates params: the AdamW kernel timed as a node's ranks run it, side by
+side (where no earlier run here has saved the rate its steps had: learned_rate.py)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-from .bandwidth_profile import BandwidthProfile
-from .config import OffloadConfig
 from .kernels.contract import AdamWHyper
 from .threads import use_cpu_threads
-
-log = logging.getLogger(__name__)
 
 WINDOW_S = 0.3  # rounds are timed for at least this long after the warm-up round ...
 MIN_ROUNDS = 4  # ... and at least this many
@@ -93,99 +86,3 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return n / statistics.median(rounds)
-
-
-# -- learned from a run's steps -----------------------------------------------------------------------
-
-LEARN_STEPS = 3  # steps after the first whose median rate a run saves
-
-
-@dataclass(frozen=True)
-class CpuRate:
-    """Each rank's CPU update speed for a prediction, and where it came from."""
-
-    params_per_s: float
-    source: str  # "given" (machine.cpu_mparams_per_s), "learned" (an earlier run's steps here) or "timed" (node_update_rate)
-
-
-def kernel_label(kernel: object) -> str:
-    """The CPU kernel as a rate is kept for: the fused one with its instruction set, or torch's."""
-    isa = getattr(kernel, "isa", None)
-    return f"fused-{isa}" if isa else "torch"
-
-
-def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dtype) -> str:
-    """What a learned rate holds for: the kernel, the node's ranks updating at once, each one's threads,
-    and the grads it reads (bf16 staged, or FP32 sums of several micro-batches: more bytes a param)."""
-    return f"{kernel} {ranks} ranks x {threads} threads, {str(grad_dtype).removeprefix('torch.')} grads"
-
-
-def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> float | None:
-    """The rate an earlier run's steps saved in cfg.bandwidth_profile on this host for a run of `cfg` with
-    `ranks` on the node, `threads` each (the kernel's grads: FP32 where micro-batches are summed or the
-    FP32 grad path is taken, else the params' dtype); None without a profile or such a run."""
-    if cfg.bandwidth_profile is None:
-        return None
-    from .kernels import get_adamw_kernel
-
-    grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
-    key = update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads)
-    return learned_update_rate(cfg.bandwidth_profile, key)
-
-
-def learned_update_rate(profile_path: str, key: str) -> float | None:
-    """The slowest local rank's rate under `key` in the profile (a step's update is its slowest rank's);
-    None where no run here has saved one."""
-    profile = BandwidthProfile(profile_path)
-    try:
-        with profile.locked():
-            rates = profile.update_rates(key)
-    finally:
-        profile.close()
-    return min(rates.values()) if rates else None
-
-
-class UpdateRateLearner:
-    """Keeps one rank's CPU update rate as its steps ran it: the median over LEARN_STEPS steps after the
-    first (params the kernel updated over the time it took), saved once to the bandwidth profile under
-    this local rank, for the planner's next prediction on this host. Timed alone before a run, the
-    kernel's time came out 0.85-2.18x a step's own on nvidia-h200-x4 (session 24): the machines differ,
-    and at 1 rank the step's kernel ran 1.2-2.2x faster than the timing on all three that ran it."""
-
-    def __init__(self, profile_path: str, ranks: int, local_rank: int) -> None:
-        BandwidthProfile(profile_path).close()  # a path that cannot hold a profile fails now, naming itself
-        self.profile_path, self.ranks, self.local_rank = profile_path, ranks, local_rank
-        self._seen = 0
-        self._rates: list[float] = []
-        self._saved = False
-
-    def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float) -> None:
-        """One step's CPU kernel: `params` updated in `seconds` by `threads` threads."""
-        self._seen += 1
-        if self._seen == 1 or self._saved or params <= 0 or seconds <= 0:
-            return  # the first step warms up; once saved, the rate is kept
-        if len(self._rates) < LEARN_STEPS:
-            self._rates.append(params / seconds)
-        if len(self._rates) == LEARN_STEPS:  # (a profile busy now is tried again at the next step)
-            self._saved = self._save(update_rate_key(kernel, self.ranks, threads, grad_dtype), statistics.median(self._rates))
-
-    def _save(self, key: str, rate: float) -> bool:
-        """Saves `rate` if the profile is free right now (another process may hold it for minutes while it
-        measures a tier, and this runs inside a step); True once done or given up. Never raises: training
-        goes on."""
-        try:
-            profile = BandwidthProfile(self.profile_path)
-            try:
-                with profile.locked(wait=False) as got:
-                    if not got:
-                        return False
-                    profile.store_update_rate(key, self.local_rank, rate)
-            finally:
-                profile.close()
-        except Exception as exc:  # the file or its dir gone, a symbolic link, a full disk: said, not raised
-            log.warning("cannot save the learned CPU update rate to %s: %s (training goes on)", self.profile_path, exc)
-            return True
-        if self.local_rank == 0:  # said once a node
-            log.info("learned the CPU update rate: %.0f M params/s a rank (%s), saved to %s for the planner", rate / 1e6, key,
-                     self.profile_path)  # fmt: skip
-        return True

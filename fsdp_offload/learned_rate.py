@@ -1,0 +1,140 @@
+"""The CPU update's rate as a run's own steps had it, kept in the bandwidth profile for the planner.
+
+Timed alone before a run, the kernel's time came out 0.85-2.18x a step's own on nvidia-h200-x4
+(session 24): the machines differ, and at 1 rank the step's kernel ran 1.2-2.2x faster than the timing
+on all three that ran it. So a run with `offload.bandwidth_profile` set saves what its steps did
+(`UpdateRateLearner`), and a plan on that host for the same kernel, ranks, threads, grads and subgroup
+size predicts from it (`learned_rate_for`) instead of timing the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .bandwidth_profile import BandwidthProfile
+from .config import OffloadConfig
+
+log = logging.getLogger(__name__)
+
+LEARN_STEPS = 3  # steps after the first whose median rate a run saves
+SAVE_WAIT_S = 2.0  # a peer rank saves in milliseconds; a lock held longer (a tier being measured) is tried at the next step
+
+
+@dataclass(frozen=True)
+class CpuRate:
+    """Each rank's CPU update speed for a prediction, and where it came from."""
+
+    params_per_s: float
+    source: str  # "given" (machine.cpu_mparams_per_s), "learned" (an earlier run's steps here) or "timed" (update_rate)
+    detail: str = ""  # for "learned": the run it came from
+
+
+def kernel_label(kernel: object) -> str:
+    """The CPU kernel as a rate is kept for: the fused one with its instruction set, or torch's."""
+    isa = getattr(kernel, "isa", None)
+    return f"fused-{isa}" if isa else "torch"
+
+
+def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dtype, subgroup_numel: int) -> str:
+    """What a learned rate holds for: the kernel, the node's ranks updating at once, each one's threads,
+    the grads it reads (bf16 staged, or FP32 sums of several micro-batches: more bytes a param) and the
+    subgroup size (a kernel call a subgroup: smaller ones ran up to a quarter slower, session 24)."""
+    grads = str(grad_dtype).removeprefix("torch.")
+    return f"{kernel} {ranks} ranks x {threads} threads, {grads} grads, subgroups of {subgroup_numel}"
+
+
+def rate_key_for(cfg: OffloadConfig, ranks: int, threads: int) -> str:
+    """The key a run of `cfg` with `ranks` on the node, `threads` each, saves its rate under (the kernel's
+    grads: FP32 where micro-batches are summed or the FP32 grad path is taken, else the params' dtype)."""
+    from .kernels import get_adamw_kernel
+
+    grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
+    return update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads, cfg.subgroup_numel)
+
+
+def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | None:
+    """The slowest local rank's rate (a step's update is its slowest rank's) that the last run here with
+    that key saved in cfg.bandwidth_profile; None without a profile, without such a run, or where that
+    run saved fewer than `ranks` ranks' (it ended before its fourth step). Reads only: a profile not
+    there yet is not made."""
+    if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
+        return None
+    key = rate_key_for(cfg, ranks, threads)
+    profile = BandwidthProfile(cfg.bandwidth_profile)
+    try:
+        with profile.locked():
+            _, rates, updated = profile.update_rate_entry(key)
+    finally:
+        profile.close()
+    if set(rates) < {str(r) for r in range(ranks)} or not rates:
+        return None
+    return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}")
+
+
+def learned_rate_keys(cfg: OffloadConfig) -> list[str]:
+    """The keys this host's profile holds learned rates under (for a plan that found none of its own)."""
+    if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
+        return []
+    profile = BandwidthProfile(cfg.bandwidth_profile)
+    try:
+        with profile.locked():
+            return profile.update_rate_keys()
+    finally:
+        profile.close()
+
+
+class UpdateRateLearner:
+    """Keeps one rank's CPU update rate as its steps ran it: the median over LEARN_STEPS steps after the
+    first (params the kernel updated over the time it took), saved once to the bandwidth profile under
+    this local rank and the job's `run` (one id for all its ranks: a new run's first save clears the
+    last run's ranks), for the planner's next prediction on this host."""
+
+    def __init__(self, profile_path: str, ranks: int, local_rank: int, run: str, subgroup_numel: int) -> None:
+        BandwidthProfile(profile_path).close()  # a path that cannot hold a profile fails now, naming itself
+        self.profile_path, self.ranks, self.local_rank, self.run = profile_path, ranks, local_rank, run
+        self.subgroup_numel = subgroup_numel
+        self._seen = 0
+        self._rates: list[float] = []
+        self._saved = False
+
+    def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float) -> None:
+        """One step's CPU kernel: `params` updated in `seconds` by `threads` threads."""
+        self._seen += 1
+        if self._seen == 1 or self._saved or params <= 0 or seconds <= 0:
+            return  # the first step warms up; once saved, the rate is kept
+        if len(self._rates) < LEARN_STEPS:
+            self._rates.append(params / seconds)
+        if len(self._rates) == LEARN_STEPS:
+            key = update_rate_key(kernel, self.ranks, threads, grad_dtype, self.subgroup_numel)
+            self._saved = self._save(key, statistics.median(self._rates))
+
+    def _save(self, key: str, rate: float) -> bool:
+        """Saves `rate`, waiting at most SAVE_WAIT_S for the profile (this runs inside a step); True once
+        done or given up, False to try again at the next step. Never raises: training goes on."""
+        try:
+            profile = BandwidthProfile(self.profile_path)
+            try:
+                deadline = time.monotonic() + SAVE_WAIT_S
+                while True:
+                    with profile.locked(wait=False) as got:
+                        if got:
+                            profile.store_update_rate(key, self.run, self.local_rank, rate)
+                            break
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(0.01)
+            finally:
+                profile.close()
+        except Exception as exc:  # the file or its dir gone, a symbolic link, a full disk: said, not raised
+            log.warning("cannot save the learned CPU update rate to %s: %s (training goes on)", self.profile_path, exc)
+            return True
+        if self.local_rank == 0:  # said once a node
+            log.info("learned the CPU update rate: %.0f M params/s a rank (%s), saved to %s for the planner", rate / 1e6, key,
+                     self.profile_path)  # fmt: skip
+        return True
