@@ -179,15 +179,27 @@ def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys):
     assert "1000 M params/s per rank" in out
 
 
-def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved(tmp_path):
+def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved_and_saves_its_own(tmp_path):
     from test_train import train
+
+    from fsdp_offload.plan import compose_plan_config
+    from fsdp_offload.recipe import read_config
+    from fsdp_offload.threads import cpu_threads_per_rank
 
     profile = tmp_path / "p.json"
     common = ["offload=host", f"offload.bandwidth_profile={profile}", "train.steps=5"]  # (a tier would need its speeds too)
-    first = train(tmp_path / "a", *common, "train.out_dir=" + str(tmp_path / "a"))
-    assert "learned the CPU update rate" in first.stdout + first.stderr
-    assert json.loads((tmp_path / "a" / "placement.json").read_text())["plan"]["update_s"] is None  # nothing learned yet
-    second = train(tmp_path / "b", *common, "train.out_dir=" + str(tmp_path / "b"))
+    recipe = read_config(compose_plan_config(common)[0])[3]
+    key = rate_key_for(recipe.config, 1, cpu_threads_per_rank(None, 1))  # what train.py looks up for this run
+    saved = BandwidthProfile(str(profile))
+    with saved.locked():
+        saved.store_update_rate(key, "an-earlier-run", 0, 1e9)
+    out = train(tmp_path / "b", *common, "train.out_dir=" + str(tmp_path / "b"))
     planned = json.loads((tmp_path / "b" / "placement.json").read_text())["plan"]
-    assert planned["update_s"] is not None and planned["update_s"] > 0
-    assert "a step predicted, from the CPU rate an earlier run saved (" in second.stdout + second.stderr
+    assert planned["cpu_s"] == pytest.approx(planned["params"] / 1e9)  # the rank's params at the learned 1000 M/s
+    assert planned["update_s"] >= planned["cpu_s"]
+    assert f"a step predicted, from the CPU rate an earlier run saved ({key}, saved " in out.stdout + out.stderr
+    assert "learned the CPU update rate" in out.stdout + out.stderr
+    with saved.locked():
+        run, rates, _ = saved.update_rate_entry(key)
+    saved.close()
+    assert run != "an-earlier-run" and set(rates) == {"0"}  # this run's own, at its fourth step
