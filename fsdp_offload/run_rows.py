@@ -1,5 +1,6 @@
 """The rows a training run writes: one JSON line a step (metrics.jsonl), TensorBoard scalars beside
-them, the process's memory and file descriptors, and the rows a resumed run drops."""
+them, the process's memory and file descriptors, the rows a resumed run drops, and an earlier run's
+rows a fresh one moves aside."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import math
 import os
 import resource
+import time
 
 
 def tensorboard_writer(path: str):
@@ -39,6 +41,25 @@ def process_now() -> dict:
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     return {"host_rss_gib": rss_pages * os.sysconf("SC_PAGE_SIZE") / 2**30, "open_fds": len(os.listdir("/proc/self/fd"))}
+
+
+def set_aside(path: str) -> str | None:
+    """Moves an earlier run's metrics file at `path` to `<stem>.<its last write><suffix>` beside it, so a
+    run starting fresh in that dir writes rows of its own alone, and nothing is lost; returns where it
+    went (None: no such file, or an empty one)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if st.st_size == 0:
+        return None
+    stem, suffix = os.path.splitext(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(st.st_mtime))
+    aside, n = f"{stem}.{stamp}{suffix}", 1
+    while os.path.exists(aside):
+        aside, n = f"{stem}.{stamp}-{n}{suffix}", n + 1
+    os.replace(path, aside)
+    return aside
 
 
 def drop_rows_from(path: str, step: int) -> None:

@@ -47,7 +47,7 @@ from .plan import plan_summary
 from .resume_config import follow_config, train_hyper
 from .recipe import read_config
 from .run_setup import check_writable_dir, init_distributed, lr_lambda, rng_state, run_dir, set_rng_state
-from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, tensorboard_writer
+from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, set_aside, tensorboard_writer
 from .storage import TierError
 from .storage.chunked import tier_root_problem
 from .storage.lock import lock_root_problem
@@ -183,6 +183,8 @@ def _run(cfg: DictConfig) -> list[dict]:
     board = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if tcfg.tensorboard and rank == 0 else None
     if resume_from:
         drop_rows_from(metrics_path, start_step)  # a resumed run redoes the steps after its checkpoint
+    elif (aside := set_aside(metrics_path)) is not None and rank == 0:  # a fresh run's rows are its own
+        log.info("an earlier run's rows in %s moved to %s: this run starts fresh", metrics_path, aside)
     with open(metrics_path, "a") as jsonl, contextlib.closing(board) if board is not None else contextlib.nullcontext():
 
         def write_finished() -> None:

@@ -390,3 +390,23 @@ def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
     # and one Hydra dir, however far apart the ranks started: named from torchrun's start, not each rank's own
     assert [p.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*")] == [next(iter(dirs)).relative_to(tmp_path)]
 
+
+
+def test_a_fresh_run_moves_an_earlier_run_s_rows_aside(tmp_path):
+    """A run that starts fresh in a dir holding an earlier run's metrics writes rows of its own alone; the
+    earlier ones are kept beside, named by their last write (a resumed run drops rows instead)."""
+    from fsdp_offload.run_rows import set_aside
+
+    path = tmp_path / "metrics.jsonl"
+    assert set_aside(str(path)) is None  # nothing there
+    path.write_text("")
+    assert set_aside(str(path)) is None and path.exists()  # an empty one is this run's to append to
+    path.write_text('{"step": 0}\n')
+    os.utime(path, (0, 86400 * 365))
+    first = set_aside(str(path))
+    path.write_text('{"step": 0}\n{"step": 1}\n')
+    os.utime(path, (0, 86400 * 365))  # the same second: never over the first
+    second = set_aside(str(path))
+    assert not path.exists() and first != second
+    assert Path(first).name.startswith("metrics.1971") and Path(first).suffix == ".jsonl"
+    assert [r["step"] for r in rows(Path(first))] == [0] and [r["step"] for r in rows(Path(second))] == [0, 1]
