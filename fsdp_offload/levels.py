@@ -25,6 +25,7 @@ from .gpu_share import gpu_subgroup_bytes, starting_share
 from .grad_sums import GradSums, grad_accumulation_memory, resolve_grad_accumulation
 from .grads import LowpGrads, StepGrads, TierFP32Grads
 from .host_windows import windows_bytes
+from .learned_rate import UpdateRateLearner
 from .machine import SHARED_FILE_SYSTEM_NOTE, MachineConfig, tier_room_subgroups, tiers_sharing_a_file_system
 from .memory import resolve_host_budget, warn_over_memory
 from .node import job_id, node_position
@@ -35,7 +36,6 @@ from .store import SubgroupStore
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB, readable_size
-from .learned_rate import UpdateRateLearner
 
 log = logging.getLogger(__name__)
 

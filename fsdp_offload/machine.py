@@ -16,11 +16,11 @@ import torch
 from .calibrate import TierSpeed
 from .config import OffloadConfig, is_number, is_whole
 from .gpu_share import needs_gpu
+from .learned_rate import CpuRate, learned_rate_for
 from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
-from .learned_rate import CpuRate, learned_rate_for
 from .update_rate import node_update_rate
 
 

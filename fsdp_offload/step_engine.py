@@ -30,13 +30,13 @@ from .interrupts import interrupts_between_subgroups
 from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
+from .learned_rate import UpdateRateLearner, kernel_label
 from .metrics import StepMetrics, step_metrics, traced
 from .optimizer_args import hyperparameters
 from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
-from .learned_rate import UpdateRateLearner, kernel_label
 
 
 class StepEngine:
