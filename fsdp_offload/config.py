@@ -367,10 +367,10 @@ def _tmpdir() -> str:
 
 def register_recipe_resolvers() -> None:
     """The recipes' own resolvers: `${tmpdir:}`, the node's scratch dir for this user (see _tmpdir), and
-    `${launch_time:}`, the job's start as Hydra's run dir names it (run_setup.launch_time)."""
+    `${launch_time:}`, the job's start as Hydra's run dir names it (node.launch_time)."""
     from omegaconf import OmegaConf
 
-    from .run_setup import launch_time
+    from .node import launch_time
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
     OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)

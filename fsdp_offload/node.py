@@ -1,10 +1,12 @@
-"""What this node is to a rank: how many of the job's ranks share it, and this process's cgroups
-(the limits a launcher or a container set on memory and CPUs)."""
+"""What this node is to a rank: how many of the job's ranks share it, its place among them, when torchrun
+started the job here, the job's id, and this process's cgroups (the limits a launcher or a container
+set on memory and CPUs)."""
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 
 import torch.distributed as dist
@@ -76,3 +78,21 @@ def job_id(group: dist.ProcessGroup | None) -> str:
     if group is not None and dist.get_world_size(group) > 1:
         dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
     return mine[0]
+
+
+def launch_time() -> str:
+    """Hydra's run dir under outputs/, `<date>/<time>` (`${launch_time:}` in the recipes): under torchrun the
+    time its agent on this node started, the parent of every rank of the job here, so the ranks share one
+    dir where each one's own clock would give a rank that started a second later a dir of its own (its
+    .hydra/ and log apart); elsewhere, or without Linux's /proc, the time now, as Hydra's default."""
+    started = time.time()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker that torchrun's agent started
+        try:
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in clock ticks after boot
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+            started = boot + ticks / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, StopIteration):
+            pass
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import time
 from datetime import timedelta
 
 import hydra
@@ -72,24 +71,6 @@ def check_writable_dir(path: str, option: str) -> None:
         raise ValueError(f"{option}={path}: {existing} is a file, not a directory; give a directory path")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{option}={path}: {existing} is not writable by uid {os.getuid()}; fix its mode or give another path")
-
-
-def launch_time() -> str:
-    """Hydra's run dir under outputs/, `<date>/<time>` (`${launch_time:}` in the recipes): under torchrun the
-    time its agent on this node started, the parent of every rank of the job here, so the ranks share one
-    dir where each one's own clock would give a rank that started a second later a dir of its own (its
-    .hydra/ and log apart); elsewhere, or without Linux's /proc, the time now, as Hydra's default."""
-    started = time.time()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker that torchrun's agent started
-        try:
-            with open(f"/proc/{os.getppid()}/stat") as f:
-                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in clock ticks after boot
-            with open("/proc/stat") as f:
-                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-            started = boot + ticks / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError, StopIteration):
-            pass
-    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started))
 
 
 def run_dir(out_dir: str | None) -> str:

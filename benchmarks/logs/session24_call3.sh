@@ -7,6 +7,7 @@ source .carry/dev_setup.sh
 export FSDP_OFFLOAD_COMMIT=$1; KIND=$2
 R=$OUT/r; mkdir -p $R/logs
 nvidia-smi -L > $R/cards.txt
+# (.carry/s24_rate_probe.py is kept as benchmarks/logs/session24_call3_rate_probe.py)
 OUT=$R timeout 100 python3 .carry/s24_rate_probe.py > $R/rate_probe.log 2>&1; echo "probe rc=$?"; cat $R/rate_probe.log | grep -v Warn
 C="model=1b offload=host offload.gpu_fraction=0 data.seq_len=2048 data.micro_batch=1 train.seed=0 train.lr=1e-4 train.warmup_steps=1"
 for round in 1 2; do
