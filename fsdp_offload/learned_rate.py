@@ -72,7 +72,7 @@ def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | 
             _, rates, updated = profile.update_rate_entry(key)
     finally:
         profile.close()
-    if set(rates) < {str(r) for r in range(ranks)} or not rates:
+    if not {str(r) for r in range(ranks)} <= set(rates):  # every local rank of that run, or none of it
         return None
     return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}")
 
