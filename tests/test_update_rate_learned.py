@@ -70,6 +70,7 @@ def test_the_slowest_rank_of_the_last_whole_run_is_learned(tmp_path):
     assert learned_rate_for(cfg_for(path, numel=8192), 1, key_threads).params_per_s == pytest.approx(700e6)
 
 
+@pytest.mark.bad_input
 def test_a_hand_edited_rate_counts_as_none(tmp_path):
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))
@@ -100,6 +101,7 @@ def test_the_learner_saves_the_median_of_the_steps_after_the_first_once(tmp_path
     profile.close()
 
 
+@pytest.mark.bad_input
 def test_a_profile_path_that_cannot_hold_a_file_fails_at_construction(tmp_path):
     with pytest.raises(Exception, match="is a directory"):
         UpdateRateLearner(str(tmp_path), 1, 0, "r", 4096)
