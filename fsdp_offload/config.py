@@ -373,4 +373,4 @@ def register_recipe_resolvers() -> None:
     from .node import launch_time
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-    OmegaConf.register_new_resolver("launch_time", launch_time, replace=True)
+    OmegaConf.register_new_resolver("launch_time", launch_time, replace=True, use_cache=True)  # one dir a process

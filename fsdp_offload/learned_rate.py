@@ -32,7 +32,7 @@ class CpuRate:
 
     params_per_s: float
     source: str  # "given" (machine.cpu_mparams_per_s), "learned" (an earlier run's steps here) or "timed" (update_rate)
-    detail: str = ""  # for "learned": the run it came from
+    detail: str = ""  # "learned": the run it came from; "timed": what would give a learned one (learned_rate.unlearned_note)
 
 
 def kernel_label(kernel: object) -> str:
@@ -77,16 +77,27 @@ def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | 
     return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}")
 
 
-def learned_rate_keys(cfg: OffloadConfig) -> list[str]:
-    """The keys this host's profile holds learned rates under (for a plan that found none of its own)."""
-    if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
-        return []
-    profile = BandwidthProfile(cfg.bandwidth_profile)
-    try:
-        with profile.locked():
-            return profile.update_rate_keys()
-    finally:
-        profile.close()
+def unlearned_note(cfg: OffloadConfig, ranks: int, threads: int) -> str:
+    """For a plan that found no learned rate in cfg.bandwidth_profile: what would give it one ("" without
+    a profile), naming a run of this key that ended before every rank saved, and the keys of other runs."""
+    if cfg.bandwidth_profile is None:
+        return ""
+    key = rate_key_for(cfg, ranks, threads)
+    parts = [f"a run here of {LEARN_STEPS + 1} steps or more saves its own to {cfg.bandwidth_profile}, and the next plan uses it"]
+    if os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
+        profile = BandwidthProfile(cfg.bandwidth_profile)
+        try:
+            with profile.locked():
+                keys, own = profile.update_rate_keys(), profile.update_rate_entry(key)[1]
+        finally:
+            profile.close()
+        if own:
+            parts.append(f"the last run here for {key} ended before each of its {ranks} ranks saved its rate")
+        others = [k for k in keys if k != key]
+        if others:
+            parts.append(f"it holds rates learned for other runs ({'; '.join(others)}): state machine.ranks_per_node and "
+                         "train.cpu_threads as that run had them")  # fmt: skip
+    return "; ".join(parts)
 
 
 class UpdateRateLearner:
@@ -102,6 +113,7 @@ class UpdateRateLearner:
         self._seen = 0
         self._rates: list[float] = []
         self._saved = False
+        self._waited = False  # the first try waits SAVE_WAIT_S for a peer's save; later ones do not wait
 
     def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float) -> None:
         """One step's CPU kernel: `params` updated in `seconds` by `threads` threads."""
@@ -115,12 +127,14 @@ class UpdateRateLearner:
             self._saved = self._save(key, statistics.median(self._rates))
 
     def _save(self, key: str, rate: float) -> bool:
-        """Saves `rate`, waiting at most SAVE_WAIT_S for the profile (this runs inside a step); True once
-        done or given up, False to try again at the next step. Never raises: training goes on."""
+        """Saves `rate`, the first time waiting at most SAVE_WAIT_S for the profile (this runs inside a
+        step: a peer rank's save takes milliseconds, another process's tier measurement minutes), later
+        not at all; True once done or given up, False to try again at the next step. Never raises."""
         try:
             profile = BandwidthProfile(self.profile_path)
             try:
-                deadline = time.monotonic() + SAVE_WAIT_S
+                deadline = time.monotonic() + (0.0 if self._waited else SAVE_WAIT_S)
+                self._waited = True
                 while True:
                     with profile.locked(wait=False) as got:
                         if got:

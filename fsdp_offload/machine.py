@@ -16,7 +16,7 @@ import torch
 from .calibrate import TierSpeed
 from .config import OffloadConfig, is_number, is_whole
 from .gpu_share import needs_gpu
-from .learned_rate import CpuRate, learned_rate_for
+from .learned_rate import CpuRate, learned_rate_for, unlearned_note
 from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
@@ -181,7 +181,8 @@ def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     else:
         ranks = machine.ranks_per_node
         threads = cpu_threads_per_rank(cpu_threads, ranks)
-        rate = learned_rate_for(cfg, ranks, threads) or CpuRate(node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks), "timed")
+        rate = learned_rate_for(cfg, ranks, threads) or CpuRate(
+            node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks), "timed", unlearned_note(cfg, ranks, threads))
     if machine.tier_read_gbps is not None:  # the planned machine's, stated
         return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

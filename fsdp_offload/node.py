@@ -73,9 +73,14 @@ def node_peers(group: dist.ProcessGroup) -> list[int]:
 
 
 def job_id(group: dist.ProcessGroup | None) -> str:
-    """One id for the job, the same on every rank of `group` (a collective): rank 0's, new each job."""
+    """One id for the job, the same on every rank of `group` (a collective): rank 0's, new each job.
+    Without a group (params that are not DTensors), the id torchrun gave the node's ranks with the time
+    it started them, which they share without a collective; a new one outside torchrun."""
+    if group is None:
+        run = os.environ.get("TORCHELASTIC_RUN_ID")
+        return f"{run}-{launch_time()}" if run else uuid.uuid4().hex
     mine = [uuid.uuid4().hex]
-    if group is not None and dist.get_world_size(group) > 1:
+    if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
     return mine[0]
 

@@ -97,7 +97,7 @@ class Plan:
     host_bytes: int
     tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
     cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
-    cpu_rate_detail: str = ""  # for "learned": the run it came from
+    cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
 
     @property
     def predicted_update_s(self) -> float | None:

@@ -37,7 +37,6 @@ from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes,
                       tiers_sharing_a_file_system)
-from .learned_rate import LEARN_STEPS, learned_rate_keys
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -217,11 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     elif plan.cpu_rate_source == "timed":  # a rented machine's update needs that machine's rate
         print(f"CPU update rate: timed on this machine ({os.cpu_count()} cores) as the node's ranks run it; for "
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
-        if ocfg.bandwidth_profile is not None:
-            others = learned_rate_keys(ocfg)
-            print(f"  a run here of {LEARN_STEPS + 1} steps or more saves its own to {ocfg.bandwidth_profile}, and the next plan "
-                  "uses it" + (f"; it holds rates learned for other runs ({'; '.join(others)}): state machine.ranks_per_node "
-                               "and train.cpu_threads as that run had them" if others else ""))  # fmt: skip
+        if plan.cpu_rate_detail:
+            print(f"  {plan.cpu_rate_detail}")
     if machine.tier_read_gbps is None and all(os.path.isdir(spec.dir) for spec in ocfg.tier_specs):  # measured here
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")

@@ -113,12 +113,18 @@ def test_a_busy_profile_is_tried_again_and_a_broken_one_only_warns(tmp_path, cap
     from fsdp_offload import learned_rate
 
     monkeypatch.setattr(learned_rate, "SAVE_WAIT_S", 0.05)
+    waits = []
+    monkeypatch.setattr(learned_rate.time, "sleep", lambda s: waits.append(s))
     path = str(tmp_path / "p.json")
     learner = UpdateRateLearner(path, 1, 0, "r", 4096)
     holder = BandwidthProfile(path)  # another process measuring a tier holds the profile for minutes
     with holder.locked():
         for _ in range(1 + LEARN_STEPS):
-            learner.observe("torch", 4, BF16, 1000, 1.0)  # not saved yet: a step does not wait for it
+            learner.observe("torch", 4, BF16, 1000, 1.0)  # the first try waits a little for it (a peer's save), then gives up
+        assert waits  # (polled until SAVE_WAIT_S)
+        waits.clear()
+        learner.observe("torch", 4, BF16, 1000, 1.0)  # a later step's try does not wait at all
+        assert waits == []
     holder.close()
     key = update_rate_key("torch", 1, 4, BF16, 4096)
     assert not os.path.exists(path)
@@ -170,7 +176,11 @@ def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys):
     assert not os.path.exists(os.path.dirname(path))  # the plan only reads: nothing made for a profile not there
     threads = torch.get_num_threads()
     cfg = cfg_for(path, numel=OffloadConfig().subgroup_numel)  # the recipes' subgroup size
-    learn(path, 1e9, ranks=2, threads=threads, numel=cfg.subgroup_numel)
+    learn(path, 1e9, ranks=2, threads=threads, numel=cfg.subgroup_numel)  # rank 0 of a 2-rank run; its rank 1 never saved
+    assert plan_main([*common, f"train.cpu_threads={threads}", "machine.ranks_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"the last run here for {rate_key_for(cfg, 2, threads)} ended before each of its 2 ranks saved its rate" in out
+    assert "other runs" not in out  # (that key is this plan's own)
     learn(path, 1e9, ranks=2, slot=1, threads=threads, numel=cfg.subgroup_numel)
     assert plan_main([*common, f"train.cpu_threads={threads}"]) == 0  # planned for 1 rank: the 2-rank rate is not it
     out = capsys.readouterr().out
@@ -205,3 +215,14 @@ def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved_and_saves_
         run, rates, _ = saved.update_rate_entry(key)
     saved.close()
     assert run != "an-earlier-run" and set(rates) == {"0"}  # this run's own, at its fourth step
+
+
+def test_ranks_without_a_process_group_share_torchrun_s_job_id(monkeypatch):
+    """Params that are not DTensors give the optimizer no group to broadcast an id over: a node's ranks under
+    torchrun then take the id torchrun gave them with the time it started them, the same on each."""
+    from fsdp_offload.node import job_id
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert job_id(None) != job_id(None)  # a process of its own: a new id each run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
+    assert job_id(None) == job_id(None) and job_id(None).startswith("abc123-")
