@@ -1,6 +1,6 @@
 """The bandwidth profile: a JSON file of what this host's parts were measured or learned to do, kept
 between runs. Per host: each tier's read and write bandwidth and latency (calibrate.measure_tier's, and
-what the placement learned since), and the CPU update's rate as the step ran it (update_rate.py), so
+what the placement learned since), and the CPU update's rate as the step ran it (learned_rate.py), so
 the next run and the planner start from them.
 """
 
@@ -46,6 +46,17 @@ def profile_problem(path: str | None) -> str | None:
     except TierError as exc:
         return str(exc)
     return None
+
+
+@contextlib.contextmanager
+def locked_profile(path: str) -> Iterator[BandwidthProfile]:
+    """The profile at `path`, its lock held inside the block and its lock file closed after."""
+    profile = BandwidthProfile(path)
+    try:
+        with profile.locked():
+            yield profile
+    finally:
+        profile.close()
 
 
 class BandwidthProfile:
@@ -153,7 +164,7 @@ class BandwidthProfile:
         self._write(data)
 
     def update_rate_entry(self, key: str) -> tuple[str | None, dict[str, float], str | None]:
-        """This host's learned CPU update rates under `key` (update_rate.update_rate_key): the run that saved
+        """This host's learned CPU update rates under `key` (learned_rate.update_rate_key): the run that saved
         them, params/s by the local rank that measured it, and when (call with the lock held). A
         hand-edited value that is not a positive finite number counts as none."""
         entry = self._read_all().get(UPDATE_RATES)
@@ -217,10 +228,6 @@ class BandwidthProfile:
 def write_profile(path: str, speeds: dict[str, TierSpeed]) -> str:
     """Stores `speeds` (tier spec -> speed) as calibrated in the profile at `path` (what a benchmark or
     a test starts a run from); returns `path`."""
-    profile = BandwidthProfile(path)
-    try:
-        with profile.locked():
-            profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
-    finally:
-        profile.close()
+    with locked_profile(path) as profile:
+        profile.store({tier_profile_key(spec): s for spec, s in speeds.items()}, "calibrated")
     return path

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .bandwidth_profile import BandwidthProfile
+from .bandwidth_profile import BandwidthProfile, locked_profile
 from .config import OffloadConfig
+from .kernels import get_adamw_kernel
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dty
 def rate_key_for(cfg: OffloadConfig, ranks: int, threads: int) -> str:
     """The key a run of `cfg` with `ranks` on the node, `threads` each, saves its rate under (the kernel's
     grads: FP32 where micro-batches are summed or the FP32 grad path is taken, else the params' dtype)."""
-    from .kernels import get_adamw_kernel
-
     grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
     return update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads, cfg.subgroup_numel)
 
@@ -66,12 +65,8 @@ def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | 
     if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
         return None
     key = rate_key_for(cfg, ranks, threads)
-    profile = BandwidthProfile(cfg.bandwidth_profile)
-    try:
-        with profile.locked():
-            _, rates, updated = profile.update_rate_entry(key)
-    finally:
-        profile.close()
+    with locked_profile(cfg.bandwidth_profile) as profile:
+        _, rates, updated = profile.update_rate_entry(key)
     if not {str(r) for r in range(ranks)} <= set(rates):  # every local rank of that run, or none of it
         return None
     return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}")
@@ -85,12 +80,8 @@ def unlearned_note(cfg: OffloadConfig, ranks: int, threads: int) -> str:
     key = rate_key_for(cfg, ranks, threads)
     parts = [f"a run here of {LEARN_STEPS + 1} steps or more saves its own to {cfg.bandwidth_profile}, and the next plan uses it"]
     if os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
-        profile = BandwidthProfile(cfg.bandwidth_profile)
-        try:
-            with profile.locked():
-                keys, own = profile.update_rate_keys(), profile.update_rate_entry(key)[1]
-        finally:
-            profile.close()
+        with locked_profile(cfg.bandwidth_profile) as profile:
+            keys, own = profile.update_rate_keys(), profile.update_rate_entry(key)[1]
         if own:
             parts.append(f"the last run here for {key} ended before each of its {ranks} ranks saved its rate")
         others = [k for k in keys if k != key]

@@ -32,7 +32,7 @@ class MachineConfig:
     nodes: int = 1
     gpu_gib: float | None = None  # GPU memory per rank; None: this GPU's (0: no GPU, the CPU trains)
     host_gib: float | None = None  # host memory available to the node's ranks; None: MemAvailable here
-    cpu_mparams_per_s: float | None = None  # one rank's CPU update speed; None: the kernel timed here
+    cpu_mparams_per_s: float | None = None  # one rank's CPU update speed; None: learned here by an earlier run, else timed here
     gpu_update_gbps: float = 2000.0  # bytes/s the GPU update moves (28 bytes a param), in GB/s
     # The planned machine's tiers, one entry per offload.tiers (None: the given dirs on this machine,
     # timed and read here). Speeds in GB/s; free space in GiB, each tier's own (no two share it).
