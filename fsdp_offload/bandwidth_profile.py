@@ -16,10 +16,11 @@ import os
 import platform
 import tempfile
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from .bandwidth import TierSpeed
 from .config import NULL
+from .node import first_on_node
 from .storage import TierSpec
 from .storage.base import TierError
 from .storage.spec import as_spec
@@ -29,6 +30,61 @@ log = logging.getLogger(__name__)
 DEFAULT_PROFILE = "~/.cache/fsdp-offload/bandwidth.json"
 PROFILE_FORMAT = "fsdp-offload-bandwidth-profile/1"
 UPDATE_RATES = "update_rates"  # the section of learned CPU update rates (beside "hosts", the tiers')
+
+
+# -- what an entry must hold --------------------------------------------------------------------------
+# The profile is a file people edit by hand: every entry is checked before use, by one function
+# (`entry_problem`), and one that fails is said once (`BandwidthProfile.usable`) and treated as absent.
+
+Check = Callable[[Any], Optional[str]]  # what is wrong with a field's value ("is -3: it must be ..."), None: nothing
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _gbps(value: object) -> str | None:
+    return None if _finite(value) and value > 0 else f"is {value!r}: it must be a number of GB/s > 0"
+
+
+def _ms(value: object) -> str | None:
+    return None if _finite(value) and value >= 0 else f"is {value!r}: it must be a number of milliseconds >= 0"
+
+
+def _text(value: object) -> str | None:
+    return None if isinstance(value, str) and value else f"is {value!r}: it must be a non-empty string"
+
+
+def _rank_rates(value: object) -> str | None:
+    if not isinstance(value, dict):
+        return f'is {value!r}: it must map each local rank to its M params/s, e.g. {{"0": 250.0}}'
+    for rank, rate in value.items():
+        if not (isinstance(rank, str) and rank.isdigit()):
+            return f"has the key {rank!r}: its keys must be local ranks (0, 1, ...)"
+        if not (_finite(rate) and rate > 0):
+            return f"[{rank!r}] is {rate!r}: it must be a number of M params/s > 0"
+    return None
+
+
+# The fields each kind of entry is read for (others, such as a tier's "source", are only kept).
+TIER_FIELDS: dict[str, Check] = {"read_gbps": _gbps, "write_gbps": _gbps, "latency_ms": _ms}
+RATE_FIELDS: dict[str, Check] = {"run": _text, "mparams_per_s": _rank_rates, "updated": _text}
+
+
+def entry_problem(entry: object, fields: dict[str, Check]) -> str | None:
+    """What makes a profile entry unusable, naming the first field that is missing or wrong; None if usable."""
+    if not isinstance(entry, dict):
+        return f"it is {entry!r}, not an object with the fields {', '.join(fields)}"
+    for name, check in fields.items():
+        if name not in entry:
+            return f"field {name!r} is missing"
+        problem = check(entry[name])
+        if problem is not None:
+            return f"field {name!r} {problem}"
+    return None
+
+
+_said: set[tuple[str, ...]] = set()  # problems warned of by this process: each once, however often the file is read
 
 
 def tier_profile_key(spec: TierSpec | str) -> str:
@@ -138,18 +194,27 @@ class BandwidthProfile:
             return {}
         out = {}
         for key, entry in mine.items():
-            try:
-                speed = TierSpeed(entry["read_gbps"] * 1e9, entry["write_gbps"] * 1e9, entry["latency_ms"] / 1e3)
-            except (TypeError, KeyError):
-                speed = None
-            if speed is None or not speed.valid:
-                log.warning(
-                    "bandwidth profile %s: entry for %s on %s is not usable (%s); it will be measured again",
-                    self.path, key, self.host, entry,
-                )  # fmt: skip
-                continue
-            out[key] = speed
+            if self.usable(["hosts", self.host, key], entry, TIER_FIELDS, "measures that tier again"):
+                out[key] = TierSpeed(entry["read_gbps"] * 1e9, entry["write_gbps"] * 1e9, entry["latency_ms"] / 1e3)
         return out
+
+    def usable(self, where: list[str], entry: object, fields: dict[str, Check], instead: str) -> bool:
+        """Whether the entry at `where` (its keys from the file's top) holds `fields` as they must be; if
+        not, says so (`unusable`) and what is done `instead`."""
+        problem = entry_problem(entry, fields)
+        if problem is not None:
+            self.unusable(where, problem, instead)
+        return problem is None
+
+    def unusable(self, where: list[str], problem: str, instead: str) -> None:
+        """A warning naming the file, the entry at `where`, its `problem` and the fix: once a process, and
+        from the node's first rank only (each of a node's ranks reads the same entries)."""
+        said = (self.path, *where, problem)
+        if said not in _said and first_on_node():
+            _said.add(said)
+            log.warning("bandwidth profile %s: the entry %s is not usable: %s; this run ignores it and %s. Delete that "
+                        "entry or fix its value in the file", self.path, "".join(f"[{k!r}]" for k in where), problem,
+                        instead)  # fmt: skip
 
     def store(self, speeds: dict[str, TierSpeed], source: str) -> None:
         """Merges `speeds` (tier key -> speed) into this host's entries (call with the lock held)."""
@@ -165,16 +230,21 @@ class BandwidthProfile:
 
     def update_rate_entry(self, key: str) -> tuple[str | None, dict[str, float], str | None]:
         """This host's learned CPU update rates under `key` (learned_rate.update_rate_key): the run that saved
-        them, params/s by the local rank that measured it, and when (call with the lock held). A
-        hand-edited value that is not a positive finite number counts as none."""
-        entry = self._read_all().get(UPDATE_RATES)
-        for part in (self.host, key):
-            entry = entry.get(part) if isinstance(entry, dict) else None
-        if not isinstance(entry, dict):
+        them, params/s by the local rank that measured it, and when (call with the lock held). An entry
+        that is not as RATE_FIELDS say (a hand edit) is warned of and counts as none."""
+        entry: object = self._read_all()
+        where: list[str] = []
+        instead = "times the CPU update instead (a run's own steps here save a new rate)"
+        for part in (UPDATE_RATES, self.host, key):
+            if not isinstance(entry, dict):  # a section that is not an object hides every entry under it
+                self.unusable(where, f"it is {entry!r}, not an object", instead)
+                return None, {}, None
+            entry, where = entry.get(part), [*where, part]
+            if entry is None:  # none saved: nothing to say
+                return None, {}, None
+        if not self.usable(where, entry, RATE_FIELDS, instead):
             return None, {}, None
-        rates = entry.get("mparams_per_s") if isinstance(entry.get("mparams_per_s"), dict) else {}
-        usable = {r: v * 1e6 for r, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf}
-        return entry.get("run"), usable, entry.get("updated")
+        return entry["run"], {r: v * 1e6 for r, v in entry["mparams_per_s"].items()}, entry["updated"]
 
     def update_rate_keys(self) -> list[str]:
         """The keys this host has learned CPU update rates under (call with the lock held)."""
@@ -188,8 +258,8 @@ class BandwidthProfile:
         data = self._read_all()
         section = data[UPDATE_RATES] = data.get(UPDATE_RATES) if isinstance(data.get(UPDATE_RATES), dict) else {}
         mine = section[self.host] = section.get(self.host) if isinstance(section.get(self.host), dict) else {}
-        entry = mine.get(key) if isinstance(mine.get(key), dict) else {}
-        if entry.get("run") != run or not isinstance(entry.get("mparams_per_s"), dict):
+        entry = mine.get(key)
+        if entry_problem(entry, RATE_FIELDS) is not None or entry["run"] != run:  # (a broken entry is replaced whole)
             entry = {"run": run, "mparams_per_s": {}}
         entry["mparams_per_s"][str(local_rank)] = params_per_s / 1e6
         entry["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")

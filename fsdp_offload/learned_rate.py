@@ -59,9 +59,9 @@ def rate_key_for(cfg: OffloadConfig, ranks: int, threads: int) -> str:
 
 def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | None:
     """The slowest local rank's rate (a step's update is its slowest rank's) that the last run here with
-    that key saved in cfg.bandwidth_profile; None without a profile, without such a run, or where that
-    run saved fewer than `ranks` ranks' (it ended before its fourth step). Reads only: a profile not
-    there yet is not made."""
+    that key saved in cfg.bandwidth_profile; None without a profile, without such a run, where that
+    run saved fewer than `ranks` ranks' (it ended before its fourth step), or where its entry is broken
+    (a hand edit: the profile warns of it). Reads only: a profile not there yet is not made."""
     if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
         return None
     key = rate_key_for(cfg, ranks, threads)

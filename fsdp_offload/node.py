@@ -65,6 +65,16 @@ def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return len(peers), peers.index(dist.get_rank(group))
 
 
+def first_on_node() -> bool:
+    """Whether this process is its node's first rank, found without a collective (for what each of a
+    node's ranks reads alike, a file say, to be said once a node): $LOCAL_RANK == 0 (torchrun), else,
+    where a launcher set none, the job's rank 0; a process with no group of others is."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    local = os.environ.get("LOCAL_RANK")
+    return int(local) == 0 if local is not None else dist.get_rank() == 0
+
+
 def node_peers(group: dist.ProcessGroup) -> list[int]:
     """The ranks of `group` (group ranks, ascending) on this node, by host name. A collective."""
     hosts: list[str | None] = [None] * dist.get_world_size(group)

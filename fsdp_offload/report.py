@@ -40,20 +40,24 @@ class Run:
 
 
 def load_run(path: str, name: str | None = None) -> Run:
-    """A run dir of scripts/train.py: its rank-0 metrics and the offload options it ran with."""
-    metrics = os.path.join(path, "metrics.jsonl")
+    """A run dir of scripts/train.py: its rank-0 metrics and the offload options it ran with. The rows are
+    the last run's alone: the file its config names (train.metrics_file), which a fresh run starts anew
+    (earlier runs' rows, every rank's, are moved aside under stamped names that are never read here)."""
+    config = os.path.join(path, ".hydra", "config.yaml")
+    metrics_file, offload = "metrics.jsonl", {}  # (a run dir without Hydra's record: train.py's defaults)
+    if os.path.isfile(config):
+        from omegaconf import OmegaConf
+
+        recorded = OmegaConf.load(config)
+        metrics_file = str(OmegaConf.select(recorded, "train.metrics_file", default=metrics_file))
+        offload = OmegaConf.to_container(recorded.get("offload", {}), resolve=False)
+    metrics = os.path.join(path, metrics_file)
     if not os.path.isfile(metrics):
         raise FileNotFoundError(f"{metrics} does not exist: give the run dir of a scripts/train.py run")
     with open(metrics) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
         raise ValueError(f"{metrics} has no rows: the run logged no step")
-    offload: dict[str, Any] = {}
-    config = os.path.join(path, ".hydra", "config.yaml")
-    if os.path.isfile(config):
-        from omegaconf import OmegaConf
-
-        offload = OmegaConf.to_container(OmegaConf.load(config).get("offload", {}), resolve=False)
     return Run(name or _run_name(path), path, rows, offload)
 
 
@@ -176,7 +180,7 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", help="run dirs of scripts/train.py (each with metrics.jsonl); files are skipped")
+    ap.add_argument("runs", nargs="+", help="run dirs of scripts/train.py (each with its metrics.jsonl, rank 0's); files are skipped")
     ap.add_argument("--out", default="figures", help="where the PNGs and summary.json go")
     ap.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the means")
     args = ap.parse_args(argv)

@@ -1,14 +1,19 @@
 """The rows a training run writes: one JSON line a step (metrics.jsonl), TensorBoard scalars beside
 them, the process's memory and file descriptors, the rows a resumed run drops, and an earlier run's
-rows a fresh one moves aside."""
+rows a fresh one moves aside (every rank's, before any rank writes)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 import resource
 import time
+
+import torch.distributed as dist
+
+from .job_errors import JobError
 
 
 def tensorboard_writer(path: str):
@@ -60,6 +65,55 @@ def set_aside(path: str) -> str | None:
         aside, n = f"{stem}.{stamp}-{n}{suffix}", n + 1
     os.replace(path, aside)
     return aside
+
+
+def rows_file(out_dir: str, metrics_file: str, rank: int) -> str:
+    """Where `rank` writes its rows: `metrics_file` (rank 0's) or `rank<N>.<metrics_file>` in `out_dir`."""
+    return os.path.join(out_dir, metrics_file if rank == 0 else f"rank{rank}.{metrics_file}")
+
+
+def set_aside_all(out_dir: str, metrics_file: str) -> list[tuple[str, str]]:
+    """Moves every rank's rows of an earlier run in `out_dir` aside (`set_aside`), those of ranks this
+    run does not have too: an earlier run with more ranks left `rank<N>.<metrics_file>` files that a
+    reader of the dir would take for this run's. Returns (file, where it went) for each one moved."""
+    ours = re.compile(r"(rank\d+\.)?" + re.escape(metrics_file))  # (not the ones set aside: their names are stamped)
+    try:
+        names = sorted(os.listdir(out_dir))
+    except FileNotFoundError:
+        return []
+    moved = []
+    for name in names:
+        if ours.fullmatch(name) and (aside := set_aside(os.path.join(out_dir, name))) is not None:
+            moved.append((os.path.join(out_dir, name), aside))
+    return moved
+
+
+def start_fresh(out_dir: str, metrics_file: str, group: dist.ProcessGroup | None) -> list[tuple[str, str]]:
+    """For a run starting fresh in `out_dir` (a collective over `group`, None: this process alone): rank 0
+    moves every earlier run's rows aside before any rank opens its file (the others wait for it: a rank
+    appending to a file as it is moved would lose rows); then each rank moves its own file aside if it is
+    still there (an out dir local to each node, which rank 0 does not see). Returns what this rank moved.
+    An OSError on rank 0 ends every rank: rank 0 raises it (its line names the option), the others a
+    JobError, which rank 0 says for them."""
+    rank = 0 if group is None else dist.get_rank(group)
+    moved: list[tuple[str, str]] = []
+    failed: OSError | None = None
+    if rank == 0:
+        try:
+            moved = set_aside_all(out_dir, metrics_file)
+        except OSError as exc:
+            failed = exc
+    if group is not None and dist.get_world_size(group) > 1:
+        said = [None if failed is None else f"moving an earlier run's rows aside in {out_dir} failed on rank 0: {failed}"]
+        dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
+        if said[0] is not None and rank != 0:
+            raise JobError(said[0])
+    if failed is not None:
+        raise failed
+    own = rows_file(out_dir, metrics_file, rank)
+    if rank != 0 and (aside := set_aside(own)) is not None:
+        moved.append((own, aside))
+    return moved
 
 
 def drop_rows_from(path: str, step: int) -> None:

@@ -47,7 +47,9 @@ from .plan import plan_summary
 from .resume_config import follow_config, train_hyper
 from .recipe import read_config
 from .run_setup import check_writable_dir, init_distributed, lr_lambda, rng_state, run_dir, set_rng_state
-from .run_rows import add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, set_aside, tensorboard_writer
+from .run_rows import (
+    add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, rows_file, start_fresh, tensorboard_writer,
+)  # fmt: skip
 from .storage import TierError
 from .storage.chunked import tier_root_problem
 from .storage.lock import lock_root_problem
@@ -170,7 +172,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         if recipe.optimizer == "offload":  # what the planner said, and what was built
             with open(os.path.join(out_dir, "placement.json"), "w") as f:
                 json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), **startup}, f, indent=1)
-    metrics_path = os.path.join(out_dir, tcfg.metrics_file if rank == 0 else f"rank{rank}.{tcfg.metrics_file}")
+    metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
         log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
@@ -183,8 +185,9 @@ def _run(cfg: DictConfig) -> list[dict]:
     board = tensorboard_writer(os.path.join(out_dir, "tensorboard")) if tcfg.tensorboard and rank == 0 else None
     if resume_from:
         drop_rows_from(metrics_path, start_step)  # a resumed run redoes the steps after its checkpoint
-    elif (aside := set_aside(metrics_path)) is not None and rank == 0:  # a fresh run's rows are its own
-        log.info("an earlier run's rows in %s moved to %s: this run starts fresh", metrics_path, aside)
+    else:  # a fresh run's rows are its own: every earlier run's, of any rank count, moved aside before any rank writes
+        for path, aside in start_fresh(out_dir, tcfg.metrics_file, group):
+            log.info("an earlier run's rows in %s moved to %s: this run starts fresh", path, aside)
     with open(metrics_path, "a") as jsonl, contextlib.closing(board) if board is not None else contextlib.nullcontext():
 
         def write_finished() -> None:

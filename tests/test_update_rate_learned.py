@@ -71,16 +71,18 @@ def test_the_slowest_rank_of_the_last_whole_run_is_learned(tmp_path):
 
 
 @pytest.mark.bad_input
-def test_a_hand_edited_rate_counts_as_none(tmp_path):
+def test_a_hand_edited_rate_counts_as_none(tmp_path, caplog):
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))
     with profile.locked():
         profile.store({}, "calibrated")
     data = json.loads(path.read_text())
-    data["update_rates"] = {profile.host: {"k": {"mparams_per_s": {"0": "fast", "1": -3, "2": 150, "3": 1e999}}}, "x": []}
+    rates = {"0": "fast", "1": -3, "2": 150, "3": 1e999}
+    data["update_rates"] = {profile.host: {"k": {"run": "r", "mparams_per_s": rates, "updated": "t"}}, "x": []}
     path.write_text(json.dumps(data).replace("Infinity", "1e999"))
-    with profile.locked():
-        assert profile.update_rate_entry("k")[1] == {"2": pytest.approx(150e6)}  # the usable one only
+    with profile.locked(), caplog.at_level(logging.WARNING):
+        assert profile.update_rate_entry("k") == (None, {}, None)  # one broken rank's rate breaks the entry: none, said
+    assert "field 'mparams_per_s' ['0'] is 'fast'" in caplog.text  # (tests/test_profile_entries.py: the whole warning)
     data["update_rates"] = ["not", "a", "dict"]
     path.write_text(json.dumps(data))
     with profile.locked():
