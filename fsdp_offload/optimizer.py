@@ -37,7 +37,6 @@ from .state_dicts import OptimizerStates
 from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
 from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy, step_has_grads
-from .unit_pieces import unit_pieces
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -126,9 +125,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if cfg.overlap == "auto" and says_once():  # (the same on every rank)
             log.info("offload.overlap='auto': %s", overlap)
         self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
-        unit_of = {id(p): u for u, (_, params) in enumerate(units) for p in params}
-        pieces = unit_pieces(self.layout, [unit_of.get(id(p)) for p in self._params], len(units))
-        forward = forward_order(pieces.unit_subgroups(), len(self.layout))
+        index = {id(p): i for i, p in enumerate(self._params)}
+        unit_subgroups = [
+            frozenset(sg for p in params if id(p) in index for sg, _ in self.layout.param_segments[index[id(p)]])
+            for _, params in units
+        ]
+        forward = forward_order(unit_subgroups, len(self.layout))
         first_pass = order_ending_with(forward, 0, cfg.update_order)  # the fill leaves the cache holding what step 1 needs first
         self.kernel_name, kernel = get_adamw_kernel(cfg.kernel)
         group = mesh_group(self._params)
@@ -137,11 +139,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.store, self.grads, self.grad_accumulation = levels.store, levels.grads, levels.grad_accumulation
         self.grad_path = levels.grad_path  # where the low-precision grads wait for their update (resolved)
         # None: step() updates every subgroup before it returns
-        inflight = UpdateInFlight(pieces) if units and overlap != "none" else None
+        inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight])
         self._copies = CopyStream(device)
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
-        self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, pieces, forward, self.store, self.grads, self._copies,
+        self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
         if self.store.gpu_state:  # the GPU share reads FP32 sums where micro-batches are summed, else the staged grads
             warm_up_gpu_kernel(kernels[1], device, torch.float32 if cfg.micro_batches > 1 else self.param_dtype, self.param_dtype)

@@ -1,10 +1,9 @@
 """The update of one step, run on a worker thread while the training loop goes on to the next forward.
 
-`step()` hands the update to `UpdateInFlight.start` and returns. As each piece of a subgroup (the
-part of it one FSDP unit holds, `unit_pieces.py`) has its new params copied back into the model, the
-worker calls `params_ready`; the forward pre-hook of each FSDP unit calls `wait_unit`, which returns
-once every piece holding that unit's params is back (the copy's CUDA event included), so the forward
-of the first units runs while the last ones are updated.
+`step()` hands the update to `UpdateInFlight.start` and returns. As each subgroup's new params are
+copied back into the model, the worker calls `params_ready`; the forward pre-hook of each FSDP unit
+calls `wait_unit`, which returns once every subgroup holding that unit's params is back (the copy's
+CUDA event included), so the forward of the first units runs while the last subgroups are updated.
 Everything else that needs the whole update (the next step, a backward's first grad, a save or a
 load) calls `finish`, which also raises the worker's error, if it had one.
 
@@ -19,12 +18,11 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Mapping
+from typing import Callable, Iterable
 
 import torch
 
 from .threads import use_cpu_threads
-from .unit_pieces import UnitPieces
 
 
 class UpdateAborted(RuntimeError):
@@ -32,21 +30,21 @@ class UpdateAborted(RuntimeError):
 
 
 class UpdateInFlight:
-    """At most one update at a time, on one worker thread. `pieces.needs[u]`: the pieces (the last of
-    each subgroup's) whose params FSDP unit `u` all-gathers.
+    """At most one update at a time, on one worker thread. `unit_subgroups[u]`: the subgroups whose
+    params FSDP unit `u` all-gathers.
 
     The worker is a daemon thread: an update left waiting for grads (backward raised before step())
     must not keep the interpreter from exiting; `close()`, which the optimizer's finalizer calls at
     exit too, aborts such an update and lets one that is running end."""
 
-    def __init__(self, pieces: UnitPieces) -> None:
-        self._needs = pieces.needs
+    def __init__(self, unit_subgroups: list[frozenset[int]]) -> None:
+        self._units = unit_subgroups
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="fsdp-offload-update", daemon=True)
         self._thread.start()
         self._aborted = False
         self._cond = threading.Condition()
-        self._ready: dict[int, list[torch.cuda.Event | None]] = {}  # subgroup -> the event after each piece's copy
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # subgroup -> the event after its copy
         self._ended = False
         self._future: Future | None = None
         self._grads: dict[int, torch.cuda.Event | None] | None = None  # subgroup -> event after its grads' copy
@@ -62,14 +60,13 @@ class UpdateInFlight:
         """An update started during backward whose grads are not all in yet."""
         return self._future is not None and self._grads is not None
 
-    def start(self, run: Callable[[], None], *, before_grads: bool = False, in_model: Mapping[int, int] | None = None) -> None:
+    def start(self, run: Callable[[], None], *, before_grads: bool = False, in_model: Iterable[int] = ()) -> None:
         """Runs `run` on the worker. `before_grads`: it starts while backward is still handing in grads,
-        and calls `wait_grads(sg)` before it reads subgroup `sg`'s. `in_model`: per subgroup, how many of
-        its pieces have their params in the model already (a retry's, which an earlier try updated)."""
+        and calls `wait_grads(sg)` before it reads subgroup `sg`'s. `in_model`: subgroups whose params
+        are already in the model (a retry's, which an earlier try updated)."""
         if self._future is not None:
             raise RuntimeError("an update is already in flight: finish() it first")
-        self._ready = {sg: [None] * n for sg, n in (in_model or {}).items()}
-        self._ended, self.waited_s = False, 0.0
+        self._ready, self._ended, self.waited_s = dict.fromkeys(in_model), False, 0.0
         self._grads = {} if before_grads else None
         self._aborted = False
         threads = torch.get_num_threads()
@@ -128,30 +125,27 @@ class UpdateInFlight:
             event.synchronize()
 
     def params_ready(self, sg: int, event: torch.cuda.Event | None) -> None:
-        """Called on the worker once the next piece of subgroup `sg` has its new params queued for the
-        model (`event` recorded after the copy, None on CPU); pieces come in order."""
+        """Called on the worker once subgroup `sg`'s new params are queued for the model (`event`
+        recorded after the copy, None on CPU)."""
         with self._cond:
-            self._ready.setdefault(sg, []).append(event)
+            self._ready[sg] = event
             self._cond.notify_all()
-
-    def _missing(self, need: Mapping[int, int]) -> list[int]:
-        return sorted(sg for sg, piece in need.items() if len(self._ready.get(sg, ())) <= piece)
 
     def wait_unit(self, unit: int) -> None:
         """Returns once unit `unit`'s params are all updated and in the model; raises the update's
         error if it stopped before them."""
         if self._future is None or self._grads is not None:
             return  # nothing in flight, or a forward during backward (a recompute): it needs the old params
-        need = self._needs[unit]
+        need = self._units[unit]
         start = time.perf_counter()
         with self._cond:
-            while not self._ended and self._missing(need):
+            while not self._ended and not need <= self._ready.keys():
                 self._cond.wait()
-            missing = self._missing(need)
-            events = [self._ready[sg][piece] for sg, piece in need.items() if sg not in missing]
+            missing = not need <= self._ready.keys()
+            events = [self._ready[sg] for sg in need if sg in self._ready]
         if missing:
             self.finish()  # the update ended without them: raises its error
-            raise RuntimeError(f"the update ended without updating subgroups {missing}")
+            raise RuntimeError(f"the update ended without updating subgroups {sorted(need - self._ready.keys())}")
         for event in events:
             if event is not None:
                 # On the CPU: FSDP's all-gather copies the shard on a stream of its own, after this.

@@ -134,16 +134,11 @@ class LowpStaging:
             return self.view(sg)
         return self._windows.take(sg)
 
-    def put_back(self, sg: int, lowp: torch.Tensor, span: slice) -> None:
-        """Puts the new params at `span` of a part updated through a host window (`lowp`) back into the
-        part, queued on the current stream (before anything that reuses the window); nothing to do for
-        a part in host memory, which the kernel wrote itself."""
+    def after_cpu_update(self, sg: int, lowp: torch.Tensor) -> None:
+        """Puts the new params of a part updated through a host window back into the part (queued on the
+        current stream, before anything that reuses the window), and gives the window back."""
         if self._where[sg][0]:
-            self.view(sg)[span].copy_(lowp[span], non_blocking=True)
-
-    def release_window(self, sg: int) -> None:
-        """Gives back the host window of a part updated through one, its new params all put back."""
-        if self._where[sg][0]:
+            self.view(sg).copy_(lowp, non_blocking=True)
             self._windows.release(sg)
 
     def stage(self, param: int, flat: torch.Tensor) -> None:
@@ -164,12 +159,12 @@ class LowpStaging:
             return torch.empty(0, dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else torch.cat([p.to(pieces[0].device) for p in pieces])
 
-    def copy_params_to_model(self, sg: int, params: list[torch.Tensor], segments: slice) -> None:
-        """Copies the updated low-precision params of subgroup `sg`'s `segments` into the model's local
-        param data: one call for all of them, from source views made once (this runs for every piece
-        of every subgroup of every step, on the thread the next forward waits for)."""
+    def copy_params_to_model(self, sg: int, params: list[torch.Tensor]) -> None:
+        """Copies subgroup `sg`'s updated low-precision params into the model's local param data: one
+        call for all of them, from source views made once (this runs for every subgroup of every step,
+        on the thread the next forward waits for)."""
         dsts, srcs = [], []
-        for p, piece, part in self._subgroup_pieces[sg][segments]:
+        for p, piece, part in self._subgroup_pieces[sg]:
             if self.staged[p]:  # (a param without a grad was not updated)
                 dsts.append(params[p].view(-1) if part is None else params[p].view(-1)[part])
                 srcs.append(piece)

@@ -6,11 +6,10 @@
 - `begin`: grads that no hook took, the FP32 grad path's writes, the global norm and the factor every
   grad is scaled by (None: an fp16 overflow, the step skipped);
 - `run`: the store walks the subgroups in the order order.py gives; each is updated by the kernel on
-  the CPU (or the GPU for its GPU share) piece by piece (`unit_pieces.py`), each piece's new
-  low-precision params copied back into the model as soon as they are written;
+  the CPU (or the GPU for its GPU share), its new low-precision params copied back into the model;
 - `finish`: step counts, metrics, the grads cleared.
 With an FSDP2 model `run` goes on a worker thread (`UpdateInFlight`) while the next forward waits per
-unit for its params. A failed step keeps what it finished, piece by piece; the next call finishes the rest.
+unit for its params. A failed step keeps what it finished; the next call finishes the rest.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
 from .subgroups import SubgroupLayout
-from .unit_pieces import UnitPieces
 
 
 class StepEngine:
@@ -46,10 +44,10 @@ class StepEngine:
 
     def __init__(
         self, cfg: OffloadConfig, param_groups: list[dict[str, Any]], params: list[torch.Tensor], layout: SubgroupLayout,
-        pieces: UnitPieces, forward: list[int], store: SubgroupStore, grads: StepGrads, copies: CopyStream, kernels: tuple[Callable, Callable | None],
+        forward: list[int], store: SubgroupStore, grads: StepGrads, copies: CopyStream, kernels: tuple[Callable, Callable | None],
         inflight: UpdateInFlight | None, during_backward: bool, root, size_gpu_share: bool, rate_learner: UpdateRateLearner | None,
     ) -> None:  # fmt: skip
-        self.cfg, self.param_groups, self.params, self.layout, self.pieces = cfg, param_groups, params, layout, pieces
+        self.cfg, self.param_groups, self.params, self.layout = cfg, param_groups, params, layout
         self.device = local_data(params[0]).device
         self.group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
         self.forward, self.forward_rank = forward, {sg: k for k, sg in enumerate(forward)}
@@ -69,10 +67,7 @@ class StepEngine:
         self.steps = [0] * len(params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order
         self.pending: list[int] | None = None  # subgroups left of a step begun and not finished
-        # how far the step got, per subgroup: pieces the kernel updated, and pieces whose params are in the model
-        self.kerneled: dict[int, int] = {}
-        self.written: dict[int, int] = {}
-        self._params_now: list[torch.Tensor] = []  # the params' local data, taken when the update runs
+        self.unwritten: set[int] = set()  # updated subgroups whose params did not reach the model yet
         self._scale = 1.0
         self._hyper: list[dict[str, float]] = []  # each group's hyperparameters, taken when the step began
         self._after_backward = None  # CUDA event after the work queued before step(): the update's copies follow it
@@ -205,7 +200,9 @@ class StepEngine:
             self._publish(0.0)
             return
         self._after_backward = self.copies.mark_current()
-        self.inflight.start(lambda: self.run(start), in_model=self.written)  # a retry: what the failed try wrote
+        everything = range(len(self.layout))  # a retry: what the failed try finished is in the model
+        done = set(everything) - set(self.pending) - self.unwritten
+        self.inflight.start(lambda: self.run(start), in_model=done)
 
     def _maybe_grow_gpu_share(self) -> None:
         if self.size_gpu_share and self.last_metrics is not None:
@@ -240,34 +237,37 @@ class StepEngine:
         self._scale = grad_scale
         self._hyper = hyperparameters(self.param_groups)  # taken now: a scheduler may change them while the update runs
         self.pending = update_order(self.forward, self.step_count, self.cfg.update_order, self.store.resident())
-        self.kerneled, self.written = dict.fromkeys(self.pending, 0), dict.fromkeys(self.pending, 0)
 
     @torch.no_grad()  # grad mode is per thread: this may run on the update's own
     @traced("fsdp_offload.update")
     def run(self, start: float) -> None:
         """Updates the subgroups of `pending` and copies their params back into the model."""
-        self._params_now = [local_data(p) for p in self.params]
+        params = [local_data(p) for p in self.params]
         self._cpu_kernel_s, self._cpu_kernel_run = 0.0, (0, 0, None)  # a failed try's kernels are not in this try's update_s
+        updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:
             if self.inflight is not None:
                 self.inflight.wait_grads(sg)
             with interrupts_between_subgroups():  # the kernel writes params over the grads: no retry may see half
                 self.update_subgroup(sg, state, self._scale)
+                updated.add(sg)  # its state is new now: a retry must not update it again
+                self.unwritten.add(sg)
+            self._copy_back(sg, params)
 
         with self.copies.after(self._after_backward) if self.inflight is not None else contextlib.nullcontext():
             try:
-                for sg in [sg for sg in self.pending if self.written[sg] < self.kerneled[sg]]:
-                    self._copy_back(sg, self.kerneled[sg])  # params a failed try updated but did not copy back
+                for sg in sorted(self.unwritten):  # params a failed try updated but did not copy back
+                    self._copy_back(sg, params)
                 if self.during_backward:
                     self._update_as_grads_arrive(update)
-                left = [sg for sg in self.pending if self.kerneled[sg] < self.pieces.count(sg)]
+                left = [sg for sg in self.pending if sg not in updated]
                 if not self.during_backward:  # (there grads still arrive: each subgroup's come down when it is updated)
                     self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state])
                 self.store.run_update(left, update)
             finally:
                 # [] until _finish: every subgroup is new, the step is not closed (a retry closes it)
-                self.pending = [sg for sg in self.pending if self.written[sg] < self.pieces.count(sg)]
+                self.pending = [sg for sg in self.pending if sg not in updated]
                 if self.inflight is None:
                     self.params_written()
             self._finish(start)
@@ -285,8 +285,6 @@ class StepEngine:
 
     @traced("fsdp_offload.update_subgroup")
     def update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
-        """Updates subgroup `sg`'s pieces that a failed try did not, each piece's new params copied back
-        into the model as soon as the kernel has written them (the forward's unit waits for that piece)."""
         subgroup = self.layout.subgroups[sg]
         p, m, v = subgroup.parts(state)
         staging = self.grads.staging
@@ -297,44 +295,35 @@ class StepEngine:
             self.store.record_io([transfer])
         kernel = self.gpu_kernel if state.is_cuda else self.cpu_kernel
         staged = self.grads.staged
-        while self.kerneled[sg] < self.pieces.count(sg):
-            # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are
-            # updated by one kernel call (the update is elementwise, so this changes no bit).
-            runs: list[list] = []  # [start, stop, (group, step)]
-            segments = subgroup.segments[self.pieces.segments(sg, self.kerneled[sg])]
-            for seg in segments:
-                if not staged[seg.param]:
-                    continue
-                key = (self.group_of[seg.param], self.steps[seg.param] + 1)  # the step this update takes
-                if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
-                    runs[-1][1] = seg.offset + seg.numel
-                else:
-                    runs.append([seg.offset, seg.offset + seg.numel, key])
-            began = time.perf_counter()
-            for lo, hi, (group, step) in runs:
-                piece = slice(lo, hi)
-                kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
-            if not state.is_cuda:
-                self._cpu_kernel_s += time.perf_counter() - began
-                updated = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs)
-                self._cpu_kernel_run = (updated, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
-                staging.put_back(sg, out, slice(segments[0].offset, segments[-1].offset + segments[-1].numel))
-            self.kerneled[sg] += 1  # its state is new now: a retry must not update it again
-            self._copy_back(sg, self.kerneled[sg])
+        # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are
+        # updated by one kernel call (the update is elementwise, so this changes no bit).
+        runs: list[list] = []  # [start, stop, (group, step)]
+        for seg in subgroup.segments:
+            if not staged[seg.param]:
+                continue
+            key = (self.group_of[seg.param], self.steps[seg.param] + 1)  # the step this update takes
+            if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
+                runs[-1][1] = seg.offset + seg.numel
+            else:
+                runs.append([seg.offset, seg.offset + seg.numel, key])
+        began = time.perf_counter()
+        for lo, hi, (group, step) in runs:
+            piece = slice(lo, hi)
+            kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
         if not state.is_cuda:
+            self._cpu_kernel_s += time.perf_counter() - began
+            updated = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs)
+            self._cpu_kernel_run = (updated, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
             self.grads.after_update(sg)
-            staging.release_window(sg)
+            staging.after_cpu_update(sg, out)
 
     @traced("fsdp_offload.copy_back")
-    def _copy_back(self, sg: int, upto: int) -> None:
-        """Copies subgroup `sg`'s pieces before `upto` whose params are not in the model yet into it."""
-        while self.written[sg] < upto:
-            piece = self.written[sg]
-            with self.copies.after_current():
-                self.grads.staging.copy_params_to_model(sg, self._params_now, self.pieces.segments(sg, piece))
-            self.written[sg] += 1
-            if self.inflight is not None:
-                self.inflight.params_ready(sg, self.copies.record())
+    def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
+        with self.copies.after_current():
+            self.grads.staging.copy_params_to_model(sg, params)
+        self.unwritten.discard(sg)
+        if self.inflight is not None:
+            self.inflight.params_ready(sg, self.copies.record())
 
     def params_written(self) -> None:
         """Makes the next forward wait for the params copied back so far."""

@@ -40,7 +40,7 @@ def main() -> int:
     for _ in range(args.passes):
         t0 = time.perf_counter()
         for sg in range(len(layout)):
-            staging.copy_params_to_model(sg, params, slice(None))
+            staging.copy_params_to_model(sg, params)
         times.append(time.perf_counter() - t0)
     for sg, subgroup in enumerate(layout.subgroups):  # the copies are right, or the timing means nothing
         for seg in subgroup.segments:

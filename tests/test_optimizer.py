@@ -401,11 +401,11 @@ def test_retry_after_a_failure_between_update_and_write_back_updates_once(tmp_pa
     real = opt.grads.staging.copy_params_to_model
     calls = {"n": 0}
 
-    def flaky(sg, params, segments):
+    def flaky(sg, params):
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("injected copy failure")
-        real(sg, params, segments)
+        real(sg, params)
 
     for s in range(3):
         for p, r, g in zip(mine, ref, grads_for(s)):
@@ -435,11 +435,11 @@ def test_a_retried_steps_kernel_time_is_its_own_try_s(tmp_path, monkeypatch):
         time.sleep(0.05)
         real_kernel(*args)
 
-    def failing_third(sg, params, segments):
+    def failing_third(sg, params):
         copies["n"] += 1
         if copies["n"] == 3:
             raise RuntimeError("injected copy failure")
-        real_copy(sg, params, segments)
+        real_copy(sg, params)
 
     monkeypatch.setattr(opt.engine, "cpu_kernel", slow_kernel)
     monkeypatch.setattr(opt.grads.staging, "copy_params_to_model", failing_third)

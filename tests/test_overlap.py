@@ -42,7 +42,7 @@ def train(rank: int, tmp: str, overlap: str, order: str) -> tuple[list[float], l
     monkeypatch.setattr(UpdateInFlight, "wait_unit", spy)  # before the optimizer binds it in its hooks
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
     if opt.engine.inflight is not None:
-        units = opt.engine.pieces.unit_subgroups()
+        units = opt.engine.inflight._units
         slow = units[-1] - units[0]  # the last block's own subgroups
         update = opt.engine.update_subgroup
 
@@ -99,60 +99,6 @@ def test_overlapped_update_is_bit_exact_and_overlaps(tmp_path):
                 # waits for nearly everything)
                 early = [unit for unit, still_running in waits if still_running]
                 assert 0 in early and 1 in early, f"rank {rank} {key}: no forward ran beside the update ({waits})"
-
-
-def one_subgroup_run(rank: int, overlap: str) -> tuple[list[float], list[torch.Tensor], list[bool]]:
-    """The whole model in one subgroup, whose last piece's update waits until the next forward's first
-    unit that holds params has been let through: it is, where units wait for their own pieces and not the whole subgroup
-    (else the wait times out). Returns the losses, the state and, per step, whether it waited in vain."""
-    model = build_model(rank)
-    cfg = OffloadConfig(subgroup_numel=1024 * 256, kernel="torch", max_grad_norm=0.5, overlap=overlap)
-    steps, engine = 3, []
-    first_unit_in = [threading.Event() for _ in range(steps)]  # per step: its update let the first unit through
-    timed_out, wait_unit = [], UpdateInFlight.wait_unit
-
-    def spy(inflight: UpdateInFlight, unit: int) -> None:
-        wait_unit(inflight, unit)
-        if inflight.busy and unit == min(u for u, need in enumerate(engine[0].pieces.needs) if need):
-            first_unit_in[engine[0].step_count].set()
-
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(UpdateInFlight, "wait_unit", spy)  # before the optimizer binds it in its hooks
-    opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
-    engine.append(opt.engine)
-    kernel = opt.engine.cpu_kernel
-    assert len(opt.layout) == 1 and opt.engine.pieces.count(0) > 2
-
-    def held_kernel(*args) -> None:
-        e = engine[0]
-        if e.inflight is not None and e.kerneled[0] == e.pieces.count(0) - 1 and e.step_count < steps - 1:
-            timed_out.append(not first_unit_in[e.step_count].wait(30))  # (the last step has no next forward)
-        kernel(*args)
-
-    opt.engine.cpu_kernel = held_kernel
-    losses = []
-    for _ in range(steps):
-        loss = loss_of(model, batch(rank, 0))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    masters = optimizer_tensors(opt)
-    opt.close()
-    monkeypatch.undo()
-    return losses, masters, timed_out
-
-
-def worker_one_subgroup(rank: int, world: int, tmp: str) -> None:
-    base_losses, base_state, _ = one_subgroup_run(rank, "none")
-    losses, state, timed_out = one_subgroup_run(rank, "next_forward")
-    assert losses == base_losses
-    assert all(torch.equal(a, b) for a, b in zip(state, base_state))
-    assert timed_out and not any(timed_out), f"the first unit waited for the whole subgroup's update: {timed_out}"
-
-
-def test_a_unit_waits_for_its_own_piece_of_a_subgroup_not_the_whole_of_it():
-    run_ranks(1, worker_one_subgroup, "")
 
 
 # -- overlap="backward": subgroups updated as their grads arrive ----------------------------------
