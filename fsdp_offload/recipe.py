@@ -68,7 +68,12 @@ class TrainConfig:
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
         self.out_dir = path_option(self.out_dir, "train.out_dir", null="Hydra's run dir")
-        self.metrics_file = path_option(self.metrics_file, "train.metrics_file")
+        self.metrics_file = path_option(self.metrics_file, "train.metrics_file", what="a file name")
+        name = self.metrics_file
+        if not name or name in (".", "..") or "/" in name or "\\" in name:
+            # each rank writes rank<N>.<name> beside rank 0's <name> in the run dir: a path would put them elsewhere
+            raise ValueError(f"train.metrics_file={name!r} must be a file name in the run's output dir, such as "
+                             "metrics.jsonl; to write elsewhere, set train.out_dir")  # fmt: skip
 
 
 @dataclass
