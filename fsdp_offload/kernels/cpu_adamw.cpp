@@ -19,7 +19,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
 #include <torch/csrc/utils/pybind.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
