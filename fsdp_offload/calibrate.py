@@ -32,7 +32,7 @@ from .bandwidth_profile import DEFAULT_PROFILE, BandwidthProfile, tier_profile_k
 from .cache import aligned_host_buffer
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
-from .storage.chunked import private_dir, tier_file_tag
+from .storage.private_files import tier_file_tag
 from .storage.spec import as_spec
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,7 @@ def tier_passes(
     of each pass ("write", "read", "mixed"), the bytes of one pass ("bytes"), the transfers per pass
     ("count") and the fastest one-page read ("latency")."""
     transfer_bytes = max(ALIGN, transfer_bytes // ALIGN * ALIGN)
-    mine = private_dir(as_spec(spec).dir)
-    made = not os.path.exists(mine)  # then the measurement takes it away again: a planner leaves nothing there
-    tier: Tier = make_tier(spec)  # (checks the dir)
+    tier: Tier = make_tier(spec)  # (checks the dir; its close takes the dir away where nothing else is in it)
     # At most half the file system's free space (a small tier is measured, not filled); small transfers at
     # most MAX_SMALL_TRANSFERS a pass (a small model's are thousands to a GiB, and as many tell no more).
     room = shutil.disk_usage(as_spec(spec).dir).free // 2
@@ -114,9 +112,6 @@ def tier_passes(
         ) from exc
     finally:
         tier.close()
-        if made:
-            with contextlib.suppress(OSError):  # (another process's file in it keeps it)
-                os.rmdir(mine)
     # the fastest page read: scheduling noise only ever adds to a latency
     return {**{k: statistics.median(v) for k, v in times.items()}, "bytes": count * transfer_bytes, "count": count,
             "latency": min(latencies)}  # fmt: skip

@@ -185,6 +185,7 @@ def test_no_symlink_is_followed(tmp_path):
     opt.close()
     assert lock_files, "the exclusive tier made no lock file"
     for f in lock_files:  # the same names, now links to a file that must not be touched
+        f.parent.mkdir(mode=0o700, exist_ok=True)  # (the last lock's close took the dir away with the files)
         f.unlink(missing_ok=True)
         f.symlink_to(target / "x.json")
     with pytest.raises(TierError, match="cannot open tier lock file"):

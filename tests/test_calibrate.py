@@ -20,7 +20,7 @@ from fsdp_offload import calibrate
 from fsdp_offload.bandwidth_profile import BandwidthProfile, tier_profile_key
 from fsdp_offload.calibrate import TierSpeed, main, measure_tier
 from fsdp_offload.storage.base import ALIGN
-from fsdp_offload.storage.chunked import tier_file_tag
+from fsdp_offload.storage.private_files import tier_file_tag
 from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
 from fsdp_offload.bandwidth import BandwidthModel
 from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
@@ -93,22 +93,24 @@ def test_measure_tier_sees_the_throttle(ram_dir):
     assert not os.path.exists(os.path.join(ram_dir, f"fsdp-offload-{os.getuid()}"))  # its file and its dir are gone
 
 
-def test_a_measurement_takes_away_the_private_dir_it_made(tmp_path):
-    """A planner's measurement leaves nothing in the user's tier dir; a dir a tier was already using is
-    left; a tier made before a measurement removed the dir makes it again when it opens."""
+def test_the_last_user_of_the_private_dir_takes_it_away(tmp_path):
+    """A planner's measurement leaves nothing in the user's tier dir; beside a running tier it leaves the
+    dir, which the running tier's close then takes away; a tier made before the dir went away makes it
+    again when it opens (tests/test_private_dir.py: the races)."""
     private = tmp_path / f"fsdp-offload-{os.getuid()}"
     measure_tier(f"posix:{tmp_path}", nbytes=256 * KIB, transfer_bytes=64 * KIB)
     assert list(tmp_path.iterdir()) == []
     running = make_tier(f"posix:{tmp_path}")
     running.attach(tier_file_tag("run"), [ALIGN])
     measure_tier(f"posix:{tmp_path}", nbytes=256 * KIB, transfer_bytes=64 * KIB)
-    assert [p.name for p in private.iterdir()] == [os.path.basename(running.path)]  # not made by it: kept
-    running.close()
+    assert [p.name for p in private.iterdir()] == [os.path.basename(running.path)]  # its file keeps the dir
     waiting = make_tier(f"posix:{tmp_path}")
-    private.rmdir()  # as a measurement that made the dir takes it away, after this tier was made
+    running.close()
+    assert list(tmp_path.iterdir()) == []  # the last user's close took it away, after `waiting` was made
     waiting.attach(tier_file_tag("late"), [ALIGN])
     assert os.path.dirname(waiting.path) == str(private) and os.path.exists(waiting.path)
     waiting.close()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_mixed_pass_only_ever_scales_bandwidths_down(monkeypatch):
@@ -162,7 +164,7 @@ def test_unwritable_tier_fails_before_training(tmp_path):
 
 def test_a_tier_on_a_read_only_file_system_is_told_so(tmp_path, monkeypatch):
     """A mode fix would not help there: the message says what would."""
-    from fsdp_offload.storage.chunked import tier_root_problem
+    from fsdp_offload.storage.private_files import tier_root_problem
 
     statvfs = os.statvfs
     monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result((*statvfs(p)[:8], os.ST_RDONLY, statvfs(p)[9])))

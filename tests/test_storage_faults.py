@@ -16,8 +16,8 @@ import threading
 import pytest
 
 from fsdp_offload import node
-from fsdp_offload.storage import chunked, make_tier
-from fsdp_offload.storage.chunked import remove_stale_files, tier_file_tag
+from fsdp_offload.storage import chunked, make_tier, private_files
+from fsdp_offload.storage.private_files import remove_stale_files, tier_file_tag
 
 MIB = 1 << 20
 
@@ -80,7 +80,7 @@ def test_stale_files_are_removed_where_flock_is_emulated_by_posix_locks(tmp_path
             raise OSError(errno.EBADF, os.strerror(errno.EBADF))
         real_flock(fd, operation)
 
-    monkeypatch.setattr(chunked.fcntl, "flock", nfs_flock)
+    monkeypatch.setattr(private_files.fcntl, "flock", nfs_flock)
     d = tier_dir(tmp_path)
     stale = leftover(d, "rank0", dead_pid())
     assert remove_stale_files(d, tier_file_tag("rank0")) == [stale]

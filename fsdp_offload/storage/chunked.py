@@ -18,12 +18,8 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
-import socket
-import stat
 import time
-import uuid
 import zlib
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -32,54 +28,12 @@ import torch
 
 from ..node import node_ranks
 from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, gather, transfer
+from .private_files import create_private_file, in_private_dir, make_private_dir, remove_private_dir, remove_stale_files
+from .private_files import tier_file_tag, tier_root_problem  # (store.py and train.py take them from here)
 from .spec import TierSpec, io_settings
 
+__all__ = ["ChunkedFileTier", "punch_hole", "tier_file_tag", "tier_root_problem"]
 log = logging.getLogger(__name__)
-
-
-def tier_root_problem(root: str, spec: str) -> str | None:
-    """What keeps `root` from holding tier `spec`'s files (missing, not a dir, not writable), or None.
-    Tiers never create it: a mistyped path must not fill another file system."""
-    if not os.path.exists(root):
-        return f"{spec}: tier dir {root} does not exist; create it or pick another path"
-    if not os.path.isdir(root):
-        return f"{spec}: {root} is not a directory; give a directory for the tier"
-    if os.statvfs(root).f_flag & os.ST_RDONLY:  # no mode would help
-        return f"{spec}: tier dir {root} is on a read-only file system; pick a path on a writable one"
-    if not os.access(root, os.W_OK | os.X_OK):
-        return f"{spec}: tier dir {root} is not writable by uid {os.getuid()}; fix its mode or pick another path"
-    return None
-
-
-def private_dir(root: str) -> str:
-    """This user's dir under a tier dir `root`: `root`/fsdp-offload-<uid>."""
-    return os.path.join(root, f"fsdp-offload-{os.getuid()}")
-
-
-def make_private_dir(root: str, spec: str) -> str:
-    """Returns `root`/fsdp-offload-<uid>, created 0700 and checked to be ours and not a symlink."""
-    problem = tier_root_problem(root, spec)
-    if problem is not None:
-        raise TierError(problem)
-    path = private_dir(root)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise TierError(f"{spec}: cannot create {path}: {exc.strerror}; check the file system") from exc
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise TierError(
-            f"{spec}: {path} exists but is not a 0700 directory owned by uid {os.getuid()} "
-            "(a symlink or someone else's); remove it"
-        )
-    return path
-
-
-def create_private_file(path: str) -> int:
-    """Creates `path` 0600 for reading and writing: never an existing file, never through a symlink."""
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
 
 
 def _word_sums(flat: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
@@ -108,57 +62,6 @@ def _flat_bytes(buf: torch.Tensor) -> torch.Tensor:
     return buf.detach().reshape(-1).view(torch.uint8)
 
 
-_TIER_FILE = re.compile(r"^(?:rank\d+|calibrate)-(.+)-pid(\d+)-[0-9a-f]+\.subgroups$")  # host, pid
-
-
-def tier_file_tag(owner: str) -> str:
-    """`<owner>-<host>-pid<p>-<id>` (owner: rank<r> or calibrate), the name of a process's tier file:
-    unique per process, and what tells a later start on this host whether the file's process is gone."""
-    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
-    return f"{owner}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
-def remove_stale_files(directory: str, tag: str) -> list[str]:
-    """Removes the files that killed processes of this host (named in `tag`, see tier_file_tag) left in
-    `directory`, any rank's or calibration's: those whose process is gone and whose lock no process
-    holds. Live files are held, and their processes alive, so they stay; other hosts' files (a shared
-    file system) are never judged."""
-    mine = _TIER_FILE.match(f"{tag}.subgroups")
-    if mine is None:
-        return []
-    removed = []
-    for name in os.listdir(directory):
-        m = _TIER_FILE.match(name)
-        if m is None or m.group(1) != mine.group(1) or _alive(int(m.group(2))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            # read-write: where flock is emulated by POSIX locks (NFS), an exclusive lock needs write access
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while any owner holds it
-            os.unlink(path)
-            removed.append(path)
-            log.info("removed %s: left by process %s, which is gone", path, m.group(2))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 _FALLOC_PUNCH_HOLE = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
@@ -182,8 +85,10 @@ def punch_hole(path: str, offset: int, nbytes: int) -> bool:
 class ChunkedFileTier(Tier):
     """A tier that keeps this rank's subgroups in one file under `<dir>/fsdp-offload-<uid>/`.
 
-    A backend supplies `_create` / `_close_file` (its file), `_chunk_source` (a buffer's bytes as it
-    slices them) and `_write_at` / `_read_at` (one chunk; a short file is a CorruptSubgroupError).
+    The skeleton makes the file (private_files.py: 0600, O_EXCL | O_NOFOLLOW, in the checked 0700 dir)
+    and at close removes it, and the dir where no other file is in it. A backend supplies `_create` /
+    `_close_file` (the file sized and open for its I/O; closed), `_chunk_source` (a buffer's bytes as
+    it slices them) and `_write_at` / `_read_at` (one chunk; a short file is a CorruptSubgroupError).
     """
 
     def __init__(self, spec: TierSpec) -> None:
@@ -206,8 +111,10 @@ class ChunkedFileTier(Tier):
     # -- what a backend supplies --------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _create(self, total_bytes: int) -> None:
-        """Creates `self._path` (create_private_file), `total_bytes` long, and opens it for I/O."""
+    def _create(self, fd: int, total_bytes: int) -> None:
+        """Sizes the new, empty file at `self._path` (made by the skeleton, open as `fd`) to `total_bytes`
+        and readies it for I/O. Owns `fd`: keeps it, or closes it before raising (the skeleton then
+        removes the file)."""
 
     @abc.abstractmethod
     def _close_file(self) -> bool:
@@ -234,23 +141,46 @@ class ChunkedFileTier(Tier):
     # -- the skeleton -------------------------------------------------------------------------------
 
     def _open(self, tag: str, total_bytes: int) -> None:
-        self._dir = make_private_dir(self.root, self.spec)  # again: a measurement that made it may have removed it
-        remove_stale_files(self._dir, tag)
-        self._path = os.path.join(self._dir, f"{tag}.subgroups")
-        self._short_of_space = shutil.disk_usage(self._dir).free < total_bytes * node_ranks()  # the node's ranks write here too
+        name = f"{tag}.subgroups"
+        self._path = os.path.join(self._dir, name)
+        self._short_of_space = shutil.disk_usage(self.root).free < total_bytes * node_ranks()  # the node's ranks write here too
         if self._short_of_space:
             log.info("%s: %s has less free space than every subgroup of the node's ranks takes: the stale copy of a "
                      "subgroup that changed in host memory is freed", self.spec, self.root)  # fmt: skip
-        self._create(total_bytes)
-        # held while the file is in use: a later start that finds it unheld knows its owner died
-        self._held = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fcntl.flock(self._held, fcntl.LOCK_SH)
-        except OSError as exc:  # a file system without flock (Lustre noflock, NFS without lockd)
-            if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                raise
-            log.info("%s: no flock on %s (%s): the process id alone marks it as in use", self.spec, self.root, exc.strerror)
+            try:  # in the dir as checked, made again where its last user removed it meanwhile (private_files.py)
+                fd = in_private_dir(self.root, self.spec, lambda dir_fd: self._create_held(dir_fd, tag))
+            except OSError as exc:
+                raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}; check the file system") from exc
+            self._create(fd, total_bytes)
+        except BaseException:
+            self._remove_file()  # and the dir, where nothing else is in it
+            raise
         self._workers = IOWorkers(self.threads, self.spec)
+
+    def _create_held(self, dir_fd: int, tag: str) -> int:
+        """Creates this rank's file in `dir_fd` and holds it (self._held); returns its fd. Held while
+        the file is in use: a later start that finds it unheld knows its owner died."""
+        remove_stale_files(self._dir, tag, dir_fd)
+        name = f"{tag}.subgroups"
+        fd = create_private_file(name, dir_fd)
+        try:
+            self._held = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                fcntl.flock(self._held, fcntl.LOCK_SH)
+            except OSError as exc:  # a file system without flock (Lustre noflock, NFS without lockd)
+                if exc.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise
+                log.info("%s: no flock on %s (%s): the process id alone marks it as in use", self.spec, self.root, exc.strerror)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):  # (the error to raise is the one above)
+                os.unlink(name, dir_fd=dir_fd)
+            if self._held >= 0:
+                os.close(self._held)
+                self._held = -1
+            raise
+        return fd
 
     def _submit(self, priority: int, nbytes: int, job: Callable[[int, int], None], done: Callable[[], Transfer]) -> Future:
         spans = range(0, nbytes, self.chunk_bytes)
@@ -325,9 +255,15 @@ class ChunkedFileTier(Tier):
         if self._workers is not None:
             self._workers.shutdown()
             self._workers = None
-        if self._close_file():
+        self._close_file()
+        self._remove_file()
+
+    def _remove_file(self) -> None:
+        """Removes this rank's file, if any, then the private dir if no other file is in it: its last
+        user takes it away (a process making a file there meanwhile makes it again)."""
+        if self._held >= 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
-        if self._held >= 0:
             os.close(self._held)
             self._held = -1
+        remove_private_dir(self.root)

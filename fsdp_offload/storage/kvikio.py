@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .base import CorruptSubgroupError, TierError
-from .chunked import ChunkedFileTier, create_private_file
+from .chunked import ChunkedFileTier
 from .spec import TierSpec, io_settings
 
 log = logging.getLogger(__name__)
@@ -94,11 +94,7 @@ class KvikioTier(ChunkedFileTier):
         self._file: Any = None  # kvikio.CuFile
         super().__init__(spec)
 
-    def _create(self, total_bytes: int) -> None:
-        try:
-            fd = create_private_file(self._path)
-        except OSError as exc:
-            raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
+    def _create(self, fd: int, total_bytes: int) -> None:
         try:
             os.ftruncate(fd, total_bytes)
             # CuFile opens by path: check that it opened the file created above, not a swapped one.
@@ -109,7 +105,6 @@ class KvikioTier(ChunkedFileTier):
             if self._file is not None:
                 self._file.close()
                 self._file = None
-            os.unlink(self._path)
             raise TierError(f"{self.spec}: cannot open {self._path} with KvikIO: {exc}") from exc
         finally:
             os.close(fd)

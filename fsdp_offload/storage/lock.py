@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .base import Tier, TierError
-from .chunked import make_private_dir, tier_root_problem
+from .private_files import in_private_dir, make_private_dir, remove_private_dir, tier_root_problem
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
 
@@ -60,9 +60,10 @@ class NodeTierLock:
     to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
     comparable across processes).
 
-    The last user removes the files (tier dirs come and go; their lock files should too). Removing a
-    file that another process has open and waits on would give two holders, one on the removed file:
-    so a lock taken is only good if its file is still the one at the path, else it is opened anew.
+    The last user removes the files (tier dirs come and go; their lock files should too), and the dir
+    when nothing else is in it. Removing a file that another process has open and waits on would give
+    two holders, one on the removed file: so a lock taken is only good if its file is still the one at
+    the path, else it is opened anew (in the dir made again, if it went too: private_files.py).
     """
 
     def __init__(self, tier_dir: str, lock_root: str, slots: int, timeout_s: float = 1800.0) -> None:
@@ -72,6 +73,7 @@ class NodeTierLock:
             lock_dir = make_private_dir(lock_root, "tier lock")
         except TierError as exc:
             raise TierError(_lock_dir_error(lock_root, str(exc))) from exc
+        self.lock_root = lock_root
         real = os.path.realpath(tier_dir)
         name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
         self.tier_dir = real
@@ -84,10 +86,13 @@ class NodeTierLock:
         self.timeout_s = timeout_s  # how long wait() waits before it fails, naming who holds the lock
         _open_locks.add(self)
 
-    @staticmethod
-    def _open(path: str) -> int:
+    def _open(self, path: str) -> int:
+        name = os.path.basename(path)
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            return in_private_dir(self.lock_root, "tier lock", lambda dir_fd: os.open(
+                name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd))  # fmt: skip
+        except TierError as exc:
+            raise TierError(_lock_dir_error(self.lock_root, str(exc))) from exc
         except OSError as exc:
             raise TierError(
                 f"cannot open tier lock file {path}: {exc.strerror}; set offload.tier_lock_dir to a writable "
@@ -195,6 +200,7 @@ class NodeTierLock:
                 fcntl.flock(self._fds[j], fcntl.LOCK_UN)
             os.close(self._fds[j])
         self._fds = []
+        remove_private_dir(self.lock_root)
         _open_locks.discard(self)
 
 

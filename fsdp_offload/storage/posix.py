@@ -21,7 +21,8 @@ from concurrent.futures import Future
 import torch
 
 from .base import ALIGN, CorruptSubgroupError, TierError
-from .chunked import ChunkedFileTier, create_private_file
+from .chunked import ChunkedFileTier
+from .private_files import create_private_file
 from .spec import TierSpec
 
 log = logging.getLogger(__name__)
@@ -101,12 +102,16 @@ class PosixTier(ChunkedFileTier):
         self._write_began: dict[int, int] = {}
         super().__init__(spec)
 
-    def _create(self, total_bytes: int) -> None:
+    def _create(self, fd: int, total_bytes: int) -> None:
         try:
-            self._fd, self.direct = open_private_file(self._path)
-            os.ftruncate(self._fd, total_bytes)
-        except OSError as exc:
-            raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
+            self.direct = _try_direct(fd)
+            os.ftruncate(fd, total_bytes)
+        except BaseException as exc:
+            os.close(fd)
+            if isinstance(exc, OSError):
+                raise TierError(f"{self.spec}: cannot create {self._path}: {exc.strerror}") from exc
+            raise
+        self._fd = fd
         if not self.direct:
             log.warning("%s: O_DIRECT is not supported on %s; using buffered I/O", self.spec, self.root)
 
