@@ -1,7 +1,7 @@
 """The bandwidth model and the cost of a step: what each tier reads and writes, and how long it takes.
 
 - `TierSpeed`: what one tier costs a request (latency and bandwidth each way).
-- `BandwidthModel`: each tier's read and write bandwidth, learned from every transfer.
+- `BandwidthModel`: each tier's read and write bandwidth, learned from every transfer, and their noise.
 - `StepTraffic` / `steady_traffic`: which subgroups each kind of step reads and writes in steady state.
 - `expected_step_seconds`: the busiest tier's I/O time of a step, the one cost model of the placement
   rules, the planner, the log and the tests.
@@ -83,6 +83,14 @@ class BandwidthModel:
                 for s, lat in zip(self._samples, self._latency)
             ]
 
+    def spread(self) -> list[float]:
+        """Each tier's noise: the larger of its read and write windows' median absolute deviation of
+        log bandwidth (0.1: one timing is typically off by 10%). A lasting change shifts the median and
+        leaves this small once most of the window has it; transfers too small to time the device (under
+        8 MiB: each request's own costs and the scheduler's jitter) leave it large."""
+        with self._lock:
+            return [max(_log_spread(s["read"]), _log_spread(s["write"])) for s in self._samples]
+
     def reseed(self, speeds: dict[int, TierSpeed]) -> None:
         """Starts the given tiers over from these speeds, forgetting their samples."""
         with self._lock:
@@ -118,6 +126,12 @@ class BandwidthModel:
         merged.sort()
         self._claimed[tier] = merged[-self._CLAIMS_KEPT :]
         return max(free, 0.0)
+
+
+def _log_spread(samples: deque[float]) -> float:
+    logs = [math.log(x) for x in samples]  # (samples are at least MIN_BPS)
+    mid = statistics.median(logs)
+    return statistics.median(abs(x - mid) for x in logs)
 
 
 # -- what a step moves ------------------------------------------------------------------------------

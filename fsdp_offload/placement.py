@@ -10,9 +10,10 @@ Three rules, one per `offload.placement`:
   reads and writes at their own bandwidths, and interleaves tiers along the next step's order so that
   every tier is busy all through the step.
 
-Both bandwidth rules replan when a tier's learned bandwidth drifts; a subgroup then moves to its new
-tier when it is next flushed, which it is anyway: replanning costs no I/O. The model and the cost of a
-step are bandwidth.py's; the speeds a rule starts from, tier_speeds.py's.
+Both bandwidth rules replan when a tier's learned bandwidth drifts and the new split is predicted to
+save more of a step than the learned speeds' own noise; a subgroup then moves to its new tier when it
+is next flushed, which it is anyway: replanning costs no I/O. The model and the cost of a step are
+bandwidth.py's; the speeds a rule starts from, tier_speeds.py's.
 """
 
 from __future__ import annotations
@@ -174,12 +175,20 @@ class AdaptivePlacement:
     whose steady-state `traffic` prices a plan (for the log). `tier_of[sg]` is the tier subgroup sg is
     written to.
 
-    Replans when any tier's read or write bandwidth has moved by more than DRIFT since the current
-    plan was made (less would only shuffle subgroups on noise), and then saves the new numbers to the
-    profile, so the next run starts from them.
+    Looks again when any tier's read or write bandwidth has moved by more than DRIFT since it last
+    looked, and replans (then saves the new numbers to the profile, so the next run starts from them)
+    where the rule's split for the new speeds moves nothing, or is predicted to take less of a step
+    than the current one by a factor beyond the speeds' noise (NOISE_MARGIN x BandwidthModel.spread).
+    Small transfers' timings are mostly latency and jitter: their learned speeds swing by several times
+    with no change in the tier, and a split chasing them would move subgroups every few flushes for
+    nothing.
     """
 
     DRIFT = 0.10
+    # How many times the speeds' noise (BandwidthModel.spread, log) a new split must save: the medians of
+    # windows of noisy timings stray about this far over a run's hundreds of looks (tests/test_placement_noise.py:
+    # 3x jitter on two equal tiers moves nothing), while a tier that slows by half still moves its share.
+    NOISE_MARGIN = 3.0
 
     def __init__(
         self, seeds: list[TierSpeed], rule: str, sizes: list[int], traffic: StepTraffic, tier_specs: Sequence[TierSpec],
@@ -193,7 +202,8 @@ class AdaptivePlacement:
         self._profile = profile
         self._keys = [s.key for s in tier_specs]
         self.replans = 0
-        self.basis: list[TierSpeed] = []
+        self.basis: list[TierSpeed] = []  # the speeds the current split was made for
+        self._looked: list[TierSpeed] = []  # the speeds last weighed for a replan
         self.tier_of: list[int] = []
         self.dropped: set[int] = set()  # tiers that failed: planned as all but unusable, and never chosen
         self._plan(list(seeds))  # what the model says before it has learned anything
@@ -203,14 +213,22 @@ class AdaptivePlacement:
         """The rule's tier of each subgroup for these speeds."""
         return rule_split(self.name, speeds, self.sizes, self.traffic)
 
-    def _plan(self, speeds: list[TierSpeed]) -> None:
-        usable = [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
+    def _usable(self, speeds: list[TierSpeed]) -> list[TierSpeed]:
+        return [TierSpeed(MIN_BPS, MIN_BPS, s.latency_s) if i in self.dropped else s for i, s in enumerate(speeds)]
+
+    def _split(self, speeds: list[TierSpeed]) -> list[int]:
+        """The rule's split for these speeds, kept to the tiers' room and off the dropped tiers."""
+        usable = self._usable(speeds)
         fastest = max((i for i in range(len(speeds)) if i not in self.dropped), key=lambda i: min(usable[i].read_bps, usable[i].write_bps))
         wanted = self.plan(usable)
         if self.room is not None:  # a fast tier short of space takes what it has room for
             wanted = fit_to_room(wanted, [0 if i in self.dropped else r for i, r in enumerate(self.room)], usable)
-        previous, self.tier_of = self.tier_of, [fastest if t in self.dropped else t for t in wanted]
-        self.basis = speeds
+        return [fastest if t in self.dropped else t for t in wanted]
+
+    def _plan(self, speeds: list[TierSpeed], split: list[int] | None = None) -> None:
+        """Takes `split` (default: the rule's for `speeds`) as the plan, and logs it."""
+        previous, self.tier_of = self.tier_of, self._split(speeds) if split is None else split
+        self.basis = self._looked = speeds
         ranked = dist.is_initialized() and dist.get_world_size() > 1  # each rank places its own subgroups
         log.log(
             logging.INFO if self.tier_of != previous else logging.DEBUG,  # a replan that moves nothing is noise
@@ -226,11 +244,26 @@ class AdaptivePlacement:
 
     def tier_for(self, sg: int) -> int:
         speeds = self.model.speeds()
-        if any(now.drifted_from(then, self.DRIFT) for now, then in zip(speeds, self.basis)):
-            self._plan(speeds)
-            self.replans += 1
-            self._save(speeds)
+        if any(now.drifted_from(then, self.DRIFT) for now, then in zip(speeds, self._looked)):
+            self._replan(speeds)
         return self.tier_of[sg]
+
+    def _replan(self, speeds: list[TierSpeed]) -> None:
+        """Replans for drifted `speeds` where the rule's new split is worth more than the noise in them."""
+        self._looked = speeds
+        split = self._split(speeds)
+        if split != self.tier_of:
+            usable = self._usable(speeds)
+            now, then = (expected_step_seconds(s, usable, self.sizes, self.traffic) for s in (self.tier_of, split))
+            spread = self.model.spread()
+            noise = max(spread[i] for i in range(len(speeds)) if i not in self.dropped)
+            if then * math.exp(self.NOISE_MARGIN * noise) >= now:  # the gain may be the noise's alone: the subgroups stay
+                log.debug("kept the %s placement: a new split would take %.3g s of I/O a step for %.3g s, within the "
+                          "learned speeds' noise (timings off by %.0f%%)", self.name, then, now, 100 * math.expm1(noise))  # fmt: skip
+                return
+        self._plan(speeds, split)
+        self.replans += 1
+        self._save(speeds)
 
     def observe(self, tier: int, transfer: Transfer) -> None:
         self.model.observe(tier, transfer)
