@@ -3,10 +3,12 @@
 The placement is computed by the functions the optimizer runs (the subgroup layout, the host cache's
 slots, the tier placement, the steady-state traffic), so it is the placement the run reports. The
 update time is a model: the busiest tier's I/O (bandwidth.expected_step_seconds, from the tiers'
-speeds, each shared by the node's ranks) against the CPU update, whichever is longer, plus the first
-subgroup's read that nothing hides (and grad_path="tier_fp32"'s FP32 grads, written and read back one
-at a time). A plan that does not fit raises `PlanError` naming the level that is short and by how
-much; train.py runs the same check before it builds the model.
+speeds, each shared by the node's ranks) against the update thread's work, whichever is longer: the CPU
+kernel (params / rate) and, beside it, a fixed cost per subgroup and per tier read or write
+(update_costs); plus the grad norm once a step, the first subgroup's read that nothing hides (and
+grad_path="tier_fp32"'s FP32 grads, written and read back one at a time). A plan that does not fit
+raises `PlanError` naming the level that is short and by how much; train.py runs the same check before
+it builds the model.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .staging import resolve_grad_path
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB, in_unit, readable_size
+from .update_costs import UpdateCosts
 
 
 class PlanError(JobError):
@@ -81,7 +84,9 @@ class RankPlan:
                           handed_count(cfg.gpu_fraction, self.gpu_subgroups), self.grad_path)  # fmt: skip
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
-    cpu_s: float | None = None  # CPU update (None: no CPU speed given)
+    cpu_s: float | None = None  # CPU kernel: params / rate (None: no CPU speed given)
+    walk_s: float = 0.0  # the update thread's beside the kernel: each subgroup's, each tier read's and write's
+    step_s: float = 0.0  # once a step: the grad norm and its all-reduce
     gpu_s: float = 0.0  # GPU update of the resident subgroups
     update_s: float | None = None  # predicted update phase (None: not predicted)
 
@@ -98,6 +103,7 @@ class Plan:
     tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
     cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
     cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
+    update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
 
     @property
     def predicted_update_s(self) -> float | None:
@@ -175,7 +181,7 @@ def _plan_rank(
     args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, grad_path: str,
     gpu_bytes: int | None, host_budget: int | None,
     budget_name: str, speeds: list[TierSpeed] | None, placement_speeds: list[TierSpeed] | None, cpu_rate: float | None,
-    seq_len: int, micro_batch: int,
+    seq_len: int, micro_batch: int, costs: UpdateCosts,
 ) -> RankPlan:  # fmt: skip
     """One rank's plan with the low-precision grads at `grad_path` (resolved)."""
     itemsize = 2  # bf16 and fp16 alike
@@ -234,13 +240,14 @@ def _plan_rank(
         grad_accumulation=accumulation, grad_path=grad_path, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
         host_budget_bytes=host_budget, budget_name=budget_name,
     )  # fmt: skip
-    streamed = len(host_sgs)
+    streamed, transfers = len(host_sgs), 0.0
     sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
     if cfg.tiers and (spills(slots, streamed) or fp32_grads):
         traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
         room = tier_room_subgroups(machine, list(cfg.tier_specs), machine.ranks_per_node, layout.slot_bytes)
         tier_of = planned_split(cfg, sizes, traffic, placement_speeds, room)  # (host_sgs: the first `streamed`)
         kinds = len(traffic.orders)
+        transfers = sum(len(r) + len(w) for r, w in zip(traffic.reads, traffic.writes)) / kinds  # a step's, on average
         # A tier holds what is not in host memory, and the prefetch window's reads: the copy of a subgroup
         # that came back into host memory and changed is discarded (SubgroupPipeline._discard_stored).
         at_once = (streamed - slots + cfg.prefetch + 1) * layout.slot_bytes if spills(slots, streamed) else 0
@@ -265,9 +272,10 @@ def _plan_rank(
         plan.io_s, first_read = 0.0, 0.0
     if cpu_rate is not None:
         plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
+    plan.walk_s, plan.step_s = costs.walk_seconds(streamed, transfers), costs.step_s
     plan.gpu_s = sum(layout.subgroups[sg].numel for sg in on_gpu) * 28 / (machine.gpu_update_gbps * 1e9)
-    if plan.io_s is not None and plan.cpu_s is not None:
-        plan.update_s = max(plan.io_s, plan.cpu_s) + first_read + plan.gpu_s + plan.grad_io_s
+    if plan.io_s is not None and plan.cpu_s is not None:  # the kernel and the walk are one thread's, the I/O the tiers'
+        plan.update_s = plan.step_s + max(plan.io_s, plan.cpu_s + plan.walk_s) + first_read + plan.gpu_s + plan.grad_io_s
     return plan
 
 
@@ -279,13 +287,13 @@ def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierS
 
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
               device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None,
-              host_budget: tuple[int | None, str] | None = None) -> Plan:  # fmt: skip
+              host_budget: tuple[int | None, str] | None = None, costs: UpdateCosts | None = None) -> Plan:  # fmt: skip
     """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the
     host (budget or memory), and each file system's free space (shared by the node's ranks and by the
     tiers on it). Raises PlanError naming the level that is short, ValueError for options the target
     cannot run. `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update
-    time (None: not predicted); where the placement needs speeds and none are given, plan_speeds gets
-    them once for every rank's placement."""
+    time (None: not predicted), `costs` its fixed costs (None: none); where the placement needs speeds
+    and none are given, plan_speeds gets them once for every rank's placement."""
     gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
     host = planned_host_bytes(machine)
     if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
@@ -306,10 +314,10 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     shapes = ModelShapes.of(args)
     ranks = [plan_rank(args, shapes, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget,
                        budget_name=budget_name, speeds=rank_speeds, placement_speeds=speeds, cpu_rate=cpu_rate,
-                       seq_len=seq_len, micro_batch=micro_batch)
+                       seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
              for r in range(machine.ranks_per_node)]  # fmt: skip
     plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
-                gpu_bytes, host, speeds)  # fmt: skip
+                gpu_bytes, host, speeds, update_costs=costs)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan
 

@@ -14,11 +14,14 @@ preset that fits the same recipe.
 
 The placement is computed by the functions the optimizer runs, so it is the placement the run
 reports. The update time is a model: the busiest tier's I/O (from the tiers' speeds in the bandwidth
-profile, measured when it lacks them, each shared by the node's ranks) against the CPU update
-(`machine.cpu_mparams_per_s`; else the rate an earlier run's steps on this host saved in the bandwidth
-profile; else the kernel timed here as the node's ranks run it, side by side: update_rate.py), whichever
-is longer. A plan that does not fit raises `PlanError` naming the level that is short and by how much;
-train.py runs the same check before it builds the model.
+profile, measured when it lacks them, each shared by the node's ranks) against the update thread's
+work, whichever is longer: the CPU kernel (`machine.cpu_mparams_per_s`; else the rate an earlier run's
+steps on this host saved in the bandwidth profile; else the kernel timed here as the node's ranks run it,
+side by side: update_rate.py) and beside it a fixed cost per subgroup and per tier read or write; plus
+the grad norm once a step and the first read. The fixed costs are timed here on a real OffloadAdamW over
+small subgroups (update_costs.py): most of a tiny model's update, a few percent of a large one's. A
+plan that does not fit raises `PlanError` naming the level that is short and by how much; train.py runs
+the same check before it builds the model.
 
 This module is the command and the plan's text; machine.py reads the machine, node_plan.py plans.
 """
@@ -35,8 +38,8 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, planned_host_bytes,
-                      tiers_sharing_a_file_system)
+from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_costs, measured_speeds, planned_gpu_bytes,
+                      planned_host_bytes, tiers_sharing_a_file_system)
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -54,7 +57,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
         "cache(slots) GiB | " + "".join(f"{t}: placed sg, file GiB at most (read/written GiB a step) | " for t in cfg.tiers)
-        + "update (io / cpu)",
+        + "update (io / kernel + fixed, + norm)",
     ]
     for r in plan.ranks:
         tiers = " | ".join(f"{t.subgroups} sg {g(t.bytes)} ({g(t.read_bytes_per_step)}/{g(t.written_bytes_per_step)})"
@@ -64,6 +67,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
             f"{g(r.gpu_state_bytes):>4}  {g(r.gpu_params_bytes):>10}  {g(r.gpu_startup_bytes):>9} {g(r.gpu_train_bytes):>6}"
             f" | {g(r.staging_bytes):>13} {g(r.cache_bytes)}({r.cache_slots})"
             + (f" | {tiers}" if tiers else "") + f" | {format_seconds(r.update_s)} ({format_seconds(r.io_s)} / {format_seconds(r.cpu_s)}"
+            f" + {format_seconds(r.walk_s)}, + {format_seconds(r.step_s)}"
             + (f", + FP32 grads {format_seconds(r.grad_io_s)})" if r.grad_io_s else ")")
         )
     if cfg.micro_batches > 1:
@@ -79,6 +83,12 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         lines.append("host budget a rank: " + ", ".join(name if name.endswith(")") else f"{name} ({readable_size(nbytes)})"
                                                         for nbytes, name in budgets))  # fmt: skip
     lines.append(f"predicted update phase: {format_seconds(plan.predicted_update_s)} a step (~: estimates)")
+    if plan.predicted_update_s is not None:  # what the prediction is made of
+        costs = (f"fixed costs timed here ({plan.update_costs.describe()})" if plan.update_costs is not None
+                 else "no fixed costs (not timed: the CPU rate is stated)")  # fmt: skip
+        lines.append("  = the grad norm + the longer of the busiest tier's I/O and the update thread's work (the CPU kernel, "
+                     f"params / rate, and beside it each subgroup's and each tier read's and write's fixed cost) + the first "
+                     f"read nothing hides; {costs}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -171,7 +181,9 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
     machine.check_tiers(ocfg.tiers)
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
-    plan = make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate.params_per_s, speeds)
+    costs = measured_costs(ocfg, machine, train.cpu_threads, rate)
+    plan = make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate.params_per_s, speeds,
+                     costs=costs)  # fmt: skip
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     return plan, ocfg
 

@@ -17,6 +17,10 @@ from .threads import use_cpu_threads
 WINDOW_S = 0.3  # rounds are timed for at least this long after the warm-up round ...
 MIN_ROUNDS = 4  # ... and at least this many
 _NODE_NUMEL = 128 << 20  # params all teams time at once, at most (14 bytes each: 1.8 GB)
+# A step updates each subgroup once, its state not in the CPU's caches: a team's rounds go round copies
+# of at least this many bytes together (a 16Ki-param subgroup timed over one copy, in the caches, ran
+# 26 us a call where a step's took 40-60 us; on 2 cores, session 26).
+COLD_BYTES = 64 << 20
 
 
 def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks: int) -> float:
@@ -27,17 +31,19 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     own Python thread with its own `threads` (the kernels release the GIL, and the intra-op thread count
     is per calling thread), each over a subgroup's worth of params (at most 64M, and 128M among all
     teams: 1.75 GiB held while timing) laid out as a step finds them (FP32 params and moments, the
-    staged bf16 grads, the new bf16 params written over them). The update is bound by host memory
-    bandwidth, which the ranks share, and separate teams reach more of it than one team of all their
-    threads: on nvidia-h200-x4 the 1.35B's update took 0.27 s at 1 rank of 64
+    staged bf16 grads, the new bf16 params written over them), round after round over copies of it
+    that the CPU's caches cannot hold together (COLD_BYTES), as a step finds them. The update is bound
+    by host memory bandwidth, which the ranks share, and separate teams reach more of it than one team
+    of all their threads: on nvidia-h200-x4 the 1.35B's update took 0.27 s at 1 rank of 64
     threads and 0.21 s at 4 ranks of 16, each holding a quarter (session 21). A round's time is its
     slowest team's, as a step's update is its slowest rank's. The rate is from the median round of at
     least WINDOW_S after a warm-up round: the best of three short rounds of one team of all the node's
     threads, as this was timed before, read 0.77-1.47x a step's update at 4 ranks (session 20), a
     straggling core of a shared machine slowing a whole round.
 
-    The kernel alone: a step's update also copies the new params to the model and runs beside the
-    next forward."""
+    The kernel alone, called back to back: a step's update also walks its subgroups, wakes the kernel's
+    threads once a subgroup and copies the new params to the model (update_costs.py times what those
+    add), and runs beside the next forward."""
     from .kernels import get_adamw_kernel
 
     _, kernel = get_adamw_kernel(kernel_name)
@@ -59,10 +65,10 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     def team(i: int) -> None:
         try:
             use_cpu_threads(threads)
-            state = torch.zeros(3, n)
-            grads = torch.empty(n, dtype=torch.bfloat16)
+            copies = [(torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16)) for _ in range(-(-COLD_BYTES // (14 * n)))]
             step = 0
             while True:
+                state, grads = copies[step % len(copies)]
                 grads.fill_(1e-3)  # the step before wrote new params over them
                 barrier.wait()  # every team starts a round together
                 if done[0]:

@@ -11,7 +11,10 @@ params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, t
 predicted_update_s, iteration_s; cpu_kernel_s, the slowest rank's time in the CPU kernel, beside
 predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the planner's CPU rate came from:
 "timed" before the case, or "learned" where offload.bandwidth_profile holds an earlier run's on this
-host for the same ranks and threads), the logs under --log-dir. Steps after the first are averaged.
+host for the same ranks and threads; the update's fixed costs as predicted, predicted_walk_s and
+predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
+median step's, which a shared machine's bursts move less than the mean), the logs under --log-dir.
+Steps after the first are averaged.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from fsdp_offload.node_plan import PlanError
 from fsdp_offload.plan import compose_plan_config, plan_from_config
 from fsdp_offload.results import record
 from fsdp_offload.storage.base import TierError
+from fsdp_offload.units import format_seconds
 
 TRAIN = str(Path(__file__).resolve().parent / "train.py")
 
@@ -52,6 +56,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     mine = plan.ranks[0]
     row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
                predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
+               predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
                predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
                planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
@@ -76,8 +81,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     per_rank = [rows] + [[json.loads(line) for line in Path(out_dir, f"rank{r}.metrics.jsonl").read_text().splitlines()]
                          for r in range(1, nproc)]  # fmt: skip
 
-    def slowest(key: str) -> float:  # a step's value is its slowest rank's
-        return statistics.fmean(max(rank[i][key] for rank in per_rank) for i in range(1, len(rows)) or [0])
+    def slowest(key: str, average=statistics.fmean) -> float:  # a step's value is its slowest rank's
+        return average([max(rank[i][key] for rank in per_rank) for i in range(1, len(rows))] or [0])
 
     slowest_update = slowest("update_s")
     placement = json.loads(Path(out_dir, "placement.json").read_text())
@@ -93,8 +98,10 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                losses=[r["loss"] for r in rows])  # fmt: skip
     row["placement_equal"] = (built["gpu_subgroups"] == mine.gpu_subgroups and built["cache_slots"] == mine.cache_slots
                               and list(built["tier_subgroups"].values()) == [t.subgroups for t in mine.tiers])  # fmt: skip
+    row.update(update_s_median=slowest("update_s", statistics.median), norm_s=slowest("norm_s"))
     if plan.predicted_update_s:
         row["predicted_over_measured"] = plan.predicted_update_s / row["update_s"]
+        row["predicted_over_median"] = plan.predicted_update_s / row["update_s_median"]
     # the part of the update the planner's CPU rate predicts, timed inside the step: the kernel alone
     row["cpu_kernel_s"] = slowest("cpu_kernel_s")
     if mine.cpu_s and row["cpu_kernel_s"]:
@@ -120,16 +127,16 @@ def main() -> int:
             r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
     omp_env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}  # the runs inherit them
     path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "env": omp_env, "runs": rows})
-    print(f"{'case':58} {'pred s':>7} {'update s':>8} {'pred/meas':>9} {'placement':>9} {'GPU start/train GiB':>19} "
-          f"{'host GiB':>8} {'iter s':>7}")  # fmt: skip
+    print(f"{'case':58} {'pred':>8} {'update':>8} {'pred/meas':>9} {'pred/med':>8} {'placement':>9} {'GPU start/train GiB':>19} "
+          f"{'host GiB':>8} {'iter':>8}")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['case'][:58]:58} error: {r['error'][:300]}")
             continue
-        ratio = r.get("predicted_over_measured")
-        print(f"{r['case'][:58]:58} {r['predicted_update_s'] or float('nan'):7.2f} {r['update_s']:8.2f} "
-              f"{ratio or float('nan'):9.2f} {'equal' if r['placement_equal'] else 'differs':>9} "
-              f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {r['iteration_s']:7.2f}")
+        ratio, median = r.get("predicted_over_measured"), r.get("predicted_over_median")
+        print(f"{r['case'][:58]:58} {format_seconds(r['predicted_update_s'] or float('nan')):>8} {format_seconds(r['update_s']):>8} "
+              f"{ratio or float('nan'):9.2f} {median or float('nan'):8.2f} {'equal' if r['placement_equal'] else 'differs':>9} "
+              f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {format_seconds(r['iteration_s']):>8}")
     print(f"wrote {path}")
     return 0
 

@@ -28,7 +28,7 @@ def test_a_case_whose_tier_dir_is_missing_is_a_row_with_the_error(tmp_path):
 
 def test_a_row_puts_the_kernel_time_inside_the_step_beside_the_planners_cpu_time(tmp_path):
     """The planner's CPU rate predicts the kernel alone: the row carries the slowest rank's time in the
-    CPU kernel, within its update, and the prediction's ratio to it."""
+    CPU kernel, within its update, and the prediction's ratio to it; and the fixed costs predicted beside it."""
     bench_scale = load_bench_scale()
     case = "model=tiny offload=host train.device=cpu offload.subgroup_numel=1048576"
     args = argparse.Namespace(nproc=1, log_dir=str(tmp_path / "logs"), steps=3, timeout=120)
@@ -36,3 +36,6 @@ def test_a_row_puts_the_kernel_time_inside_the_step_beside_the_planners_cpu_time
     assert "error" not in row, row
     assert 0 < row["cpu_kernel_s"] < row["update_s"], row
     assert row["predicted_cpu_over_kernel"] == row["predicted_cpu_s"] / row["cpu_kernel_s"]
+    # the update's fixed costs as predicted, beside the norm the run took; the median step's beside the mean
+    assert row["predicted_walk_s"] >= 0 and row["predicted_step_s"] >= 0 and row["norm_s"] >= 0
+    assert row["predicted_over_median"] == row["predicted_update_s"] / row["update_s_median"]

@@ -17,6 +17,7 @@ from fsdp_offload.bandwidth_profile import BandwidthProfile
 from fsdp_offload.learned_rate import LEARN_STEPS, UpdateRateLearner, learned_rate_for, rate_key_for, update_rate_key
 from fsdp_offload.machine import MachineConfig, measured_speeds
 from fsdp_offload.plan import main as plan_main
+from fsdp_offload.update_costs import UpdateCosts
 
 BF16 = torch.bfloat16
 
@@ -169,7 +170,8 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
     assert measured_speeds(OffloadConfig(kernel="torch"), MachineConfig(), cpu_threads=None)[0].source == "timed"
 
 
-def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys):
+def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a: UpdateCosts())  # (test_update_costs': seconds at 2 ranks)
     path = str(tmp_path / "new" / "p.json")
     common = ["train.device=cpu", "offload=host", "machine.host_gib=64", "offload.kernel=torch", f"offload.bandwidth_profile={path}"]
     assert plan_main(common) == 0

@@ -1,0 +1,207 @@
+"""What a step's update takes beyond the CPU kernel's params / rate and the tiers' bytes / bandwidth: its
+fixed costs, timed once as the optimizer's own code runs them, the node's ranks side by side.
+
+A tiny model's update is mostly these (the tiny LLaMA on 2 CPU cores: 9 subgroups of 16Ki params, 4 of
+them through a tier, 5-6 ms a step of which 1 ms in the kernel), a large one's a few percent at most; the
+planner that predicted the kernel and the I/O alone said 0.2-0.35 of the measured update at the tiny
+size (session 26). Three costs, each a count the plan knows times a time measured here:
+- once a step: the grad norm (its sum, and the all-reduce that waits for the node's other ranks);
+- each subgroup updated on the CPU, beside its kernel: its turn in the walk through the host cache, the
+  kernel's call, the copy of its new params back into the model;
+- each read or write of a subgroup through a tier: what it adds to the update's thread (submitting it,
+  taking it in, the wait for it that a small subgroup's update does not hide, the kernel's slowing down
+  beside the I/O threads).
+Timed on a real OffloadAdamW over SUBGROUPS small subgroups in each of the node's ranks (processes:
+their Python runs side by side only there, and their all-reduce is between processes), a few steps
+with all in host memory, then with half streamed through a tier dir. A step's cost is its slowest
+rank's, as a run's is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .subgroups import SubgroupLayout
+from .threads import use_cpu_threads
+from .update_rate import COLD_BYTES
+
+SUBGROUPS = 8  # timed subgroups: half of them stream through the tier, 8 transfers a step
+MAX_NUMEL = 1 << 16  # params a timed subgroup holds at most (its kernel's time is subtracted, not counted)
+STEPS = 24  # timed steps after WARM_UP, the median taken (a step of the tiny model's took 1-60 ms on 2 shared cores)
+WARM_UP = 2
+TIMEOUT_S = 300  # for the ranks' processes, their start included
+
+
+@dataclass(frozen=True)
+class UpdateCosts:
+    """A rank's update beyond its kernel and its tiers' bandwidth (see the module's note); all 0: none."""
+
+    step_s: float = 0.0  # once a step: the grad norm and its all-reduce among the node's ranks
+    subgroup_s: float = 0.0  # each subgroup updated on the CPU, beside its kernel
+    transfer_s: float = 0.0  # each subgroup read or written through a tier
+    call_s: float = 0.0  # each kernel call beyond params / a timed rate (0 for a learned one: a step's own)
+
+    def walk_seconds(self, subgroups: int, transfers: float) -> float:
+        """The update thread's time beside params / rate for `subgroups` updated on the CPU and
+        `transfers` reads and writes through the tiers."""
+        return subgroups * (self.subgroup_s + self.call_s) + transfers * self.transfer_s
+
+    def describe(self) -> str:
+        return (f"{self.step_s * 1e3:.2f} ms a step, {self.subgroup_s * 1e3:.3f} ms a subgroup"
+                + (f" and {self.call_s * 1e3:.3f} ms its kernel's call" if self.call_s else "")
+                + f", {self.transfer_s * 1e3:.3f} ms a tier read or write")  # fmt: skip
+
+
+def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int, tier_dir: str | None = None,
+                      tier_access: str | int = "exclusive", timed_rate: float | None = None) -> UpdateCosts:  # fmt: skip
+    """UpdateCosts timed here: `ranks` processes (this one alone for one rank) of `threads` intra-op
+    threads, their tier one temp dir under `tier_dir` (the run's first tier's dir; None: the system's
+    temp dir), taken as offload.tier_access says, as a run's ranks take theirs. With `timed_rate` (the
+    params/s of the kernel run back to back, update_rate.node_update_rate), a step's kernel call is
+    costed beyond it: a kernel called once a subgroup wakes its threads and finds its state cold.
+    Several ranks take the start of `ranks` Python processes (seconds)."""
+    numel = max(1024, min(subgroup_numel, MAX_NUMEL) // 1024 * 1024)
+    with tempfile.TemporaryDirectory(dir=tier_dir, prefix=".fsdp-offload-costs-") as work:
+        if ranks == 1:
+            before = torch.get_num_threads()
+            try:
+                rows = [_rank_rows(0, 1, kernel, numel, threads, work, tier_access)]
+            finally:
+                if torch.get_num_threads() != before:
+                    torch.set_num_threads(before)
+        else:
+            rows = _side_by_side(ranks, kernel, numel, threads, work, tier_access)
+    return fitted_costs(rows, numel, timed_rate)
+
+
+def _side_by_side(ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int) -> list[dict]:
+    """Each rank's steps, from `ranks` processes of this module (its `__main__`: a caller's own script is
+    not imported again, as multiprocessing's spawn would), each one's errors in `work`."""
+    args = [kernel, str(numel), str(threads), work, str(tier_access)]
+    logs = [open(os.path.join(work, f"rank{r}.err"), "w+") for r in range(ranks)]
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(ranks), *args], stdout=subprocess.DEVNULL,
+                                  stderr=logs[r]) for r in range(ranks)]  # fmt: skip
+        deadline = time.monotonic() + TIMEOUT_S
+        try:  # one that fails leaves the others waiting at a collective: they are ended at once
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if any(p.returncode for p in procs):
+                    break
+                time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        failed = [r for r, p in enumerate(procs) if p.returncode]
+        if failed:
+            logs[failed[0]].seek(0)
+            last = (logs[failed[0]].read().strip().splitlines() or ["(nothing said)"])[-1]
+            raise RuntimeError(f"timing the update's fixed costs: rank {failed[0]} of {ranks} ended with "
+                               f"{procs[failed[0]].returncode}: {last}")  # fmt: skip
+    finally:
+        for f in logs:
+            f.close()
+    rows = []
+    for r in range(ranks):
+        with open(os.path.join(work, f"rank{r}.json")) as f:
+            rows.append(json.load(f))
+    return rows
+
+
+def fitted_costs(rows: list[dict[str, list[dict[str, float]]]], numel: int, timed_rate: float | None) -> UpdateCosts:
+    """UpdateCosts from each rank's steps ({"host": [...], "tier": [...]}, a dict a step) over subgroups of
+    `numel`: each step's figure is its slowest rank's, the median step's taken."""
+
+    def median(kind: str, figure) -> float:
+        return statistics.median(max(figure(rank[kind][i]) for rank in rows) for i in range(len(rows[0][kind])))
+
+    subgroup_s = max(0.0, median("host", lambda s: s["update_s"] - s["kernel_s"] - s["norm_s"])) / SUBGROUPS
+    # all that streaming adds to the step: the kernel too runs slower beside the I/O threads (on 2 cores,
+    # 1.0-1.8 ms against 0.5 ms in host memory for the tiny model's 9 subgroups, session 26)
+    added = median("tier", lambda s: s["update_s"] - s["norm_s"]) - median("host", lambda s: s["update_s"] - s["norm_s"])
+    transfer_s = max(0.0, added) / max(1.0, median("tier", lambda s: s["transfers"]))
+    # a kernel's call: latency + params / rate (the rate timed with the calls back to back)
+    call_s = 0.0 if timed_rate is None else max(0.0, median("host", lambda s: s["kernel_s"]) / SUBGROUPS - numel / timed_rate)
+    return UpdateCosts(median("host", lambda s: s["norm_s"] + s["all_reduce_s"]), subgroup_s, transfer_s, call_s)
+
+
+def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int) -> None:
+    """A rank of _side_by_side: its steps to `work`/rank<r>.json."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(work, 'store')}", rank=rank, world_size=ranks,
+                            timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    try:
+        rows = _rank_rows(rank, ranks, kernel, numel, threads, work, tier_access)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(work, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+
+
+def _rank_rows(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int,
+               ) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+    """One rank's steps: all in host memory, then half through the ranks' tier in `work`."""
+    use_cpu_threads(threads)
+    tier = os.path.join(work, "tier")  # (each process's file its own, as a run's ranks')
+    os.makedirs(tier, exist_ok=True)
+    return {"host": _steps(kernel, numel, None, ranks), "tier": _steps(kernel, numel, tier, ranks, tier_access, work)}
+
+
+def _steps(kernel: str, numel: int, tier_dir: str | None, ranks: int, tier_access: str | int = "shared", lock_dir: str = "",
+           ) -> list[dict[str, float]]:  # fmt: skip
+    """STEPS steps of an OffloadAdamW over SUBGROUPS subgroups of `numel`, a param each: all in host
+    memory, or with a tier in `tier_dir` (its node locks in `lock_dir`) and a host cache
+    of half of them; before each step, the all-reduce of the grad norm among the `ranks` (the optimizer
+    here has no process group)."""
+    import torch.distributed as dist
+
+    from .config import OffloadConfig  # (the optimizer's rooms: not needed to import the planner)
+    from .optimizer import OffloadAdamW
+
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(SUBGROUPS)]
+    kw: dict = {}
+    if tier_dir is not None:  # the staging buffer and half the subgroups' slots, not one more
+        layout = SubgroupLayout([numel] * SUBGROUPS, numel)
+        budget = 2 * numel * SUBGROUPS + layout.slot_bytes * (SUBGROUPS // 2) + layout.slot_bytes // 2
+        kw = dict(tiers=[f"posix:{tier_dir}"], host_budget_gb=budget / 2**30, placement="fixed", tier_ratios=[1.0],
+                  tier_access=tier_access, tier_lock_dir=lock_dir)  # (not a run's lock)  # fmt: skip
+    cfg = OffloadConfig(subgroup_numel=numel, kernel=kernel, max_grad_norm=1.0, overlap="auto", prefetch=2, **kw)
+    opt = OffloadAdamW(params, lr=1e-4, offload=cfg)
+    norm = torch.zeros(1, dtype=torch.float64)
+    backward = torch.empty(COLD_BYTES // 4)
+    waits = []
+    try:
+        for _ in range(WARM_UP + STEPS):
+            backward.fill_(1.0)  # a run's update follows its backward, which leaves other data in the CPU's caches
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            if ranks > 1:  # a run's ranks come to the norm together, from backward's last reduce-scatter
+                dist.barrier()
+            began = time.perf_counter()
+            if ranks > 1:
+                dist.all_reduce(norm)
+            waits.append(time.perf_counter() - began)
+            opt.step()
+            opt.finish_update()
+        metrics = opt.take_metrics()
+    finally:
+        opt.close()
+    return [{"update_s": m.update_s, "kernel_s": m.cpu_kernel_s, "norm_s": m.norm_s, "all_reduce_s": w,
+             "transfers": m.subgroups_read + m.subgroups_written} for m, w in zip(metrics[WARM_UP:], waits[WARM_UP:])]  # fmt: skip
+
+
+if __name__ == "__main__":  # a rank of _side_by_side: rank, ranks, kernel, numel, threads, work, tier access
+    _r, _ranks, _kernel, _numel, _threads, _work, _access = sys.argv[1:8]
+    _rank_main(int(_r), int(_ranks), _kernel, int(_numel), int(_threads), _work, int(_access) if _access.isdigit() else _access)
