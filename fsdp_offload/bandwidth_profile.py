@@ -16,7 +16,7 @@ import os
 import platform
 import tempfile
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .bandwidth import TierSpeed
 from .config import NULL
@@ -184,8 +184,10 @@ class BandwidthProfile:
                         "rates learned, again", self.path, exc, aside)  # fmt: skip
             return {"format": PROFILE_FORMAT, "hosts": {}}
 
-    def load(self) -> dict[str, TierSpeed]:
-        """This host's valid entries (call with the lock held); invalid ones are reported and left out."""
+    def load(self, keys: Iterable[str] | None = None) -> dict[str, TierSpeed]:
+        """This host's valid entries for the tier `keys` (None: all; call with the lock held); invalid
+        ones are reported and left out. Only those asked for are checked: the warning says the run
+        measures that tier, which holds for a tier of this run alone."""
         data = self._read_all()
         mine = data["hosts"].get(self.host)
         if mine is None:
@@ -193,7 +195,8 @@ class BandwidthProfile:
                 log.info("bandwidth profile %s has no entry for host %s (it has %s)", self.path, self.host, sorted(data["hosts"]))
             return {}
         out = {}
-        for key, entry in mine.items():
+        for key in mine if keys is None else [k for k in keys if k in mine]:
+            entry = mine[key]
             if self.usable(["hosts", self.host, key], entry, TIER_FIELDS, "measures that tier again"):
                 out[key] = TierSpeed(entry["read_gbps"] * 1e9, entry["write_gbps"] * 1e9, entry["latency_ms"] / 1e3)
         return out

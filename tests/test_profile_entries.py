@@ -95,6 +95,21 @@ def test_a_tier_entry_that_is_not_an_object_is_said(tmp_path, caplog):
     profile.close()
 
 
+@pytest.mark.bad_input
+def test_a_bad_entry_of_a_tier_the_run_does_not_use_is_not_said(tmp_path, caplog, monkeypatch):
+    """The warning says the run measures that tier again: for a tier of another run's, it would not (and
+    would be said at every start of every run that never reads the entry)."""
+    other, mine = tier(tmp_path, "other"), tier(tmp_path, "mine")
+    path, profile = profile_with_tier(tmp_path, other, "write_gbps", -1.0)
+    with profile.locked():
+        profile.store({mine.key: TierSpeed(3e9, 3e9, 0.0)}, "calibrated")
+    monkeypatch.setattr(calibrate, "measure_tier", lambda s, *a: pytest.fail(f"{s} measured"))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert calibrate.seed_speeds([mine], profile, 1 << 20, 1 << 20) == [TierSpeed(3e9, 3e9, 0.0)]
+    assert caplog.records == []
+    profile.close()
+
+
 def rate_profile(tmp_path, cfg: OffloadConfig, ranks: int, threads: int, edit) -> tuple:
     """A profile holding a whole learned rate for the plan's key, then `edit`ed (its entry, in place)."""
     path = tmp_path / "p.json"
