@@ -40,6 +40,7 @@ def cgroup_dirs(v1_controller: str) -> list[str]:
 
 
 _job_node_ranks: int | None = None  # the job's ranks on this node, once node_ranks has counted them
+_job_node_place: tuple[int, int] | None = None  # (the job's world size, this rank's place among them)
 
 
 def node_ranks(group: dist.ProcessGroup | None = None) -> int:
@@ -54,25 +55,31 @@ def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """The ranks on this node (as node_ranks counts them) and this rank's place among them, 0 first: with
     `group` (a collective) its place among the node's ranks of `group`, whichever way the launcher numbered
     them (srun --distribution=cyclic spreads a node's ranks apart); without one, $LOCAL_RANK, else 0."""
-    global _job_node_ranks
+    global _job_node_ranks, _job_node_place
     if group is None:
         if dist.is_initialized() and dist.get_world_size() == 1:
             return 1, 0  # (whatever an earlier job in this process counted)
         return _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     peers = node_peers(group)
     if dist.get_world_size(group) == dist.get_world_size():
-        _job_node_ranks = len(peers)
+        _job_node_ranks, _job_node_place = len(peers), (dist.get_world_size(), peers.index(dist.get_rank(group)))
     return len(peers), peers.index(dist.get_rank(group))
 
 
 def first_on_node() -> bool:
     """Whether this process is its node's first rank, found without a collective (for what each of a
     node's ranks reads alike, a file say, to be said once a node): $LOCAL_RANK == 0 (torchrun), else,
-    where a launcher set none, the job's rank 0; a process with no group of others is."""
+    where a launcher set none (srun), the first by host name if node_position has counted the job's
+    ranks (train.py does at once; the job's rank 0 alone would leave every other node's file unsaid),
+    else the job's rank 0; a process with no group of others is."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
     local = os.environ.get("LOCAL_RANK")
-    return int(local) == 0 if local is not None else dist.get_rank() == 0
+    if local is not None:
+        return int(local) == 0
+    if _job_node_place is not None and _job_node_place[0] == dist.get_world_size():  # (not an earlier job's)
+        return _job_node_place[1] == 0
+    return dist.get_rank() == 0
 
 
 def node_peers(group: dist.ProcessGroup) -> list[int]:

@@ -202,3 +202,29 @@ def test_a_bad_entry_is_said_by_one_rank_of_the_node(tmp_path):
     said = [json.loads((tmp_path / f"said.{r}").read_text()) for r in range(2)]
     assert len(said[0]) == 1 and "is not usable: field 'mparams_per_s' ['0'] is -1" in said[0][0]
     assert said[1] == []
+
+
+def _read_on_a_node_of_its_own(rank: int, world: int, cfg: OffloadConfig, out: str) -> None:
+    """As _read_on_each_rank, each rank on a host of its own (a launcher such as srun, no $LOCAL_RANK),
+    the job's ranks counted by host name first, as train.py counts them."""
+    import socket
+
+    import torch.distributed as dist
+
+    from fsdp_offload import node
+
+    socket.gethostname = lambda: f"node{rank}"  # (the ranks' profile host stays this machine's: one entry for both)
+    assert node.node_position(dist.group.WORLD) == (1, 0)
+    _read_on_each_rank(rank, world, cfg, out)
+
+
+@pytest.mark.bad_input
+def test_a_bad_entry_is_said_on_every_node_where_no_local_rank_is_set(tmp_path):
+    """Each node reads its own host's entries: the job's rank 0 alone would leave the other nodes'
+    broken entries ignored without a word."""
+    cfg = OffloadConfig(kernel="torch", subgroup_numel=4096, bandwidth_profile=str(tmp_path / "p.json"))
+    rate_profile(tmp_path, cfg, 1, 4, lambda e: e["mparams_per_s"].update({"0": -1}))
+    run_ranks(2, _read_on_a_node_of_its_own, cfg, str(tmp_path / "said"))
+    for rank in range(2):
+        said = json.loads((tmp_path / f"said.{rank}").read_text())
+        assert len(said) == 1 and "is not usable: field 'mparams_per_s' ['0'] is -1" in said[0], (rank, said)
