@@ -15,6 +15,12 @@ from .job_errors import job_wide
 from .models import LlamaArgs
 
 
+# What else a run keeps in its dir, by name (train.py's plan and TensorBoard dir, Hydra's record and
+# log): a metrics file of one of these names would take it over, and a fresh run moves it aside as rows.
+RUN_DIR_NAMES = {"placement.json": "plan", "tensorboard": "TensorBoard dir", ".hydra": "Hydra record",
+                 "train.log": "log"}  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     steps: int = 50
@@ -74,6 +80,9 @@ class TrainConfig:
             # each rank writes rank<N>.<name> beside rank 0's <name> in the run dir: a path would put them elsewhere
             raise ValueError(f"train.metrics_file={name!r} must be a file name in the run's output dir, such as "
                              "metrics.jsonl; to write elsewhere, set train.out_dir")  # fmt: skip
+        if name in RUN_DIR_NAMES:
+            raise ValueError(f"train.metrics_file={name!r} is the name of the run's {RUN_DIR_NAMES[name]} in the same dir: "
+                             "pick another file name, such as metrics.jsonl")  # fmt: skip
 
 
 @dataclass
