@@ -11,10 +11,10 @@ size (session 26). Three costs, each a count the plan knows times a time measure
 - each read or write of a subgroup through a tier: what it adds to the update's thread (submitting it,
   taking it in, the wait for it that a small subgroup's update does not hide, the kernel's slowing down
   beside the I/O threads).
-Timed on a real OffloadAdamW over SUBGROUPS small subgroups in each of the node's ranks (processes:
-their Python runs side by side only there, and their all-reduce is between processes), a few steps
-with all in host memory, then with half streamed through a tier dir. A step's cost is its slowest
-rank's, as a run's is.
+Timed on two real OffloadAdamW over SUBGROUPS small subgroups in each of the node's ranks (processes:
+their Python runs side by side only there, and their all-reduce is between processes), stepping in
+turns: one with all in host memory, one with half streamed through a tier dir. A step's cost is its
+slowest rank's, as a run's is.
 """
 
 from __future__ import annotations
@@ -123,17 +123,20 @@ def fitted_costs(rows: list[dict[str, list[dict[str, float]]]], numel: int, time
     """UpdateCosts from each rank's steps ({"host": [...], "tier": [...]}, a dict a step) over subgroups of
     `numel`: each step's figure is its slowest rank's, the median step's taken."""
 
-    def median(kind: str, figure) -> float:
-        return statistics.median(max(figure(rank[kind][i]) for rank in rows) for i in range(len(rows[0][kind])))
-
+    steps = range(len(rows[0]["host"]))
+    slowest = lambda kind, i, figure: max(figure(rank[kind][i]) for rank in rows)  # noqa: E731
+    median = lambda kind, figure: statistics.median(slowest(kind, i, figure) for i in steps)  # noqa: E731
     subgroup_s = max(0.0, median("host", lambda s: s["update_s"] - s["kernel_s"] - s["norm_s"])) / SUBGROUPS
-    # all that streaming adds to the step: the kernel too runs slower beside the I/O threads (on 2 cores,
-    # 1.0-1.8 ms against 0.5 ms in host memory for the tiny model's 9 subgroups, session 26)
-    added = median("tier", lambda s: s["update_s"] - s["norm_s"]) - median("host", lambda s: s["update_s"] - s["norm_s"])
+    # all that streaming adds to the step, its pair's step in host memory beside it: the kernel too runs
+    # slower beside the I/O threads (on 2 cores, 1.0-1.8 ms against 0.5 ms for the tiny model's 9 subgroups)
+    beside = lambda s: s["update_s"] - s["norm_s"]  # noqa: E731
+    added = statistics.median(slowest("tier", i, beside) - slowest("host", i, beside) for i in steps)
     transfer_s = max(0.0, added) / max(1.0, median("tier", lambda s: s["transfers"]))
     # a kernel's call: latency + params / rate (the rate timed with the calls back to back)
     call_s = 0.0 if timed_rate is None else max(0.0, median("host", lambda s: s["kernel_s"]) / SUBGROUPS - numel / timed_rate)
-    return UpdateCosts(median("host", lambda s: s["norm_s"] + s["all_reduce_s"]), subgroup_s, transfer_s, call_s)
+    norm = lambda s: s["norm_s"] + s["all_reduce_s"]  # noqa: E731
+    norm_s = statistics.median([slowest(kind, i, norm) for kind in ("host", "tier") for i in steps])
+    return UpdateCosts(norm_s, subgroup_s, transfer_s, call_s)
 
 
 def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int) -> None:
@@ -152,54 +155,59 @@ def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, wor
 
 def _rank_rows(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int,
                ) -> dict[str, list[dict[str, float]]]:  # fmt: skip
-    """One rank's steps: all in host memory, then half through the ranks' tier in `work`."""
-    use_cpu_threads(threads)
-    tier = os.path.join(work, "tier")  # (each process's file its own, as a run's ranks')
-    os.makedirs(tier, exist_ok=True)
-    return {"host": _steps(kernel, numel, None, ranks), "tier": _steps(kernel, numel, tier, ranks, tier_access, work)}
-
-
-def _steps(kernel: str, numel: int, tier_dir: str | None, ranks: int, tier_access: str | int = "shared", lock_dir: str = "",
-           ) -> list[dict[str, float]]:  # fmt: skip
-    """STEPS steps of an OffloadAdamW over SUBGROUPS subgroups of `numel`, a param each: all in host
-    memory, or with a tier in `tier_dir` (its node locks in `lock_dir`) and a host cache
-    of half of them; before each step, the all-reduce of the grad norm among the `ranks` (the optimizer
-    here has no process group)."""
+    """One rank's steps of two OffloadAdamW over SUBGROUPS subgroups of `numel`, a param each, in turns
+    (a step's pair a few ms apart: a shared machine's bursts, seconds long, meet both or neither): one
+    with all of them in host memory, one with a host cache of half of them and a tier in `work` (each
+    process's file its own, as a run's ranks'; the node locks there). Before each step, the backward
+    that a run's update follows (it leaves other data in the CPU's caches) and the grad norm's
+    all-reduce among the `ranks` (these optimizers have no process group)."""
     import torch.distributed as dist
 
+    use_cpu_threads(threads)
+    tier = os.path.join(work, "tier")
+    os.makedirs(tier, exist_ok=True)
+    opts = {"host": _optimizer(kernel, numel, None, tier_access, work), "tier": _optimizer(kernel, numel, tier, tier_access, work)}
+    norm = torch.zeros(1, dtype=torch.float64)
+    backward = torch.empty(COLD_BYTES // 4)
+    waits: dict[str, list[float]] = {kind: [] for kind in opts}
+    try:
+        for _ in range(WARM_UP + STEPS):
+            for kind, (opt, params) in opts.items():
+                backward.fill_(1.0)
+                for p in params:
+                    p.grad = torch.full_like(p, 1e-3)
+                if ranks > 1:  # a run's ranks come to the norm together, from backward's last reduce-scatter
+                    dist.barrier()
+                began = time.perf_counter()
+                if ranks > 1:
+                    dist.all_reduce(norm)
+                waits[kind].append(time.perf_counter() - began)
+                opt.step()
+                opt.finish_update()
+        metrics = {kind: opt.take_metrics()[WARM_UP:] for kind, (opt, _) in opts.items()}
+    finally:
+        for opt, _ in opts.values():
+            opt.close()
+    return {kind: [{"update_s": m.update_s, "kernel_s": m.cpu_kernel_s, "norm_s": m.norm_s, "all_reduce_s": w,
+                    "transfers": m.subgroups_read + m.subgroups_written} for m, w in zip(metrics[kind], waits[kind][WARM_UP:])]
+            for kind in opts}  # fmt: skip
+
+
+def _optimizer(kernel: str, numel: int, tier_dir: str | None, tier_access: str | int, lock_dir: str) -> tuple:
+    """An OffloadAdamW and its params: all in host memory, or with a tier in `tier_dir` and a host cache of
+    half the subgroups (the staging buffer and their slots, not one more)."""
     from .config import OffloadConfig  # (the optimizer's rooms: not needed to import the planner)
     from .optimizer import OffloadAdamW
 
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(SUBGROUPS)]
     kw: dict = {}
-    if tier_dir is not None:  # the staging buffer and half the subgroups' slots, not one more
+    if tier_dir is not None:
         layout = SubgroupLayout([numel] * SUBGROUPS, numel)
         budget = 2 * numel * SUBGROUPS + layout.slot_bytes * (SUBGROUPS // 2) + layout.slot_bytes // 2
         kw = dict(tiers=[f"posix:{tier_dir}"], host_budget_gb=budget / 2**30, placement="fixed", tier_ratios=[1.0],
                   tier_access=tier_access, tier_lock_dir=lock_dir)  # (not a run's lock)  # fmt: skip
     cfg = OffloadConfig(subgroup_numel=numel, kernel=kernel, max_grad_norm=1.0, overlap="auto", prefetch=2, **kw)
-    opt = OffloadAdamW(params, lr=1e-4, offload=cfg)
-    norm = torch.zeros(1, dtype=torch.float64)
-    backward = torch.empty(COLD_BYTES // 4)
-    waits = []
-    try:
-        for _ in range(WARM_UP + STEPS):
-            backward.fill_(1.0)  # a run's update follows its backward, which leaves other data in the CPU's caches
-            for p in params:
-                p.grad = torch.full_like(p, 1e-3)
-            if ranks > 1:  # a run's ranks come to the norm together, from backward's last reduce-scatter
-                dist.barrier()
-            began = time.perf_counter()
-            if ranks > 1:
-                dist.all_reduce(norm)
-            waits.append(time.perf_counter() - began)
-            opt.step()
-            opt.finish_update()
-        metrics = opt.take_metrics()
-    finally:
-        opt.close()
-    return [{"update_s": m.update_s, "kernel_s": m.cpu_kernel_s, "norm_s": m.norm_s, "all_reduce_s": w,
-             "transfers": m.subgroups_read + m.subgroups_written} for m, w in zip(metrics[WARM_UP:], waits[WARM_UP:])]  # fmt: skip
+    return OffloadAdamW(params, lr=1e-4, offload=cfg), params
 
 
 if __name__ == "__main__":  # a rank of _side_by_side: rank, ranks, kernel, numel, threads, work, tier access

@@ -69,19 +69,21 @@ def test_fixed_costs_barely_move_a_large_model_s_predicted_update(monkeypatch, m
 
 
 def test_each_step_s_costs_are_its_slowest_rank_s_and_the_median_step_s_are_taken():
+    """A step's figure is its slowest rank's; a transfer's cost is a streamed step's beyond its pair's in
+    host memory, stepped just before it; the median step's is taken."""
     def step(update, kernel, norm=0.0, wait=0.0, transfers=0):
         return {"update_s": update, "kernel_s": kernel, "norm_s": norm, "all_reduce_s": wait, "transfers": transfers}
 
     rank0 = {"host": [step(10.0, 2.0, 1.0, 0.5), step(12.0, 2.0, 1.0, 0.5), step(11.0, 4.0, 1.0, 3.0)],
-             "tier": [step(19.0, 2.0, 1.0, 0, 8), step(19.0, 2.0, 1.0, 0, 8), step(100.0, 2.0, 1.0, 0, 8)]}
+             "tier": [step(19.0, 2.0, 1.0, 0.5, 8), step(19.0, 2.0, 1.0, 0.5, 8), step(100.0, 2.0, 1.0, 0.5, 8)]}
     rank1 = {"host": [step(14.0, 2.0, 1.0, 0.5), step(9.0, 2.0, 1.0, 0.5), step(11.0, 2.0, 1.0, 0.5)],
-             "tier": [step(18.0, 2.0, 1.0, 0, 8), step(21.0, 2.0, 1.0, 0, 8), step(20.0, 2.0, 1.0, 0, 8)]}  # fmt: skip
+             "tier": [step(18.0, 2.0, 1.0, 0.5, 8), step(21.0, 2.0, 1.0, 0.5, 8), step(20.0, 2.0, 1.0, 0.5, 8)]}  # fmt: skip
     costs = fitted_costs([rank0, rank1], 1000, timed_rate=1000 / 0.1)
     # host steps, slowest rank's update less kernel and norm: 11, 9, 8 -> 9 over the subgroups
     assert costs.subgroup_s == pytest.approx(9.0 / SUBGROUPS)
-    # update less norm: host 13, 11, 10 -> 11; tier 20, 20, 99 -> 20; 9 more over 8 transfers
+    # update less norm, each tier step beside its pair in host memory: 18 - 13, 20 - 11, 99 - 10 -> 9 more over 8 transfers
     assert costs.transfer_s == pytest.approx(9.0 / 8)
-    assert costs.step_s == pytest.approx(1.5)  # norm and the all-reduce's wait: 1.5, 1.5, 4.0
+    assert costs.step_s == pytest.approx(1.5)  # norm and the all-reduce's wait: 1.5, 1.5, 4.0 and 1.5 thrice
     assert costs.call_s == pytest.approx(2.0 / SUBGROUPS - 0.1)  # the kernel's 2 (slowest, median) beyond 0.1 a call
     assert fitted_costs([rank0, rank1], 1000, None).call_s == 0.0  # a learned rate's kernel time is a step's own
 
