@@ -254,12 +254,12 @@ class AdaptivePlacement:
         split = self._split(speeds)
         if split != self.tier_of:
             usable = self._usable(speeds)
-            now, then = (expected_step_seconds(s, usable, self.sizes, self.traffic) for s in (self.tier_of, split))
+            current, proposed = (expected_step_seconds(s, usable, self.sizes, self.traffic) for s in (self.tier_of, split))
             spread = self.model.spread()
             noise = max(spread[i] for i in range(len(speeds)) if i not in self.dropped)
-            if then * math.exp(self.NOISE_MARGIN * noise) >= now:  # the gain may be the noise's alone: the subgroups stay
+            if proposed * math.exp(self.NOISE_MARGIN * noise) >= current:  # the gain may be the noise's alone: the subgroups stay
                 log.debug("kept the %s placement: a new split would take %.3g s of I/O a step for %.3g s, within the "
-                          "learned speeds' noise (timings off by %.0f%%)", self.name, then, now, 100 * math.expm1(noise))  # fmt: skip
+                          "learned speeds' noise (timings off by %.0f%%)", self.name, proposed, current, 100 * math.expm1(noise))  # fmt: skip
                 return
         self._plan(speeds, split)
         self.replans += 1
