@@ -4,7 +4,7 @@ fixed costs, timed once as the optimizer's own code runs them, the node's ranks 
 A tiny model's update is mostly these (the tiny LLaMA on 2 CPU cores: 9 subgroups of 16Ki params, 4 of
 them through a tier, 5-6 ms a step of which 1 ms in the kernel), a large one's a few percent at most; the
 planner that predicted the kernel and the I/O alone said 0.2-0.35 of the measured update at the tiny
-size (session 26). Three costs, each a count the plan knows times a time measured here:
+size (session 25). Three costs, each a count the plan knows times a time measured here:
 - once a step: the grad norm (its sum, and the all-reduce that waits for the node's other ranks);
 - each subgroup updated on the CPU, beside its kernel: its turn in the walk through the host cache, the
   kernel's call, the copy of its new params back into the model;

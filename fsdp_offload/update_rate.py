@@ -19,7 +19,7 @@ MIN_ROUNDS = 4  # ... and at least this many
 _NODE_NUMEL = 128 << 20  # params all teams time at once, at most (14 bytes each: 1.8 GB)
 # A step updates each subgroup once, its state not in the CPU's caches: a team's rounds go round copies
 # of at least this many bytes together (a 16Ki-param subgroup timed over one copy, in the caches, ran
-# 26 us a call where a step's took 40-60 us; on 2 cores, session 26).
+# 26 us a call where a step's took 40-60 us; on 2 cores, session 25).
 COLD_BYTES = 64 << 20
 
 

@@ -20,7 +20,7 @@ from fsdp_offload.node_plan import make_plan
 from fsdp_offload.plan import format_plan
 from fsdp_offload.update_costs import SUBGROUPS, UpdateCosts, fitted_costs, time_update_costs
 
-# Generous: several times what the tiny model's update showed on 2 CPU cores (session 26)
+# Generous: several times what the tiny model's update showed on 2 CPU cores (session 25)
 COSTS = UpdateCosts(step_s=2e-3, subgroup_s=1e-3, transfer_s=2e-3, call_s=0.5e-3)
 
 
