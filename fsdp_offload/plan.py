@@ -181,9 +181,13 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
     machine.check_tiers(ocfg.tiers)
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
-    costs = measured_costs(ocfg, machine, train.cpu_threads, rate)
-    plan = make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, rate.params_per_s, speeds,
-                     costs=costs)  # fmt: skip
+    planned = lambda costs: make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device,  # noqa: E731
+                                      rate.params_per_s, speeds, costs=costs)  # fmt: skip
+    plan = planned(None)  # one that does not fit says so before seconds of timing; one that writes no tier times none
+    streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
+    costs = measured_costs(ocfg, machine, train.cpu_threads, rate, streams=streams)
+    if costs is not None:
+        plan = planned(costs)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     return plan, ocfg
 

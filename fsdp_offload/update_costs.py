@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .storage.base import TierError
 from .subgroups import SubgroupLayout
 from .threads import use_cpu_threads
 from .update_rate import COLD_BYTES
@@ -63,37 +64,54 @@ class UpdateCosts:
 
 
 def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int, tier_dir: str | None = None,
-                      tier_access: str | int = "exclusive", timed_rate: float | None = None) -> UpdateCosts:  # fmt: skip
+                      tier_access: str | int = "exclusive", timed_rate: float | None = None,
+                      streams: bool = True) -> UpdateCosts:  # fmt: skip
     """UpdateCosts timed here: `ranks` processes (this one alone for one rank) of `threads` intra-op
     threads, their tier one temp dir under `tier_dir` (the run's first tier's dir; None: the system's
     temp dir), taken as offload.tier_access says, as a run's ranks take theirs. With `timed_rate` (the
     params/s of the kernel run back to back, update_rate.node_update_rate), a step's kernel call is
     costed beyond it: a kernel called once a subgroup wakes its threads and finds its state cold.
-    Several ranks take the start of `ranks` Python processes (seconds)."""
+    `streams` False (the plan writes no tier): no tier is timed and transfer_s is 0.
+    Several ranks take the start of `ranks` Python processes (seconds). Raises TierError naming the dir
+    and the fix where the timing cannot run there (a dir not writable, or full)."""
     numel = max(1024, min(subgroup_numel, MAX_NUMEL) // 1024 * 1024)
-    with tempfile.TemporaryDirectory(dir=tier_dir, prefix=".fsdp-offload-costs-") as work:
-        if ranks == 1:
-            before = torch.get_num_threads()
-            try:
-                rows = [_rank_rows(0, 1, kernel, numel, threads, work, tier_access)]
-            finally:
-                if torch.get_num_threads() != before:
-                    torch.set_num_threads(before)
-        else:
-            rows = _side_by_side(ranks, kernel, numel, threads, work, tier_access)
+    try:
+        with tempfile.TemporaryDirectory(dir=tier_dir, prefix=".fsdp-offload-costs-") as work:
+            if ranks == 1:
+                before = torch.get_num_threads()
+                try:
+                    rows = [_rank_rows(0, 1, kernel, numel, threads, work, tier_access, streams)]
+                finally:
+                    if torch.get_num_threads() != before:
+                        torch.set_num_threads(before)
+            else:
+                rows = _side_by_side(ranks, kernel, numel, threads, work, tier_access, streams)
+    except (OSError, _RankFailed) as exc:  # the planner's own timing: said as the dir's fault it is, with the fix
+        where = f"{tier_dir} (offload.tiers' first dir)" if tier_dir is not None else f"{tempfile.gettempdir()} (the temp dir)"
+        raise TierError(f"timing the update's fixed costs for the prediction in {where} failed: {exc}; where the dir is at "
+                        "fault, give one this user can write with a few MiB free; or state the CPU rate "
+                        "(machine.cpu_mparams_per_s=<M params/s>: nothing is timed beside it)") from exc  # fmt: skip
     return fitted_costs(rows, numel, timed_rate)
 
 
-def _side_by_side(ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int) -> list[dict]:
+class _RankFailed(RuntimeError):
+    """A rank of _side_by_side that ended with an error (its last line)."""
+
+
+def _side_by_side(ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int,
+                  streams: bool) -> list[dict]:  # fmt: skip
     """Each rank's steps, from `ranks` processes of this module (its `__main__`: a caller's own script is
     not imported again, as multiprocessing's spawn would), each one's errors in `work`."""
-    args = [kernel, str(numel), str(threads), work, str(tier_access)]
+    args = [kernel, str(numel), str(threads), work, str(tier_access), str(int(streams))]
     logs = [open(os.path.join(work, f"rank{r}.err"), "w+") for r in range(ranks)]
+    procs: list[subprocess.Popen] = []
     try:
-        procs = [subprocess.Popen([sys.executable, "-m", __name__, str(r), str(ranks), *args], stdout=subprocess.DEVNULL,
-                                  stderr=logs[r]) for r in range(ranks)]  # fmt: skip
         deadline = time.monotonic() + TIMEOUT_S
-        try:  # one that fails leaves the others waiting at a collective: they are ended at once
+        try:  # one that fails leaves the others waiting at a collective: they are ended at once, as are those
+            # started where a later one cannot start, or at Ctrl-C
+            for r in range(ranks):
+                procs.append(subprocess.Popen([sys.executable, "-m", __name__, str(r), str(ranks), *args],
+                                              stdout=subprocess.DEVNULL, stderr=logs[r]))  # fmt: skip
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if any(p.returncode for p in procs):
                     break
@@ -107,7 +125,7 @@ def _side_by_side(ranks: int, kernel: str, numel: int, threads: int, work: str, 
         if failed:
             logs[failed[0]].seek(0)
             last = (logs[failed[0]].read().strip().splitlines() or ["(nothing said)"])[-1]
-            raise RuntimeError(f"timing the update's fixed costs: rank {failed[0]} of {ranks} ended with "
+            raise _RankFailed(f"rank {failed[0]} of {ranks} ended with "
                                f"{procs[failed[0]].returncode}: {last}")  # fmt: skip
     finally:
         for f in logs:
@@ -120,8 +138,9 @@ def _side_by_side(ranks: int, kernel: str, numel: int, threads: int, work: str, 
 
 
 def fitted_costs(rows: list[dict[str, list[dict[str, float]]]], numel: int, timed_rate: float | None) -> UpdateCosts:
-    """UpdateCosts from each rank's steps ({"host": [...], "tier": [...]}, a dict a step) over subgroups of
-    `numel`: each step's figure is its slowest rank's, the median step's taken."""
+    """UpdateCosts from each rank's steps ({"host": [...], "tier": [...]}, a dict a step; no "tier": none
+    streamed, transfer_s 0) over subgroups of `numel`: each step's figure is its slowest rank's, the median
+    step's taken."""
 
     steps = range(len(rows[0]["host"]))
     slowest = lambda kind, i, figure: max(figure(rank[kind][i]) for rank in rows)  # noqa: E731
@@ -129,24 +148,31 @@ def fitted_costs(rows: list[dict[str, list[dict[str, float]]]], numel: int, time
     subgroup_s = max(0.0, median("host", lambda s: s["update_s"] - s["kernel_s"] - s["norm_s"])) / SUBGROUPS
     # all that streaming adds to the step, its pair's step in host memory beside it: the kernel too runs
     # slower beside the I/O threads (on 2 cores, 1.0-1.8 ms against 0.5 ms for the tiny model's 9 subgroups)
-    beside = lambda s: s["update_s"] - s["norm_s"]  # noqa: E731
-    added = statistics.median(slowest("tier", i, beside) - slowest("host", i, beside) for i in steps)
-    transfer_s = max(0.0, added) / max(1.0, median("tier", lambda s: s["transfers"]))
+    # beside a timed rate (the kernel back to back, no I/O); a learned rate is a run's own steps' kernel time,
+    # which holds that slowing down where its run streamed: the kernel's time is then left out of both
+    kernel = (lambda s: 0.0) if timed_rate is not None else (lambda s: s["kernel_s"])  # noqa: E731
+    beside = lambda s: s["update_s"] - s["norm_s"] - kernel(s)  # noqa: E731
+    kinds = [kind for kind in ("host", "tier") if kind in rows[0]]
+    transfer_s = 0.0
+    if "tier" in kinds:
+        added = statistics.median(slowest("tier", i, beside) - slowest("host", i, beside) for i in steps)
+        transfer_s = max(0.0, added) / max(1.0, median("tier", lambda s: s["transfers"]))
     # a kernel's call: latency + params / rate (the rate timed with the calls back to back)
     call_s = 0.0 if timed_rate is None else max(0.0, median("host", lambda s: s["kernel_s"]) / SUBGROUPS - numel / timed_rate)
     norm = lambda s: s["norm_s"] + s["all_reduce_s"]  # noqa: E731
-    norm_s = statistics.median([slowest(kind, i, norm) for kind in ("host", "tier") for i in steps])
+    norm_s = statistics.median([slowest(kind, i, norm) for kind in kinds for i in steps])
     return UpdateCosts(norm_s, subgroup_s, transfer_s, call_s)
 
 
-def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int) -> None:
+def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int,
+               streams: bool) -> None:  # fmt: skip
     """A rank of _side_by_side: its steps to `work`/rank<r>.json."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(work, 'store')}", rank=rank, world_size=ranks,
                             timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
-        rows = _rank_rows(rank, ranks, kernel, numel, threads, work, tier_access)
+        rows = _rank_rows(rank, ranks, kernel, numel, threads, work, tier_access, streams)
     finally:
         dist.destroy_process_group()
     with open(os.path.join(work, f"rank{rank}.json"), "w") as f:
@@ -154,19 +180,21 @@ def _rank_main(rank: int, ranks: int, kernel: str, numel: int, threads: int, wor
 
 
 def _rank_rows(rank: int, ranks: int, kernel: str, numel: int, threads: int, work: str, tier_access: str | int,
-               ) -> dict[str, list[dict[str, float]]]:  # fmt: skip
+               streams: bool = True) -> dict[str, list[dict[str, float]]]:  # fmt: skip
     """One rank's steps of two OffloadAdamW over SUBGROUPS subgroups of `numel`, a param each, in turns
     (a step's pair a few ms apart: a shared machine's bursts, seconds long, meet both or neither): one
     with all of them in host memory, one with a host cache of half of them and a tier in `work` (each
     process's file its own, as a run's ranks'; the node locks there). Before each step, the backward
     that a run's update follows (it leaves other data in the CPU's caches) and the grad norm's
-    all-reduce among the `ranks` (these optimizers have no process group)."""
+    all-reduce among the `ranks` (these optimizers have no process group). `streams` False: the first alone."""
     import torch.distributed as dist
 
     use_cpu_threads(threads)
-    tier = os.path.join(work, "tier")
-    os.makedirs(tier, exist_ok=True)
-    opts = {"host": _optimizer(kernel, numel, None, tier_access, work), "tier": _optimizer(kernel, numel, tier, tier_access, work)}
+    opts = {"host": _optimizer(kernel, numel, None, tier_access, work)}
+    if streams:
+        tier = os.path.join(work, "tier")
+        os.makedirs(tier, exist_ok=True)
+        opts["tier"] = _optimizer(kernel, numel, tier, tier_access, work)
     norm = torch.zeros(1, dtype=torch.float64)
     backward = torch.empty(COLD_BYTES // 4)
     waits: dict[str, list[float]] = {kind: [] for kind in opts}
@@ -210,6 +238,7 @@ def _optimizer(kernel: str, numel: int, tier_dir: str | None, tier_access: str |
     return OffloadAdamW(params, lr=1e-4, offload=cfg), params
 
 
-if __name__ == "__main__":  # a rank of _side_by_side: rank, ranks, kernel, numel, threads, work, tier access
-    _r, _ranks, _kernel, _numel, _threads, _work, _access = sys.argv[1:8]
-    _rank_main(int(_r), int(_ranks), _kernel, int(_numel), int(_threads), _work, int(_access) if _access.isdigit() else _access)
+if __name__ == "__main__":  # a rank of _side_by_side: rank, ranks, kernel, numel, threads, work, tier access, streams
+    _r, _ranks, _kernel, _numel, _threads, _work, _access, _streams = sys.argv[1:9]
+    _rank_main(int(_r), int(_ranks), _kernel, int(_numel), int(_threads), _work, int(_access) if _access.isdigit() else _access,
+               _streams == "1")  # fmt: skip

@@ -16,8 +16,9 @@ from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.learned_rate import CpuRate
 from fsdp_offload.machine import MachineConfig, measured_costs
 from fsdp_offload.models import MODEL_PRESETS
-from fsdp_offload.node_plan import make_plan
-from fsdp_offload.plan import format_plan
+from fsdp_offload.node_plan import PlanError, make_plan
+from fsdp_offload.plan import compose_plan_config, format_plan, plan_from_config
+from fsdp_offload.storage import TierError
 from fsdp_offload.update_costs import SUBGROUPS, UpdateCosts, fitted_costs, time_update_costs
 
 # Generous: several times what the tiny model's update showed on 2 CPU cores (session 25)
@@ -104,14 +105,14 @@ def test_two_ranks_are_timed_side_by_side_in_processes_of_their_own(tmp_path):
 
 
 def test_a_rank_that_fails_is_named_with_its_error(tmp_path):
-    with pytest.raises(RuntimeError, match=r"timing the update's fixed costs: rank \d of 2 ended with 1: .*offload.kernel='nope'"):
+    with pytest.raises(TierError, match=r"timing the update's fixed costs .* failed: rank \d of 2 ended with 1: .*offload.kernel='nope'"):
         time_update_costs("nope", 4096, 1, 2, str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_costs_are_timed_beside_a_learned_or_timed_rate_and_not_beside_a_stated_one(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a: calls.append(a) or COSTS)
+    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a, **kw: calls.append(a) or COSTS)
     cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], kernel="torch", subgroup_numel=4096, tier_access="shared")
     assert measured_costs(cfg, MachineConfig(), 1, CpuRate(1e9, "given")) is None and calls == []
     assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 1, CpuRate(1e9, "timed")) is COSTS
@@ -136,3 +137,47 @@ def test_the_kernel_is_timed_round_after_round_over_copies_the_caches_cannot_hol
     monkeypatch.setattr(kernels_module, "get_adamw_kernel", lambda name: ("fake", kernel))
     assert update_rate.node_update_rate("fused", 1 << 10, 1, 1) > 0
     assert 1 < len(seen) <= -(-update_rate.COLD_BYTES // (14 << 10))
+
+
+def test_beside_a_learned_rate_a_transfer_s_cost_leaves_out_the_kernel_s_slowing_down():
+    """A learned rate is a run's own steps' kernel time, its slowing down beside the I/O threads in it: a
+    transfer's cost beside it is the walk's alone; beside a timed rate (no I/O) it holds the kernel's too."""
+    def step(update, kernel, transfers=0):
+        return {"update_s": update, "kernel_s": kernel, "norm_s": 0.0, "all_reduce_s": 0.0, "transfers": transfers}
+
+    rank = {"host": [step(10.0, 2.0)] * 3, "tier": [step(18.0, 6.0, 8)] * 3}  # the kernel 4 slower beside the I/O
+    assert fitted_costs([rank], 1000, timed_rate=1e9).transfer_s == pytest.approx(8.0 / 8)
+    assert fitted_costs([rank], 1000, timed_rate=None).transfer_s == pytest.approx(4.0 / 8)
+
+
+def test_a_plan_that_writes_no_tier_times_none(tmp_path):
+    costs = time_update_costs("torch", 4096, 1, 1, str(tmp_path), "exclusive", streams=False)
+    assert costs.transfer_s == 0.0 and math.isfinite(costs.subgroup_s)
+    assert list(tmp_path.iterdir()) == []
+    assert fitted_costs([{"host": [{"update_s": 3.0, "kernel_s": 1.0, "norm_s": 0.5, "all_reduce_s": 0.5, "transfers": 0}]}],
+                        1000, None) == UpdateCosts(1.0, 1.5 / SUBGROUPS, 0.0, 0.0)  # fmt: skip
+
+
+def test_the_plan_times_the_tier_only_where_it_streams_and_after_it_fits(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a, **kw: calls.append(kw["streams"]) or COSTS)
+    monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 300e6)
+    common = ["train.device=cpu", "model=tiny", "offload.kernel=torch", "machine.host_gib=64", f"offload.tiers=[posix:{tmp_path}]",
+              "offload.subgroup_numel=16384", "machine.tier_read_gbps=[1.0]", "machine.tier_write_gbps=[1.0]"]  # fmt: skip
+    plan, _ = plan_from_config(*compose_plan_config(common + ["offload.host_budget_gb=1"]))
+    assert calls == [False] and plan.update_costs is COSTS  # all in host memory: no tier timed
+    plan, _ = plan_from_config(*compose_plan_config(common + ["offload.host_budget_gb=0.0012"]))
+    assert calls == [False, True] and plan.ranks[0].walk_s > 0
+    with pytest.raises(PlanError):  # says it does not fit before any timing
+        plan_from_config(*compose_plan_config(common + ["machine.host_gib=0.0001"]))
+    assert calls == [False, True]
+
+
+def test_a_dir_the_timing_cannot_write_is_a_clear_error_naming_the_fix(tmp_path):
+    """Not a writable dir (here a file; read-only or full alike): the option, the dir and the fix, no traceback
+    of the temp dir's."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(TierError, match=rf"fixed costs .* in {not_a_dir} \(offload.tiers' first dir\) failed: .*"
+                                        r"where the dir is at fault.*machine.cpu_mparams_per_s="):  # fmt: skip
+        time_update_costs("torch", 4096, 1, 1, str(not_a_dir))
