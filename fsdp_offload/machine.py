@@ -21,7 +21,6 @@ from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
-from .update_costs import UpdateCosts, time_update_costs
 from .update_rate import node_update_rate
 
 
@@ -187,17 +186,3 @@ def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     if machine.tier_read_gbps is not None:  # the planned machine's, stated
         return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction
-
-
-def measured_costs(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None, rate: CpuRate,
-                   streams: bool = True) -> UpdateCosts | None:  # fmt: skip
-    """The update's fixed costs beside `rate` (update_costs), timed here as the node's ranks run them,
-    through the run's first tier's dir where it is here (`streams` False, the plan writing no tier: none
-    timed); None beside a stated rate (another machine's). A kernel call is costed beyond a timed rate
-    only: a learned one is a step's own kernel time."""
-    if rate.source == "given":
-        return None
-    here = machine.tier_read_gbps is None and bool(cfg.tier_specs) and os.path.isdir(cfg.tier_specs[0].dir)
-    return time_update_costs(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node),
-                             machine.ranks_per_node, cfg.tier_specs[0].dir if here else None, cfg.tier_access,
-                             rate.params_per_s if rate.source == "timed" else None, streams=streams)  # fmt: skip

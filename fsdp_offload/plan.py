@@ -38,12 +38,13 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_costs, measured_speeds, planned_gpu_bytes,
+from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size
+from .update_costs import measured_costs
 
 
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:

@@ -31,9 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import OffloadConfig
+from .learned_rate import CpuRate
+from .machine import MachineConfig
 from .storage.base import TierError
 from .subgroups import SubgroupLayout
-from .threads import use_cpu_threads
+from .threads import cpu_threads_per_rank, use_cpu_threads
 from .update_rate import COLD_BYTES
 
 SUBGROUPS = 8  # timed subgroups: half of them stream through the tier, 8 transfers a step
@@ -61,6 +64,20 @@ class UpdateCosts:
         return (f"{self.step_s * 1e3:.2f} ms a step, {self.subgroup_s * 1e3:.3f} ms a subgroup"
                 + (f" and {self.call_s * 1e3:.3f} ms its kernel's call" if self.call_s else "")
                 + f", {self.transfer_s * 1e3:.3f} ms a tier read or write")  # fmt: skip
+
+
+def measured_costs(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None, rate: CpuRate,
+                   streams: bool = True) -> UpdateCosts | None:  # fmt: skip
+    """The update's fixed costs beside `rate` (update_costs), timed here as the node's ranks run them,
+    through the run's first tier's dir where it is here (`streams` False, the plan writing no tier: none
+    timed); None beside a stated rate (another machine's). A kernel call is costed beyond a timed rate
+    only: a learned one is a step's own kernel time."""
+    if rate.source == "given":
+        return None
+    here = machine.tier_read_gbps is None and bool(cfg.tier_specs) and os.path.isdir(cfg.tier_specs[0].dir)
+    return time_update_costs(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node),
+                             machine.ranks_per_node, cfg.tier_specs[0].dir if here else None, cfg.tier_access,
+                             rate.params_per_s if rate.source == "timed" else None, streams=streams)  # fmt: skip
 
 
 def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int, tier_dir: str | None = None,

@@ -12,14 +12,15 @@ import pytest
 
 from fsdp_offload import OffloadConfig, update_rate
 from fsdp_offload import machine as machine_module
+from fsdp_offload import update_costs as update_costs_module
 from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.learned_rate import CpuRate
-from fsdp_offload.machine import MachineConfig, measured_costs
+from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.node_plan import PlanError, make_plan
 from fsdp_offload.plan import compose_plan_config, format_plan, plan_from_config
 from fsdp_offload.storage import TierError
-from fsdp_offload.update_costs import SUBGROUPS, UpdateCosts, fitted_costs, time_update_costs
+from fsdp_offload.update_costs import SUBGROUPS, UpdateCosts, fitted_costs, measured_costs, time_update_costs
 
 # Generous: several times what the tiny model's update showed on 2 CPU cores (session 25)
 COSTS = UpdateCosts(step_s=2e-3, subgroup_s=1e-3, transfer_s=2e-3, call_s=0.5e-3)
@@ -112,7 +113,7 @@ def test_a_rank_that_fails_is_named_with_its_error(tmp_path):
 
 def test_costs_are_timed_beside_a_learned_or_timed_rate_and_not_beside_a_stated_one(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a, **kw: calls.append(a) or COSTS)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: calls.append(a) or COSTS)
     cfg = OffloadConfig(tiers=[f"posix:{tmp_path}"], kernel="torch", subgroup_numel=4096, tier_access="shared")
     assert measured_costs(cfg, MachineConfig(), 1, CpuRate(1e9, "given")) is None and calls == []
     assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 1, CpuRate(1e9, "timed")) is COSTS
@@ -160,7 +161,7 @@ def test_a_plan_that_writes_no_tier_times_none(tmp_path):
 
 def test_the_plan_times_the_tier_only_where_it_streams_and_after_it_fits(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a, **kw: calls.append(kw["streams"]) or COSTS)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: calls.append(kw["streams"]) or COSTS)
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 300e6)
     common = ["train.device=cpu", "model=tiny", "offload.kernel=torch", "machine.host_gib=64", f"offload.tiers=[posix:{tmp_path}]",
               "offload.subgroup_numel=16384", "machine.tier_read_gbps=[1.0]", "machine.tier_write_gbps=[1.0]"]  # fmt: skip

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fsdp_offload import OffloadAdamW, OffloadConfig, machine as machine_module
+from fsdp_offload import update_costs as update_costs_module
 from fsdp_offload.bandwidth import TierSpeed
 from fsdp_offload.bandwidth_profile import BandwidthProfile
 from fsdp_offload.learned_rate import LEARN_STEPS, UpdateRateLearner, learned_rate_for, rate_key_for, update_rate_key
@@ -171,7 +172,7 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
 
 
 def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(machine_module, "time_update_costs", lambda *a, **kw: UpdateCosts())  # (test_update_costs': seconds at 2 ranks)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: UpdateCosts())  # (test_update_costs': seconds at 2 ranks)
     path = str(tmp_path / "new" / "p.json")
     common = ["train.device=cpu", "offload=host", "machine.host_gib=64", "offload.kernel=torch", f"offload.bandwidth_profile={path}"]
     assert plan_main(common) == 0
