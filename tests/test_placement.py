@@ -228,7 +228,10 @@ def test_state_over_two_tiers_is_bit_exact(tmp_path, placement):
     opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
     assert_same_as_reference(opt, ref_opt, mine, ref)
     used = set(opt.store.pipeline.location.values())
-    assert used == {0, 1}, f"state should live on both tiers, lives on {used}"
+    # the profile's 2:1 speeds split the state over both tiers; a learned placement may then gather it on one,
+    # where a busy machine made the other really slower (a replan), never otherwise
+    replanned = placement == "learned" and opt.store.placement.replans > 0
+    assert used == {0, 1} or (replanned and len(used) == 1), f"state should live on both tiers, lives on {used}"
     opt.close()
 
 
