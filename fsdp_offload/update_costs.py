@@ -68,7 +68,7 @@ class UpdateCosts:
 
 def measured_costs(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None, rate: CpuRate,
                    streams: bool = True) -> UpdateCosts | None:  # fmt: skip
-    """The update's fixed costs beside `rate` (update_costs), timed here as the node's ranks run them,
+    """The update's fixed costs beside `rate`, timed here (time_update_costs) as the node's ranks run them,
     through the run's first tier's dir where it is here (`streams` False, the plan writing no tier: none
     timed); None beside a stated rate (another machine's). A kernel call is costed beyond a timed rate
     only: a learned one is a step's own kernel time."""
@@ -241,8 +241,7 @@ def _rank_rows(rank: int, ranks: int, kernel: str, numel: int, threads: int, wor
 def _optimizer(kernel: str, numel: int, tier_dir: str | None, tier_access: str | int, lock_dir: str) -> tuple:
     """An OffloadAdamW and its params: all in host memory, or with a tier in `tier_dir` and a host cache of
     half the subgroups (the staging buffer and their slots, not one more)."""
-    from .config import OffloadConfig  # (the optimizer's rooms: not needed to import the planner)
-    from .optimizer import OffloadAdamW
+    from .optimizer import OffloadAdamW  # (the optimizer's rooms: not needed to import the planner)
 
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(SUBGROUPS)]
     kw: dict = {}
