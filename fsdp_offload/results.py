@@ -47,24 +47,25 @@ def gpu_names() -> list[str]:
     return []
 
 
-def record(bench: str, device: str, out_dir: str, result: dict, launcher: str | None = None) -> str:
+def record(bench: str, device: str, out_dir: str, result: dict, launcher: str | None = None, path: str | None = None) -> str:
     """Writes `result` to out_dir/<bench>_<device>_<time>.json with what makes it reproducible: the
     command (sys.argv, after `launcher`, e.g. "torchrun --nproc-per-node 8", else after the python
     executable), device (the kind asked for), the host's GPUs (a kind may be served by another
-    card), commit, host and time. Returns the path."""
+    card), commit, host and time. Returns the path. `path`: an earlier record of this run to write
+    over (a bench that records after each case, so that a run cut short keeps the cases it finished)."""
     command = " ".join([launcher or os.path.basename(sys.executable), *sys.argv])
     gpus = gpu_names()
     return write_result(out_dir, bench, device, {"command": command, "device": device, "gpu_name": gpus[0] if gpus else None,
-                                                 "gpu_count": len(gpus), "commit": git_commit(), **result})  # fmt: skip
+                                                 "gpu_count": len(gpus), "commit": git_commit(), **result}, path)  # fmt: skip
 
 
-def write_result(out_dir: str, bench: str, device: str, result: dict) -> str:
-    """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json; returns the path.
-    A bench script calls `record`, which adds the command, device and commit first."""
+def write_result(out_dir: str, bench: str, device: str, result: dict, path: str | None = None) -> str:
+    """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json, or over `path`;
+    returns the path. A bench script calls `record`, which adds the command, device and commit first."""
     os.makedirs(out_dir, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     full = {"host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
-    path = os.path.join(out_dir, f"{bench}_{device}_{stamp}.json")
+    path = path or os.path.join(out_dir, f"{bench}_{device}_{stamp}.json")
     with open(path, "w") as f:
         json.dump(full, f, indent=2)
     return path

@@ -120,13 +120,17 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--log-dir", default="benchmarks/logs/bench_scale")
     args = ap.parse_args()
-    rows = [run_case(case, args, i) for i, case in enumerate(args.case)]
-    reference = rows[0].get("losses")
-    for r in rows[1:]:  # the same data and global batch on other layouts: equal losses up to reduction order
-        if reference and r.get("losses") and len(r["losses"]) == len(reference):
-            r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
     omp_env = {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}  # the runs inherit them
-    path = record("bench_scale", args.device_kind, args.out, {"steps": args.steps, "nproc": args.nproc, "env": omp_env, "runs": rows})
+    rows: list[dict] = []
+    path = None
+    for i, case in enumerate(args.case):  # recorded after each case: a call cut short keeps the cases it finished
+        rows.append(run_case(case, args, i))
+        reference, r = rows[0].get("losses"), rows[-1]
+        if i and reference and r.get("losses") and len(r["losses"]) == len(reference):
+            # the same data and global batch on another layout: equal losses up to reduction order
+            r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
+        path = record("bench_scale", args.device_kind, args.out,
+                      {"steps": args.steps, "nproc": args.nproc, "env": omp_env, "runs": rows}, path=path)  # fmt: skip
     print(f"{'case':58} {'pred':>8} {'update':>8} {'pred/meas':>9} {'pred/med':>8} {'placement':>9} {'GPU start/train GiB':>19} "
           f"{'host GiB':>8} {'iter':>8}")  # fmt: skip
     for r in rows:
