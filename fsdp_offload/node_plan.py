@@ -104,6 +104,7 @@ class Plan:
     cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
     cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
     update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
+    activation_checkpointing: bool | str = False  # the model's, as planned
 
     @property
     def predicted_update_s(self) -> float | None:
@@ -121,7 +122,7 @@ class ModelShapes:
     @classmethod
     def of(cls, args: LlamaArgs) -> ModelShapes:
         with torch.device("meta"):
-            model = Transformer(args)
+            model = Transformer(dataclasses.replace(args, activation_checkpointing=False))  # the shapes alone
         return cls([p.shape for p in model.parameters()],
                    max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()))  # fmt: skip
 
@@ -141,7 +142,9 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     block inputs (or every block's activations without checkpointing) and the logits with their FP32
     loss and grad."""
     tokens = seq_len * micro_batch
-    per_block = tokens * args.dim * itemsize * (1 if args.activation_checkpointing else 16)
+    # without checkpointing a block keeps about 12 dim-wide and 4 ffn-wide values a token for its backward
+    # (4.1 GiB measured for the 1.35B's 24 blocks at seq 2048: bench_scale_nvidia-h200-x4_20261127-021724.json)
+    per_block = tokens * itemsize * (args.dim if args.activation_checkpointing else 12 * args.dim + 4 * args.ffn_dim)
     block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
     return local_params * itemsize + 3 * shapes.largest_module * itemsize + args.n_layers * per_block + block_work + logits
@@ -317,7 +320,7 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
                        seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
              for r in range(machine.ranks_per_node)]  # fmt: skip
     plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
-                gpu_bytes, host, speeds, update_costs=costs)  # fmt: skip
+                gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan
 
@@ -337,7 +340,7 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
                  "memory)" if tier_host else "")  # fmt: skip
         model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
         if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
-            fix = "lower data.micro_batch or data.seq_len, or set model.activation_checkpointing=true"
+            fix = "lower data.micro_batch or data.seq_len" + ("" if plan.activation_checkpointing else ", or set model.activation_checkpointing=true")
         else:
             fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "")
         raise PlanError(
@@ -381,14 +384,14 @@ def preset_name(args: LlamaArgs) -> str:
 
 
 def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
-                    checkpointing: bool, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
-    """The largest preset whose plan fits with the same recipe and machine (None: not even the smallest),
-    trying them by size up to the first that does not fit (every level's need grows with the size).
-    `speeds`: the tiers' (None: plan_speeds's, got once)."""
+                    checkpointing: bool | str, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
+    """The largest preset whose plan fits with the same recipe and machine (None: not even the smallest), trying
+    them by size up to the first that does not fit (every level's need grows). `speeds`: None: plan_speeds's, once."""
     speeds = plan_speeds(cfg, speeds)
     best = None
     for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
-        args = dataclasses.replace(args, activation_checkpointing=checkpointing)
+        # 'auto' is planned with checkpointing: its activations take least, and a run resolves it to what fits
+        args = dataclasses.replace(args, activation_checkpointing=checkpointing is not False)
         try:
             make_plan(name, args, cfg, machine, seq_len, micro_batch, device_type, speeds=speeds)
         except PlanError:

@@ -32,6 +32,7 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
+from .checkpointing import fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
@@ -57,7 +58,7 @@ from .train_step import profiled, run_step
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .watchdog import start_watchdog, stop_watchdog
 from .tier_speeds import starting_speeds
-from .units import format_count, format_seconds
+from .units import GIB, format_count, format_seconds
 from .bandwidth_profile import profile_problem
 from .learned_rate import learned_rate_for
 
@@ -90,8 +91,9 @@ def _run(cfg: DictConfig) -> list[dict]:
     use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads, local))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
-    run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
-               "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
+    # what a checkpoint must agree with to be resumed: not activation checkpointing, which changes the compute only
+    model_key = {k: v for k, v in dataclasses.asdict(margs).items() if k != "activation_checkpointing"}
+    run_key = {"model": model_key, "world_size": world, "optimizer": recipe.optimizer, "subgroup_numel": recipe.config.subgroup_numel}
     # which checkpoint first: a resume that cannot be honoured is refused before the dir (and its lock) is made
     resume_from, resume_line = resume_point(ckcfg)
     hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time (no other can write one meanwhile)
@@ -126,9 +128,10 @@ def _run(cfg: DictConfig) -> list[dict]:
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
         learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
-        plan = make_plan(preset_name(margs), margs, recipe.config, MachineConfig(ranks_per_node=local, nodes=max(1, world // local)),
-                         dcfg.seq_len, dcfg.micro_batch, device.type, None if learned is None else learned.params_per_s, speeds,
-                         host_budget=budget)  # fmt: skip
+        machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
+        planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
+                                         device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget)  # fmt: skip
+        plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb)
         mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
@@ -143,6 +146,8 @@ def _run(cfg: DictConfig) -> list[dict]:
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
                                                  tier_speeds=speeds, memory_plan=mine.memory_plan(recipe.config))  # fmt: skip
     else:
+        gpu = torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda" else None
+        margs = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch), gpu)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
@@ -171,11 +176,13 @@ def _run(cfg: DictConfig) -> list[dict]:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
         if recipe.optimizer == "offload":  # what the planner said, and what was built
             with open(os.path.join(out_dir, "placement.json"), "w") as f:
-                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), **startup}, f, indent=1)
+                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(),
+                           "activation_checkpointing": margs.activation_checkpointing, **startup}, f, indent=1)  # fmt: skip
     metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
-        log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}"
+        log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}, "
+                 f"activation checkpointing {'on' if margs.activation_checkpointing else 'off'}"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
               + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip

@@ -254,9 +254,16 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
             )
     saved = _run_note(path)
     for key, value in run.items():
-        if saved.get(key) != value:
+        have = saved.get(key)
+        if isinstance(value, dict) and isinstance(have, dict):  # field by field, the first that differs named
+            # (only this run's fields: older checkpoints also kept some that do not change the state)
+            differs = [k for k in value if have.get(k) != value[k]]
+            if not differs:
+                continue
+            key, have, value = f"{key}.{differs[0]}", have.get(differs[0]), value[differs[0]]
+        if have != value:
             raise JobError(
-                f"checkpoint {path} was written with {key}={saved.get(key)!r}, this run has {key}={value!r}: "
+                f"checkpoint {path} was written with {key}={have!r}, this run has {key}={value!r}: "
                 f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
             )
     for part in PARTS:  # read here (never unpickling code), so that a garbled one is named

@@ -41,7 +41,9 @@ class LlamaArgs:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
-    activation_checkpointing: bool = False
+    # recompute each block's forward in backward (saves the activations of all but the block's input);
+    # "auto": the entry resolves it from the device's memory (fsdp_offload.checkpointing) before a build
+    activation_checkpointing: bool | str = False
 
     def __post_init__(self) -> None:
         sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "vocab_size": self.vocab_size,
@@ -54,6 +56,9 @@ class LlamaArgs:
                 raise ValueError(f"model.{name}={value!r} must be a whole number >= 1")
         if not all(isinstance(v, (int, float)) and v > 0 for v in (self.norm_eps, self.rope_theta)):
             raise ValueError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be positive")
+        if self.activation_checkpointing not in (True, False, "auto"):
+            raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}: choose true, false or auto "
+                             "(off where the device holds the step's activations)")  # fmt: skip
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
@@ -277,6 +282,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
+        if args.activation_checkpointing == "auto":  # a model checkpoints or does not: the entry decides which
+            raise ValueError("model.activation_checkpointing='auto' is resolved before the model is built, from the "
+                             "device's memory: train.py and the planner do it (fsdp_offload.checkpointing); set true "
+                             "or false to build a Transformer yourself")  # fmt: skip
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))

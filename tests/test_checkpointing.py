@@ -1,0 +1,111 @@
+"""`model.activation_checkpointing: auto` (fsdp_offload.checkpointing): off where the device holds the
+step's activations with the same optimizer state on it, else on; resolved before a model is built, and
+a checkpoint resumes whichever way it resolves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fsdp_offload import OffloadConfig
+from fsdp_offload import machine as machine_module
+from fsdp_offload.checkpoint import check_checkpoint, save_checkpoint
+from fsdp_offload.checkpointing import fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
+from fsdp_offload.job_errors import JobError
+from fsdp_offload.machine import MachineConfig
+from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer
+from fsdp_offload.node_plan import PlanError, make_plan
+from fsdp_offload.units import GIB
+
+
+def resolve(model: str, machine: MachineConfig, device: str, **offload) -> tuple[bool, list[int]]:
+    """How `auto` resolves for a preset at seq 2048, micro-batch 1: the choice, and each rank's GPU subgroups."""
+    args = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing="auto")
+    cfg = OffloadConfig(tiers=["posix:/tmp"], **offload)
+    plan, resolved = plan_checkpointing(args, lambda a: make_plan(model, a, cfg, machine, 2048, 1, device), cfg.gpu_headroom_gb)
+    assert plan.activation_checkpointing == resolved.activation_checkpointing  # the plan is the resolved model's
+    return resolved.activation_checkpointing, [r.gpu_subgroups for r in plan.ranks]
+
+
+@pytest.fixture(autouse=True)
+def roomy_tiers(monkeypatch):
+    monkeypatch.setattr(machine_module, "free_bytes", lambda path: 1 << 50)
+
+
+def test_off_where_the_gpu_holds_the_activations():
+    assert resolve("1b", MachineConfig(gpu_gib=80, host_gib=512), "cuda", host_budget_gb=64) == (False, [0])
+    # the same at 4 ranks: each holds a quarter of the state and its own activations
+    assert resolve("1b", MachineConfig(gpu_gib=80, host_gib=512, ranks_per_node=4), "cuda", host_budget_gb=16)[0] is False
+
+
+def test_on_where_the_activations_would_pass_the_gpu_less_its_headroom():
+    # 1.35B at seq 2048: about 3.9 GiB a step with checkpointing, 7.9 without; 10 GiB less 4 of headroom holds only the first
+    assert resolve("1b", MachineConfig(gpu_gib=10, host_gib=512), "cuda", host_budget_gb=64) == (True, [0])
+
+
+def test_on_where_the_activations_would_push_optimizer_state_off_the_gpu():
+    on, subgroups = resolve("7b", MachineConfig(gpu_gib=80, host_gib=512), "cuda", host_budget_gb=128, gpu_fraction="auto")
+    assert on is True and subgroups[0] > 0
+    args = dataclasses.replace(MODEL_PRESETS["7b"], activation_checkpointing=False)
+    cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=128, gpu_fraction="auto")
+    off = make_plan("7b", args, cfg, MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda")
+    assert off.ranks[0].gpu_subgroups < subgroups[0]  # what checkpointing keeps on the GPU
+    # with no state on the GPU to lose, the same GPU holds the 7B's activations
+    assert resolve("7b", MachineConfig(gpu_gib=80, host_gib=512), "cuda", host_budget_gb=128)[0] is False
+
+
+def test_on_the_cpu_the_activations_are_host_memory():
+    assert resolve("1b", MachineConfig(host_gib=18), "cpu", host_budget_gb=8)[0] is False
+    # 14 GiB holds the state and a checkpointed step (3.9 GiB), not the step without it (7.9 GiB)
+    assert resolve("1b", MachineConfig(host_gib=14), "cpu", host_budget_gb=8)[0] is True
+    with pytest.raises(PlanError, match="short by"):  # neither fits: the plan with checkpointing says why
+        resolve("1b", MachineConfig(host_gib=10), "cpu", host_budget_gb=8)
+
+
+def test_a_set_value_is_kept():
+    for value in (True, False):
+        args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing=value)
+        cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
+        plan, resolved = plan_checkpointing(args, lambda a: make_plan("1b", a, cfg, MachineConfig(gpu_gib=10, host_gib=512),
+                                                                      2048, 1, "cuda"), 4.0)  # fmt: skip
+        assert resolved.activation_checkpointing is value and plan.activation_checkpointing is value
+
+
+def test_plain_fsdp2_resolves_from_its_16_bytes_a_param_and_the_step():
+    args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing="auto")
+    step = lambda a: fsdp_step_bytes(a, 1, 2048, 1)  # noqa: E731
+    without = step(dataclasses.replace(args, activation_checkpointing=False))
+    assert without > step(dataclasses.replace(args, activation_checkpointing=True)) > 16 * 1.3e9
+    assert fsdp_checkpointing(args, step, without).activation_checkpointing is False
+    assert fsdp_checkpointing(args, step, without - 1).activation_checkpointing is True
+    assert fsdp_checkpointing(args, step, None).activation_checkpointing is False  # on the CPU
+
+
+def test_auto_is_never_built_and_a_bad_value_is_named():
+    with pytest.raises(ValueError, match="resolved before the model is built"):
+        Transformer(LlamaArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, activation_checkpointing="auto"))
+    with pytest.raises(ValueError, match=r"model.activation_checkpointing='yes': choose true, false or auto"):
+        LlamaArgs(activation_checkpointing="yes")
+
+
+def test_a_checkpoint_resumes_whichever_way_checkpointing_resolved(tmp_path):
+    """Older checkpoints kept activation_checkpointing in their run note; it changes the compute, not the
+    state, so a run resumes them with any value. A field that does change the state is named alone."""
+    model = torch.nn.Linear(4, 4)
+    older = {"world_size": 1, "model": {"dim": 64, "activation_checkpointing": True}}
+    path = save_checkpoint(str(tmp_path), 1, model, torch.optim.AdamW(model.parameters()), older, {"step": 1})
+    assert check_checkpoint(path, {"world_size": 1, "model": {"dim": 64}}) == 1
+    with pytest.raises(JobError, match=r"written with model.dim=64, this run has model.dim=128: resume with the same model.dim"):
+        check_checkpoint(path, {"world_size": 1, "model": {"dim": 128}})
+
+
+def test_the_estimate_without_checkpointing_is_the_measured_one():
+    """4.1 GiB more a step without checkpointing for the 1.35B at seq 2048 (24 blocks), measured on H100s
+    at 1 and 4 ranks (bench_scale_nvidia-h200-x4_20261127-021724.json: 7.9 against 3.8 GiB, 6.0 against 1.9)."""
+    def train_gib(checkpointing: bool) -> float:
+        args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing=checkpointing)
+        cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
+        return make_plan("1b", args, cfg, MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda").ranks[0].gpu_train_bytes / GIB
+    assert train_gib(False) - train_gib(True) == pytest.approx(4.1, abs=0.2)
