@@ -266,10 +266,12 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
         tier = tier.inner
     tier.set_limits(Limits(10 * MB, 10 * MB, 0.0))  # a drift: the placement replans and saves
     with caplog.at_level(logging.WARNING, logger="fsdp_offload.bandwidth_profile"):
-        for step in range(2):
+        for step in range(6):  # until the learned speeds outgrow their noise (a busy machine's timings vary)
             for p in opt._params:
                 p.grad = torch.randn(p.shape).bfloat16()
             opt.step()
+            if opt.store.placement.replans:
+                break
     assert opt.store.placement.replans >= 1
     assert f"cannot save learned bandwidths to {path}" in caplog.text
     opt.close()

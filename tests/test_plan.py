@@ -128,7 +128,7 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(t
     assert rank0(m=dataclasses.replace(machine, gpu_gib=4.5)).grad_path == "host_bf16"  # no room above gpu_headroom_gb
     assert rank0("cpu", m=dataclasses.replace(machine, gpu_gib=0)).grad_path == "host_bf16"
     # where the grads' room on the GPU would push the micro-batch sums off it, the cache would lose: kept in host memory
-    small = dataclasses.replace(machine, gpu_gib=10.4)
+    small = dataclasses.replace(machine, gpu_gib=11.6)
     flip = {"host_budget_gb": 4, "micro_batches": 4}
     assert rank0(m=small, **flip, grad_path="gpu_bf16").cache_slots < rank0(m=small, **flip).cache_slots
     assert rank0(m=small, **flip).grad_path == "host_bf16"
