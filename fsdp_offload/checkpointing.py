@@ -8,14 +8,19 @@ ran its 4-rank step in 0.43-0.44 s without it against 0.54-0.58 s with it
 input, which a big model or a long sequence needs. So `auto` keeps it off only where, without it:
 - the plan still fits (on the CPU the step's activations are host memory the plan counts);
 - on a GPU, every rank's estimated step peak stays under its memory less `offload.gpu_headroom_gb`;
-- no optimizer state leaves the GPU for it: the plan keeps as many subgroups there as with checkpointing
-  (`offload.gpu_fraction=auto` sizes the GPU's share from the room the step leaves).
+- the optimizer's state is placed as with checkpointing: the same subgroups on the GPU, host cache
+  slots, grad path, grad sums and tier traffic (`offload.gpu_fraction=auto` and `grad_path=auto` size
+  themselves from the room the step leaves on the GPU).
+A job's ranks take one answer: checkpointing is on for all where any rank needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
 
 from .models import LlamaArgs
 from .node_plan import ModelShapes, Plan, PlanError, train_gpu_bytes
@@ -26,36 +31,57 @@ def resolved(args: LlamaArgs, checkpointing: bool) -> LlamaArgs:
     return dataclasses.replace(args, activation_checkpointing=checkpointing)
 
 
-def plan_checkpointing(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float) -> tuple[Plan, LlamaArgs]:
+def state_placement(plan: Plan) -> list[tuple]:
+    """Where a plan keeps the optimizer's state and grads and what it moves, rank by rank: what turning
+    checkpointing off must leave as it is."""
+    return [(r.gpu_subgroups, r.cache_slots, r.grad_path, r.grad_accumulation,
+             [(t.subgroups, t.read_bytes_per_step, t.written_bytes_per_step) for t in r.tiers]) for r in plan.ranks]  # fmt: skip
+
+
+def any_rank(value: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True on every rank where it is True on any (one collective; `device`: the group's backend's)."""
+    if group is None:
+        return value
+    flag = torch.tensor([int(value)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+def plan_checkpointing(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float,
+                       agree: Callable[[bool], bool] = lambda on: on) -> tuple[Plan, LlamaArgs]:  # fmt: skip
     """The plan `make` gives for `args`, and `args` with activation checkpointing resolved: as set, or
-    for 'auto' off where the plan without it keeps the device's state and fits (see the module's note).
-    A plan that does not fit even with checkpointing raises its PlanError."""
+    for 'auto' off where the plan without it places the state alike and fits (see the module's note);
+    `agree` makes the job's ranks' answers one (train.py: any_rank). A plan that does not fit even with
+    checkpointing raises its PlanError."""
     if args.activation_checkpointing != "auto":
         return make(args), args
     on = make(resolved(args, True))
     try:
         off = make(resolved(args, False))
     except PlanError:  # the step's activations take the host memory the state needs (a run on the CPU)
-        return on, resolved(args, True)
-    if off.gpu_bytes is not None:
+        off = None
+    if off is not None and off.gpu_bytes is not None:
         room = off.gpu_bytes - int(headroom_gb * GIB)
-        if any(r.gpu_train_bytes > room for r in off.ranks) or [r.gpu_subgroups for r in off.ranks] != [r.gpu_subgroups for r in on.ranks]:
-            return on, resolved(args, True)
+        if any(r.gpu_train_bytes > room for r in off.ranks) or state_placement(off) != state_placement(on):
+            off = None
+    if agree(off is None):
+        return on, resolved(args, True)
     return off, resolved(args, False)
 
 
-def fsdp_checkpointing(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], device_bytes: int | None) -> LlamaArgs:
+def fsdp_checkpointing(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], room_bytes: int,
+                       agree: Callable[[bool], bool] = lambda on: on) -> LlamaArgs:  # fmt: skip
     """`args` resolved for plain FSDP2 (torch AdamW, no planner): 'auto' is off where `step_bytes` (a
     rank's estimated peak: its state, params, grads and activations) without checkpointing fits in
-    `device_bytes` (the GPU's memory; None on the CPU, where it is off)."""
+    `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank)."""
     if args.activation_checkpointing != "auto":
         return args
-    return resolved(args, device_bytes is not None and step_bytes(resolved(args, False)) > device_bytes)
+    return resolved(args, agree(step_bytes(resolved(args, False)) > room_bytes))
 
 
 def fsdp_step_bytes(args: LlamaArgs, world: int, seq_len: int, micro_batch: int) -> int:
-    """A plain FSDP2 rank's estimated GPU peak: its shard's FP32 params, grads and Adam moments (16 bytes
-    a param) and the bf16 step beside them (node_plan.train_gpu_bytes)."""
+    """A plain FSDP2 rank's estimated peak: its shard's FP32 params, grads and Adam moments (16 bytes a
+    param) and the bf16 step beside them (node_plan.train_gpu_bytes)."""
     shapes = ModelShapes.of(args)
     local = sum(shapes.local_numels(world, 0))
     return 16 * local + train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize=2)

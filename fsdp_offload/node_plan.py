@@ -104,7 +104,7 @@ class Plan:
     cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
     cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
     update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
-    activation_checkpointing: bool | str = False  # the model's, as planned
+    activation_checkpointing: bool = False  # the model's, as planned
 
     @property
     def predicted_update_s(self) -> float | None:
@@ -142,8 +142,7 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     block inputs (or every block's activations without checkpointing) and the logits with their FP32
     loss and grad."""
     tokens = seq_len * micro_batch
-    # without checkpointing a block keeps about 12 dim-wide and 4 ffn-wide values a token for its backward
-    # (4.1 GiB measured for the 1.35B's 24 blocks at seq 2048: bench_scale_nvidia-h200-x4_20261127-021724.json)
+    # unchecked, a block keeps ~12 dim- and 4 ffn-wide values a token (the 1.35B: 4.1 GiB more, as measured in session 26)
     per_block = tokens * itemsize * (args.dim if args.activation_checkpointing else 12 * args.dim + 4 * args.ffn_dim)
     block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
@@ -283,20 +282,21 @@ def _plan_rank(
 
 
 def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierSpeed] | None:
-    """The tiers' speeds a plan uses (tier_speeds.starting_speeds decides): `given` ones, which also
-    predict the update time, else the profile's or measured where the placement needs them."""
+    """The tiers' speeds a plan uses (starting_speeds decides): `given` (they predict the update), else the profile's or measured."""
     return starting_speeds(cfg, given=given, needed=given is not None or cfg.places_by_bandwidth).speeds
 
 
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
               device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None,
               host_budget: tuple[int | None, str] | None = None, costs: UpdateCosts | None = None) -> Plan:  # fmt: skip
-    """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the
-    host (budget or memory), and each file system's free space (shared by the node's ranks and by the
-    tiers on it). Raises PlanError naming the level that is short, ValueError for options the target
-    cannot run. `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update
-    time (None: not predicted), `costs` its fixed costs (None: none); where the placement needs speeds
-    and none are given, plan_speeds gets them once for every rank's placement."""
+    """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the host
+    (budget or memory), and each file system's free space (shared by the node's ranks and by the tiers on
+    it). Raises PlanError naming the level that is short, ValueError for options the target cannot run.
+    `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
+    predicted), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
+    plan_speeds gets them once for every rank's placement. `args` checkpoint or not ('auto': plan_checkpointing)."""
+    if args.activation_checkpointing == "auto":  # planned both ways there
+        raise ValueError("model.activation_checkpointing='auto' is planned by fsdp_offload.checkpointing.plan_checkpointing")
     gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
     host = planned_host_bytes(machine)
     if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
@@ -385,8 +385,8 @@ def preset_name(args: LlamaArgs) -> str:
 
 def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
                     checkpointing: bool | str, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
-    """The largest preset whose plan fits with the same recipe and machine (None: not even the smallest), trying
-    them by size up to the first that does not fit (every level's need grows). `speeds`: None: plan_speeds's, once."""
+    """The largest preset whose plan fits the same recipe and machine (None: not even the smallest), up to the
+    first that does not (every level's need grows with the size). `speeds`: None: plan_speeds's, once."""
     speeds = plan_speeds(cfg, speeds)
     best = None
     for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):

@@ -63,9 +63,8 @@ def write_result(out_dir: str, bench: str, device: str, result: dict, path: str 
     """Writes `result` (plus host and time) to out_dir/<bench>_<device>_<time>.json, or over `path`;
     returns the path. A bench script calls `record`, which adds the command, device and commit first."""
     os.makedirs(out_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     full = {"host": platform.node(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
-    path = path or os.path.join(out_dir, f"{bench}_{device}_{stamp}.json")
+    path = path or os.path.join(out_dir, f"{bench}_{device}_{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
         json.dump(full, f, indent=2)
     return path

@@ -32,14 +32,14 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
-from .checkpointing import fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
+from .checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
-from .memory import resolve_host_budget
+from .memory import available_host_bytes, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
 from .node_plan import make_plan, preset_name
@@ -111,6 +111,7 @@ def _run(cfg: DictConfig) -> list[dict]:
             return []
 
     t_build = time.perf_counter()
+    agree = lambda on: any_rank(on, group, device)  # noqa: E731  (the job's ranks checkpoint alike)
     if recipe.optimizer == "offload":
         # A tier dir, the tier lock dir or the bandwidth profile unusable on any rank's node ends the job first, said once.
         ocfg = recipe.config
@@ -131,7 +132,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget)  # fmt: skip
-        plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb)
+        plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb, agree)
         mine = plan.ranks[rank % len(plan.ranks)]
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
@@ -146,8 +147,10 @@ def _run(cfg: DictConfig) -> list[dict]:
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
                                                  tier_speeds=speeds, memory_plan=mine.memory_plan(recipe.config))  # fmt: skip
     else:
-        gpu = torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda" else None
-        margs = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch), gpu)
+        # (on the CPU the node's ranks share its available memory)
+        room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
+                else available_host_bytes() // local)  # fmt: skip
+        margs = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch), room, agree)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,

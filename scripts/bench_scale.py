@@ -14,7 +14,7 @@ predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the plann
 host for the same ranks and threads; the update's fixed costs as predicted, predicted_walk_s and
 predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
 median step's, which a shared machine's bursts move less than the mean; activation_checkpointing, as
-the run resolved it), the logs under --log-dir.
+the run resolved it, beside planned_activation_checkpointing, as the plan here did), the logs under --log-dir.
 Steps after the first are averaged.
 """
 
@@ -94,6 +94,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                gpu_peak_startup_gib=placement.get("gpu_peak_startup_gib"), startup_s=placement["startup_s"],
                subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
                activation_checkpointing=placement.get("activation_checkpointing"),  # as the run resolved it
+               planned_activation_checkpointing=plan.activation_checkpointing,  # as this plan did (its budget may differ)
                tier_bytes={t.spec: t.bytes for t in mine.tiers},
                bytes_read_per_step=statistics.fmean(sum(r["bytes_read"].values()) for r in steady),
                bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady),

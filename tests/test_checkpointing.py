@@ -8,11 +8,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
 
 from fsdp_offload import OffloadConfig
 from fsdp_offload import machine as machine_module
 from fsdp_offload.checkpoint import check_checkpoint, save_checkpoint
-from fsdp_offload.checkpointing import fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
+from fsdp_offload.checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
 from fsdp_offload.job_errors import JobError
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer
@@ -73,6 +75,34 @@ def test_a_set_value_is_kept():
         assert resolved.activation_checkpointing is value and plan.activation_checkpointing is value
 
 
+def test_on_where_the_activations_would_move_the_grads_off_the_gpu():
+    """4 ranks of the 1.35B behind 2.5 GiB each, no state on the GPU: with checkpointing the grads wait on the
+    GPU (grad_path=auto) and the cache gets 8 slots; without it they would move to host memory (6 slots, more
+    bytes through the tier). The same GPU subgroups (none) is not enough: the state's whole placement counts."""
+    machine = MachineConfig(ranks_per_node=4, gpu_gib=8, host_gib=500)
+    assert resolve("1b", machine, "cuda", host_budget_gb=2.5, subgroup_numel=26000384) == (True, [0, 0, 0, 0])
+    assert resolve("1b", dataclasses.replace(machine, gpu_gib=12), "cuda", host_budget_gb=2.5, subgroup_numel=26000384)[0] is False
+
+
+def test_the_job_takes_one_answer():
+    """`agree` (train.py: an all-reduce over the ranks) turns it on where any rank needs it."""
+    args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing="auto")
+    cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
+    make = lambda a: make_plan("1b", a, cfg, MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda")  # noqa: E731
+    asked = []
+    plan, resolved = plan_checkpointing(args, make, 4.0, agree=lambda on: asked.append(on) or True)
+    assert asked == [False] and resolved.activation_checkpointing is True and plan.activation_checkpointing is True
+
+
+def _any_rank(rank: int, world: int) -> None:
+    assert any_rank(rank == 1, dist.group.WORLD, torch.device("cpu")) is True
+    assert any_rank(False, dist.group.WORLD, torch.device("cpu")) is False
+
+
+def test_any_rank_over_gloo():
+    run_ranks(2, _any_rank)
+
+
 def test_plain_fsdp2_resolves_from_its_16_bytes_a_param_and_the_step():
     args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing="auto")
     step = lambda a: fsdp_step_bytes(a, 1, 2048, 1)  # noqa: E731
@@ -80,14 +110,18 @@ def test_plain_fsdp2_resolves_from_its_16_bytes_a_param_and_the_step():
     assert without > step(dataclasses.replace(args, activation_checkpointing=True)) > 16 * 1.3e9
     assert fsdp_checkpointing(args, step, without).activation_checkpointing is False
     assert fsdp_checkpointing(args, step, without - 1).activation_checkpointing is True
-    assert fsdp_checkpointing(args, step, None).activation_checkpointing is False  # on the CPU
+    assert fsdp_checkpointing(args, step, without, agree=lambda on: True).activation_checkpointing is True
 
 
-def test_auto_is_never_built_and_a_bad_value_is_named():
+def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
+    auto = LlamaArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, activation_checkpointing="auto")
     with pytest.raises(ValueError, match="resolved before the model is built"):
-        Transformer(LlamaArgs(dim=64, n_layers=1, n_heads=4, vocab_size=64, activation_checkpointing="auto"))
-    with pytest.raises(ValueError, match=r"model.activation_checkpointing='yes': choose true, false or auto"):
-        LlamaArgs(activation_checkpointing="yes")
+        Transformer(auto)
+    with pytest.raises(ValueError, match="planned by fsdp_offload.checkpointing.plan_checkpointing"):
+        make_plan("test", auto, OffloadConfig(), MachineConfig(host_gib=64), 32, 1, "cpu")
+    for bad in ("yes", 1, 0):  # 1 == True in Python: not a choice here
+        with pytest.raises(ValueError, match=f"model.activation_checkpointing={bad!r}: choose true, false or auto"):
+            LlamaArgs(activation_checkpointing=bad)
 
 
 def test_a_checkpoint_resumes_whichever_way_checkpointing_resolved(tmp_path):
@@ -99,6 +133,11 @@ def test_a_checkpoint_resumes_whichever_way_checkpointing_resolved(tmp_path):
     assert check_checkpoint(path, {"world_size": 1, "model": {"dim": 64}}) == 1
     with pytest.raises(JobError, match=r"written with model.dim=64, this run has model.dim=128: resume with the same model.dim"):
         check_checkpoint(path, {"world_size": 1, "model": {"dim": 128}})
+    # a field on one side only is a difference too, named with what the other side has: nothing
+    with pytest.raises(JobError, match=r"written with model.n_layers=nothing, this run has model.n_layers=2"):
+        check_checkpoint(path, {"world_size": 1, "model": {"dim": 64, "n_layers": 2}})
+    with pytest.raises(JobError, match=r"written with model.dim=64, this run has model.dim=nothing"):
+        check_checkpoint(path, {"world_size": 1, "model": {}})
 
 
 def test_the_estimate_without_checkpointing_is_the_measured_one():

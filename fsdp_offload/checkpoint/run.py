@@ -242,6 +242,10 @@ def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
         raise oserrors[0] if oserrors[0].filename else OSError(oserrors[0].errno, oserrors[0].strerror, tmp)
 
 
+# what a run note may hold that does not change the state (older checkpoints kept it): a resume ignores it
+NOT_STATE = {"model": ("activation_checkpointing",)}
+
+
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:
     """Raises a one-line JobError when the checkpoint at `path` was written by an incompatible run, or
     when a part of it is missing, damaged or from another checkpoint; returns its step."""
@@ -253,19 +257,21 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
                 "elsewhere to start afresh"
             )
     saved = _run_note(path)
+    shown = lambda d, k: repr(d[k]) if k in d else "nothing"  # noqa: E731
     for key, value in run.items():
         have = saved.get(key)
         if isinstance(value, dict) and isinstance(have, dict):  # field by field, the first that differs named
-            # (only this run's fields: older checkpoints also kept some that do not change the state)
-            differs = [k for k in value if have.get(k) != value[k]]
+            fields = [k for k in {**have, **value} if k not in NOT_STATE.get(key, ())]
+            differs = [k for k in fields if k not in have or k not in value or have[k] != value[k]]
             if not differs:
                 continue
-            key, have, value = f"{key}.{differs[0]}", have.get(differs[0]), value[differs[0]]
-        if have != value:
-            raise JobError(
-                f"checkpoint {path} was written with {key}={have!r}, this run has {key}={value!r}: "
-                f"resume with the same {key}, or point checkpoint.dir elsewhere to start afresh"
-            )
+            key, have, value = f"{key}.{differs[0]}", shown(have, differs[0]), shown(value, differs[0])
+        elif have == value:
+            continue
+        else:
+            have, value = shown(saved, key), repr(value)
+        raise JobError(f"checkpoint {path} was written with {key}={have}, this run has {key}={value}: resume with the "
+                       f"same {key}, or point checkpoint.dir elsewhere to start afresh")  # fmt: skip
     for part in PARTS:  # read here (never unpickling code), so that a garbled one is named
         try:
             read_dcp_metadata(os.path.join(path, part, ".metadata"))

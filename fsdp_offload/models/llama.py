@@ -56,7 +56,7 @@ class LlamaArgs:
                 raise ValueError(f"model.{name}={value!r} must be a whole number >= 1")
         if not all(isinstance(v, (int, float)) and v > 0 for v in (self.norm_eps, self.rope_theta)):
             raise ValueError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be positive")
-        if self.activation_checkpointing not in (True, False, "auto"):
+        if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto"):
             raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}: choose true, false or auto "
                              "(off where the device holds the step's activations)")  # fmt: skip
         if self.dim % self.n_heads:
