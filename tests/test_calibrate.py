@@ -23,6 +23,7 @@ from fsdp_offload.storage.base import ALIGN
 from fsdp_offload.storage.private_files import tier_file_tag
 from fsdp_offload.rawio import measure_raw_io, mixed_io_timeline
 from fsdp_offload.bandwidth import BandwidthModel
+from fsdp_offload.placement import AdaptivePlacement
 from fsdp_offload.storage import Limits, TierError, TierSpec, make_tier
 from fsdp_offload.storage import posix as posix_mod
 from fsdp_offload.storage.throttle import ThrottledTier
@@ -253,6 +254,8 @@ def test_profile_of_another_machine_is_kept_and_this_one_measured(tmp_path, monk
 
 def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_dir, caplog, monkeypatch):
     monkeypatch.setattr(calibrate, "PROFILE_MIN_TRANSFER_BYTES", 0)  # this test's subgroups are small
+    # and their timings noisy (latency, a busy machine): the drift's replan is what this test needs, not its gating
+    monkeypatch.setattr(AdaptivePlacement, "NOISE_MARGIN", 0.0)
     tiers = [f"throttle:{t}?read=40MB/s&write=40MB/s" for t in two_tiers(ram_dir)]
     path = tmp_path / "p.json"
     profile = BandwidthProfile(str(path))
@@ -266,12 +269,10 @@ def test_a_profile_that_cannot_be_saved_mid_training_only_warns(tmp_path, ram_di
         tier = tier.inner
     tier.set_limits(Limits(10 * MB, 10 * MB, 0.0))  # a drift: the placement replans and saves
     with caplog.at_level(logging.WARNING, logger="fsdp_offload.bandwidth_profile"):
-        for step in range(6):  # until the learned speeds outgrow their noise (a busy machine's timings vary)
+        for step in range(2):
             for p in opt._params:
                 p.grad = torch.randn(p.shape).bfloat16()
             opt.step()
-            if opt.store.placement.replans:
-                break
     assert opt.store.placement.replans >= 1
     assert f"cannot save learned bandwidths to {path}" in caplog.text
     opt.close()
