@@ -22,6 +22,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,7 @@ from .config import OffloadConfig
 from .learned_rate import CpuRate
 from .machine import MachineConfig
 from .storage.base import TierError
+from .storage.private_files import host_tag, process_alive
 from .subgroups import SubgroupLayout
 from .threads import cpu_threads_per_rank, use_cpu_threads
 from .update_rate import COLD_BYTES
@@ -44,6 +47,7 @@ MAX_NUMEL = 1 << 16  # params a timed subgroup holds at most (its kernel's time 
 STEPS = 24  # timed steps after WARM_UP, the median taken (a step of the tiny model's took 1-60 ms on 2 shared cores)
 WARM_UP = 2
 TIMEOUT_S = 300  # for the ranks' processes, their start included
+WORK_PREFIX = ".fsdp-offload-costs-"  # the timing's dir in the tier dir: <prefix><host>-pid<p>-<random>
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int
     and the fix where the timing cannot run there (a dir not writable, or full)."""
     numel = max(1024, min(subgroup_numel, MAX_NUMEL) // 1024 * 1024)
     try:
-        with tempfile.TemporaryDirectory(dir=tier_dir, prefix=".fsdp-offload-costs-") as work:
+        remove_stale_work_dirs(tier_dir or tempfile.gettempdir())
+        with tempfile.TemporaryDirectory(dir=tier_dir, prefix=f"{WORK_PREFIX}{host_tag()}-pid{os.getpid()}-") as work:
             if ranks == 1:
                 before = torch.get_num_threads()
                 try:
@@ -109,6 +114,19 @@ def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int
                         "fault, give one this user can write with a few MiB free; or state the CPU rate "
                         "(machine.cpu_mparams_per_s=<M params/s>: nothing is timed beside it)") from exc  # fmt: skip
     return fitted_costs(rows, numel, timed_rate)
+
+
+def remove_stale_work_dirs(directory: str) -> list[str]:
+    """Removes the timing dirs that killed planners of this host left in `directory` (a SIGKILL skips the
+    temp dir's own removal): those whose process is gone. Other hosts' (a shared file system) stay."""
+    pattern = re.compile(re.escape(WORK_PREFIX + host_tag()) + r"-pid(\d+)-")
+    removed = []
+    for name in os.listdir(directory):
+        match = pattern.match(name)
+        if match and not process_alive(int(match.group(1))):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            removed.append(os.path.join(directory, name))
+    return removed
 
 
 class _RankFailed(RuntimeError):

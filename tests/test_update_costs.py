@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,7 +23,8 @@ from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.node_plan import PlanError, make_plan
 from fsdp_offload.plan import compose_plan_config, format_plan, plan_from_config
 from fsdp_offload.storage import TierError
-from fsdp_offload.update_costs import SUBGROUPS, UpdateCosts, fitted_costs, measured_costs, time_update_costs
+from fsdp_offload.storage.private_files import host_tag
+from fsdp_offload.update_costs import WORK_PREFIX, SUBGROUPS, UpdateCosts, fitted_costs, measured_costs, time_update_costs
 
 # Generous: several times what the tiny model's update showed on 2 CPU cores (session 25)
 COSTS = UpdateCosts(step_s=2e-3, subgroup_s=1e-3, transfer_s=2e-3, call_s=0.5e-3)
@@ -152,9 +156,16 @@ def test_beside_a_learned_rate_a_transfer_s_cost_leaves_out_the_kernel_s_slowing
 
 
 def test_a_plan_that_writes_no_tier_times_none(tmp_path):
+    """...and leaves nothing in the tier dir, where it also clears what a killed planner of this host left."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale = tmp_path / f"{WORK_PREFIX}{host_tag()}-pid{int(gone.stdout)}-x1"  # its process has ended
+    live = tmp_path / f"{WORK_PREFIX}{host_tag()}-pid{os.getpid()}-x2"
+    elsewhere = tmp_path / f"{WORK_PREFIX}another_host-pid{int(gone.stdout)}-x3"  # a shared file system's: not judged
+    for d in (stale, live, elsewhere):
+        (d / "tier").mkdir(parents=True)
     costs = time_update_costs("torch", 4096, 1, 1, str(tmp_path), "exclusive", streams=False)
     assert costs.transfer_s == 0.0 and math.isfinite(costs.subgroup_s)
-    assert list(tmp_path.iterdir()) == []
+    assert sorted(tmp_path.iterdir()) == sorted([live, elsewhere])
     assert fitted_costs([{"host": [{"update_s": 3.0, "kernel_s": 1.0, "norm_s": 0.5, "all_reduce_s": 0.5, "transfers": 0}]}],
                         1000, None) == UpdateCosts(1.0, 1.5 / SUBGROUPS, 0.0, 0.0)  # fmt: skip
 

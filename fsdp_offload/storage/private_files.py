@@ -134,11 +134,15 @@ def create_private_file(path: str, dir_fd: int | None = None) -> int:
 _TIER_FILE = re.compile(r"^(?:rank\d+|calibrate)-(.+)-pid(\d+)-[0-9a-f]+\.subgroups$")  # host, pid
 
 
+def host_tag() -> str:
+    """This host's name as a file name's part (what names a process's files beside its pid)."""
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
+
+
 def tier_file_tag(owner: str) -> str:
     """`<owner>-<host>-pid<p>-<id>` (owner: rank<r> or calibrate), the name of a process's tier file:
     unique per process, and what tells a later start on this host whether the file's process is gone."""
-    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
-    return f"{owner}-{host}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{owner}-{host_tag()}-pid{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def remove_stale_files(directory: str, tag: str, dir_fd: int | None = None) -> list[str]:
@@ -152,7 +156,7 @@ def remove_stale_files(directory: str, tag: str, dir_fd: int | None = None) -> l
     removed = []
     for name in os.listdir(directory if dir_fd is None else dir_fd):
         m = _TIER_FILE.match(name)
-        if m is None or m.group(1) != mine.group(1) or _alive(int(m.group(2))):
+        if m is None or m.group(1) != mine.group(1) or process_alive(int(m.group(2))):
             continue
         path = os.path.join(directory, name)
         at = path if dir_fd is None else name
@@ -173,7 +177,8 @@ def remove_stale_files(directory: str, tag: str, dir_fd: int | None = None) -> l
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
