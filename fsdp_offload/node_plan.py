@@ -105,6 +105,7 @@ class Plan:
     cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
     update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
     activation_checkpointing: bool = False  # the model's, as planned
+    checkpointing_why: str = ""  # why, where "auto" chose it (checkpointing.plan_checkpointing)
 
     @property
     def predicted_update_s(self) -> float | None:
@@ -192,14 +193,12 @@ def _plan_rank(
     startup = local * itemsize + 4 * shapes.largest_module
     train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
     grads_on_gpu = grad_path == "gpu_bf16"  # make_plan refuses it without a GPU
-    # grad_path="gpu_bf16": every subgroup's staging part is in GPU memory from the start; otherwise
-    # only a GPU-resident subgroup's, which goes along with its state
+    # gpu_bf16: every subgroup's staging part on the GPU from the start; else only a GPU-resident subgroup's, with its state
     gpu_staging = itemsize * sum(sg.padded for sg in layout.subgroups) if grads_on_gpu else 0
     moving = moved_staging_itemsize(grad_path, itemsize)
     # Where several micro-batches' grads are summed comes first: on the GPU (where the step leaves room
     # for them) they cost nothing on backward's path; the GPU's share of the state takes what is left.
-    every = list(range(len(layout)))
-    sums_on_gpu_need = grad_accumulation_memory(layout, "gpu", cfg.micro_batches, every)[0]
+    sums_on_gpu_need = grad_accumulation_memory(layout, "gpu", cfg.micro_batches, list(range(len(layout))))[0]
     room = None if gpu_bytes is None else gpu_bytes - train - gpu_staging - int(cfg.gpu_headroom_gb * GIB)
     try:
         accumulation = resolve_grad_accumulation(cfg.grad_accumulation, cfg.micro_batches, "cpu" if gpu_bytes is None else "cuda",
@@ -339,10 +338,11 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
                  "memory)" if tier_host else "")  # fmt: skip
         model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
+        checkpointing = "" if plan.activation_checkpointing or not model_host else ", or set model.activation_checkpointing=auto"
         if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
-            fix = "lower data.micro_batch or data.seq_len" + ("" if plan.activation_checkpointing else ", or set model.activation_checkpointing=true")
+            fix = "lower data.micro_batch or data.seq_len" + checkpointing
         else:
-            fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "")
+            fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "") + checkpointing
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
             f"({int(node_host)} bytes{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "

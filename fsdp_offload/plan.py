@@ -40,7 +40,7 @@ from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
                       planned_host_bytes, tiers_sharing_a_file_system)
-from .checkpointing import plan_checkpointing
+from .checkpointing import plan_checkpointing, step_overflow
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -84,8 +84,9 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     if budgets:  # as resolved for this node: "auto" says what it came to
         lines.append("host budget a rank: " + ", ".join(name if name.endswith(")") else f"{name} ({readable_size(nbytes)})"
                                                         for nbytes, name in budgets))  # fmt: skip
-    lines.append(f"activation checkpointing: {'on' if plan.activation_checkpointing else 'off'} (model.activation_checkpointing; "
-                 "auto: off where the device holds the step's activations with the same state on it)")  # fmt: skip
+    lines.append(f"activation checkpointing: {'on' if plan.activation_checkpointing else 'off'} ({plan.checkpointing_why})")
+    if step_overflow(plan):
+        lines.append(f"warning: {step_overflow(plan)}")
     lines.append(f"predicted update phase: {format_seconds(plan.predicted_update_s)} a step (~: estimates)")
     if plan.predicted_update_s is not None:  # what the prediction is made of
         costs = (f"fixed costs timed here ({plan.update_costs.describe()})" if plan.update_costs is not None
@@ -191,8 +192,8 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     plan, args = plan_checkpointing(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
     costs = measured_costs(ocfg, machine, train.cpu_threads, rate, streams=streams)
-    if costs is not None:
-        plan = planned(costs, args)
+    if costs is not None:  # (the same plan, its prediction now with the fixed costs)
+        plan = dataclasses.replace(planned(costs, args), checkpointing_why=plan.checkpointing_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     return plan, ocfg
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
-from .checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
+from .checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing, step_overflow
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
@@ -133,9 +133,11 @@ def _run(cfg: DictConfig) -> list[dict]:
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget)  # fmt: skip
         plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb, agree)
-        mine = plan.ranks[rank % len(plan.ranks)]
+        mine, checkpointing_why = plan.ranks[rank % len(plan.ranks)], plan.checkpointing_why
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
+            if step_overflow(plan):
+                log.warning("plan: %s", step_overflow(plan))
             if plan.predicted_update_s is not None:
                 log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)",
                          format_seconds(plan.predicted_update_s), learned.detail)  # fmt: skip
@@ -150,7 +152,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         # (on the CPU the node's ranks share its available memory)
         room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
                 else available_host_bytes() // local)  # fmt: skip
-        margs = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch), room, agree)
+        margs, checkpointing_why = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
+                                                      room, agree)  # fmt: skip
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
@@ -179,13 +182,13 @@ def _run(cfg: DictConfig) -> list[dict]:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
         if recipe.optimizer == "offload":  # what the planner said, and what was built
             with open(os.path.join(out_dir, "placement.json"), "w") as f:
-                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(),
-                           "activation_checkpointing": margs.activation_checkpointing, **startup}, f, indent=1)  # fmt: skip
+                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), "activation_checkpointing":
+                           margs.activation_checkpointing, "activation_checkpointing_why": checkpointing_why, **startup}, f, indent=1)  # fmt: skip
     metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
         log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}, "
-                 f"activation checkpointing {'on' if margs.activation_checkpointing else 'off'}"
+                 f"activation checkpointing {'on' if margs.activation_checkpointing else 'off'} ({checkpointing_why})"
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
               + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip

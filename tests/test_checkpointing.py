@@ -5,6 +5,7 @@ a checkpoint resumes whichever way it resolves."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -14,12 +15,12 @@ from dist_utils import run_ranks
 from fsdp_offload import OffloadConfig
 from fsdp_offload import machine as machine_module
 from fsdp_offload.checkpoint import check_checkpoint, save_checkpoint
-from fsdp_offload.checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing
+from fsdp_offload.checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing, resolved, step_overflow
 from fsdp_offload.job_errors import JobError
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer
 from fsdp_offload.node_plan import PlanError, make_plan
-from fsdp_offload.units import GIB
+from fsdp_offload.units import GIB, readable_size
 
 
 def resolve(model: str, machine: MachineConfig, device: str, **offload) -> tuple[bool, list[int]]:
@@ -79,7 +80,7 @@ def test_on_where_the_activations_would_move_the_grads_off_the_gpu():
     """4 ranks of the 1.35B behind 2.5 GiB each, no state on the GPU: with checkpointing the grads wait on the
     GPU (grad_path=auto) and the cache gets 8 slots; without it they would move to host memory (6 slots, more
     bytes through the tier). The same GPU subgroups (none) is not enough: the state's whole placement counts."""
-    machine = MachineConfig(ranks_per_node=4, gpu_gib=8, host_gib=500)
+    machine = MachineConfig(ranks_per_node=4, gpu_gib=10.5, host_gib=500)  # the step without it (6.1 GiB) fits the room
     assert resolve("1b", machine, "cuda", host_budget_gb=2.5, subgroup_numel=26000384) == (True, [0, 0, 0, 0])
     assert resolve("1b", dataclasses.replace(machine, gpu_gib=12), "cuda", host_budget_gb=2.5, subgroup_numel=26000384)[0] is False
 
@@ -108,9 +109,11 @@ def test_plain_fsdp2_resolves_from_its_16_bytes_a_param_and_the_step():
     step = lambda a: fsdp_step_bytes(a, 1, 2048, 1)  # noqa: E731
     without = step(dataclasses.replace(args, activation_checkpointing=False))
     assert without > step(dataclasses.replace(args, activation_checkpointing=True)) > 16 * 1.3e9
-    assert fsdp_checkpointing(args, step, without).activation_checkpointing is False
-    assert fsdp_checkpointing(args, step, without - 1).activation_checkpointing is True
-    assert fsdp_checkpointing(args, step, without, agree=lambda on: True).activation_checkpointing is True
+    assert fsdp_checkpointing(args, step, without)[0].activation_checkpointing is False
+    resolved, why = fsdp_checkpointing(args, step, without - 1)
+    assert resolved.activation_checkpointing is True and why.startswith(f"auto: about {readable_size(without)} a rank without it")
+    resolved, why = fsdp_checkpointing(args, step, without, agree=lambda on: True)
+    assert resolved.activation_checkpointing is True and why == "auto: another rank needs it"
 
 
 def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
@@ -148,3 +151,29 @@ def test_the_estimate_without_checkpointing_is_the_measured_one():
         cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
         return make_plan("1b", args, cfg, MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda").ranks[0].gpu_train_bytes / GIB
     assert train_gib(False) - train_gib(True) == pytest.approx(4.1, abs=0.2)
+
+
+def test_the_plan_says_why_and_warns_of_a_step_above_the_gpu():
+    def why(model: str, machine: MachineConfig, device: str, **offload) -> str:
+        args = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing="auto")
+        cfg = OffloadConfig(tiers=["posix:/tmp"], **offload)
+        return plan_checkpointing(args, lambda a: make_plan(model, a, cfg, machine, 2048, 1, device), 4.0)[0].checkpointing_why
+
+    assert why("1b", MachineConfig(gpu_gib=80, host_gib=512), "cuda", host_budget_gb=64).startswith(
+        "auto: the GPU holds the step without it (about 7.94 GiB a rank of 80.00 GiB), the state placed alike")
+    assert why("1b", MachineConfig(gpu_gib=10, host_gib=512), "cuda", host_budget_gb=64) == (
+        "auto: without it a rank's step would take about 7.94 GiB, above the GPU's 10.00 GiB less offload.gpu_headroom_gb=4")
+    assert why("1b", MachineConfig(ranks_per_node=4, gpu_gib=10.5, host_gib=500), "cuda", host_budget_gb=2.5,
+               subgroup_numel=26000384) == "auto: without it rank 0's host cache slots would go from 8 to 6"  # fmt: skip
+    assert why("1b", MachineConfig(host_gib=14), "cpu", host_budget_gb=8).startswith("auto: without it the plan does not fit: host memory")
+    assert why("1b", MachineConfig(host_gib=18), "cpu", host_budget_gb=8) == "auto: host memory holds the step without it, the state placed alike"
+
+    # an estimate above the GPU is reported, never refused: a warning that names the fixes
+    big = dataclasses.replace(MODEL_PRESETS["7b"], activation_checkpointing=False)
+    plan = make_plan("7b", big, OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=128), MachineConfig(gpu_gib=24, host_gib=512),
+                     4096, 8, "cuda")  # fmt: skip
+    assert re.fullmatch(r"rank 0's training step is estimated at [\d.]+ GiB of GPU memory, above the GPU's 24.00 GiB: lower "
+                        r"data.micro_batch or data.seq_len, or offload.gpu_fraction, or set model.activation_checkpointing=auto",
+                        step_overflow(plan))  # fmt: skip
+    assert step_overflow(make_plan("1b", resolved(MODEL_PRESETS["1b"], False), OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64),
+                                   MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda")) is None  # fmt: skip
