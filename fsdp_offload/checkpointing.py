@@ -3,7 +3,7 @@ model is built: recompute each block's forward in backward only where the device
 step's activations.
 
 Checkpointing costs a second forward inside every backward: on nvidia-h100-x4, the 1.35B at seq 2048
-ran its 4-rank step in 0.43-0.44 s without it against 0.54-0.58 s with it
+ran its 4-rank step in 0.43-0.44 s without it against 0.50-0.58 s with it
 (`bench_scale_nvidia-h200-x4_20261127-021724.json`). It saves the activations of every block but its
 input, which a big model or a long sequence needs. So `auto` keeps it off only where, without it:
 - the plan still fits (on the CPU the step's activations are host memory the plan counts);
