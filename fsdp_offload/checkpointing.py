@@ -31,6 +31,11 @@ def resolved(args: LlamaArgs, checkpointing: bool) -> LlamaArgs:
     return dataclasses.replace(args, activation_checkpointing=checkpointing)
 
 
+def set_why(args: LlamaArgs) -> str:
+    """The reason a stated (not "auto") choice gives."""
+    return f"set: model.activation_checkpointing={str(args.activation_checkpointing).lower()}"
+
+
 def state_placement(plan: Plan) -> list[tuple]:
     """Where a plan keeps the optimizer's state and grads and what it moves, rank by rank: what turning
     checkpointing off must leave as it is."""
@@ -55,7 +60,7 @@ def plan_checkpointing(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headr
     (`checkpointing_why`). A plan that does not fit even with checkpointing raises its PlanError."""
     if args.activation_checkpointing != "auto":
         plan = make(args)
-        plan.checkpointing_why = f"set: model.activation_checkpointing={str(args.activation_checkpointing).lower()}"
+        plan.checkpointing_why = set_why(args)
         return plan, args
     on = make(resolved(args, True))
     try:
@@ -115,7 +120,7 @@ def fsdp_checkpointing(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], 
     (a rank's estimated peak: its state, params, grads and activations) without checkpointing fits in
     `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank)."""
     if args.activation_checkpointing != "auto":
-        return args, f"set: model.activation_checkpointing={str(args.activation_checkpointing).lower()}"
+        return args, set_why(args)
     step = step_bytes(resolved(args, False))
     needed = agree(step > room_bytes)
     where = f"about {readable_size(step)} a rank without it, {readable_size(room_bytes)} of room"

@@ -91,9 +91,9 @@ def _run(cfg: DictConfig) -> list[dict]:
     use_cpu_threads(cpu_threads_per_rank(tcfg.cpu_threads, local))
     # Bad data fails here, before the model is built (missing file, wrong dtype, too short, ids >= vocab).
     batches = TokenBatches(dcfg, vocab_size=margs.vocab_size, rank=rank, world_size=world)
-    # what a checkpoint must agree with to be resumed: not activation checkpointing, which changes the compute only
-    model_key = {k: v for k, v in dataclasses.asdict(margs).items() if k != "activation_checkpointing"}
-    run_key = {"model": model_key, "world_size": world, "optimizer": recipe.optimizer, "subgroup_numel": recipe.config.subgroup_numel}
+    # what a checkpoint must agree with to be resumed (check_checkpoint leaves out what changes the compute only)
+    run_key = {"model": dataclasses.asdict(margs), "world_size": world, "optimizer": recipe.optimizer,
+               "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
     # which checkpoint first: a resume that cannot be honoured is refused before the dir (and its lock) is made
     resume_from, resume_line = resume_point(ckcfg)
     hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time (no other can write one meanwhile)

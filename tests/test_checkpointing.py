@@ -128,12 +128,13 @@ def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
 
 
 def test_a_checkpoint_resumes_whichever_way_checkpointing_resolved(tmp_path):
-    """Older checkpoints kept activation_checkpointing in their run note; it changes the compute, not the
-    state, so a run resumes them with any value. A field that does change the state is named alone."""
+    """A run note keeps activation_checkpointing (as set: true, false or auto); it changes the compute, not
+    the state, so a run resumes it with any value. A field that does change the state is named alone."""
     model = torch.nn.Linear(4, 4)
     older = {"world_size": 1, "model": {"dim": 64, "activation_checkpointing": True}}
     path = save_checkpoint(str(tmp_path), 1, model, torch.optim.AdamW(model.parameters()), older, {"step": 1})
     assert check_checkpoint(path, {"world_size": 1, "model": {"dim": 64}}) == 1
+    assert check_checkpoint(path, {"world_size": 1, "model": {"dim": 64, "activation_checkpointing": "auto"}}) == 1
     with pytest.raises(JobError, match=r"written with model.dim=64, this run has model.dim=128: resume with the same model.dim"):
         check_checkpoint(path, {"world_size": 1, "model": {"dim": 128}})
     # a field on one side only is a difference too, named with what the other side has: nothing

@@ -242,7 +242,7 @@ def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
         raise oserrors[0] if oserrors[0].filename else OSError(oserrors[0].errno, oserrors[0].strerror, tmp)
 
 
-# what a run note may hold that does not change the state (older checkpoints kept it): a resume ignores it
+# what a run note holds that does not change the state, only the compute: a resume does not compare it
 NOT_STATE = {"model": ("activation_checkpointing",)}
 
 
