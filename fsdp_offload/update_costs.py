@@ -43,7 +43,14 @@ from .threads import cpu_threads_per_rank, use_cpu_threads
 from .update_rate import COLD_BYTES
 
 SUBGROUPS = 8  # timed subgroups: half of them stream through the tier, 8 transfers a step
-MAX_NUMEL = 1 << 16  # params a timed subgroup holds at most (its kernel's time is subtracted, not counted)
+MAX_NUMEL = 1 << 16  # params a timed subgroup holds at most (its kernel's time is subtracted, not counted) ...
+# ... unless its threads need more: each takes the fused kernel's work a chunk at a time (8 blocks of 2048
+# params), and a run's subgroup gives every thread of its team many chunks. A subgroup of fewer chunks than
+# threads left most of a team of 64 idle at its barriers: 9-14 ms a subgroup beside the kernel where a
+# 1-rank run's walk took about 1 ms; at a chunk a thread 0.4-1.1 ms, and 0.4-1.3 ms a kernel call
+# (session 27, nvidia-h200-x4: benchmarks/logs/session27_call2). Its
+# tier reads and writes then also move more bytes: 10 ms each there at 64 threads, 2-3 ms at 16.
+THREAD_CHUNK = 1 << 14
 STEPS = 24  # timed steps after WARM_UP, the median taken (a step of the tiny model's took 1-60 ms on 2 shared cores)
 WARM_UP = 2
 TIMEOUT_S = 300  # for the ranks' processes, their start included
@@ -95,7 +102,7 @@ def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int
     `streams` False (the plan writes no tier): no tier is timed and transfer_s is 0.
     Several ranks take the start of `ranks` Python processes (seconds). Raises TierError naming the dir
     and the fix where the timing cannot run there (a dir not writable, or full)."""
-    numel = max(1024, min(subgroup_numel, MAX_NUMEL) // 1024 * 1024)
+    numel = timed_numel(subgroup_numel, threads)
     try:
         remove_stale_work_dirs(tier_dir or tempfile.gettempdir())
         with tempfile.TemporaryDirectory(dir=tier_dir, prefix=f"{WORK_PREFIX}{host_tag()}-pid{os.getpid()}-") as work:
@@ -114,6 +121,12 @@ def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int
                         "fault, give one this user can write with a few MiB free; or state the CPU rate "
                         "(machine.cpu_mparams_per_s=<M params/s>: nothing is timed beside it)") from exc  # fmt: skip
     return fitted_costs(rows, numel, timed_rate)
+
+
+def timed_numel(subgroup_numel: int, threads: int) -> int:
+    """Params a timed subgroup holds: the run's subgroup, at most MAX_NUMEL or a THREAD_CHUNK for each of
+    `threads`, whichever is more (a multiple of 1024)."""
+    return max(1024, min(subgroup_numel, max(MAX_NUMEL, threads * THREAD_CHUNK)) // 1024 * 1024)
 
 
 def remove_stale_work_dirs(directory: str) -> list[str]:

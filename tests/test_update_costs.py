@@ -24,7 +24,8 @@ from fsdp_offload.node_plan import PlanError, make_plan
 from fsdp_offload.plan import compose_plan_config, format_plan, plan_from_config
 from fsdp_offload.storage import TierError
 from fsdp_offload.storage.private_files import host_tag
-from fsdp_offload.update_costs import WORK_PREFIX, SUBGROUPS, UpdateCosts, fitted_costs, measured_costs, time_update_costs
+from fsdp_offload.update_costs import (MAX_NUMEL, SUBGROUPS, THREAD_CHUNK, WORK_PREFIX, UpdateCosts, fitted_costs, measured_costs,
+                                       time_update_costs, timed_numel)
 
 # Generous: several times what the tiny model's update showed on 2 CPU cores (session 25)
 COSTS = UpdateCosts(step_s=2e-3, subgroup_s=1e-3, transfer_s=2e-3, call_s=0.5e-3)
@@ -193,3 +194,11 @@ def test_a_dir_the_timing_cannot_write_is_a_clear_error_naming_the_fix(tmp_path)
     with pytest.raises(TierError, match=rf"fixed costs .* in {not_a_dir} \(offload.tiers' first dir\) failed: .*"
                                         r"where the dir is at fault.*machine.cpu_mparams_per_s="):  # fmt: skip
         time_update_costs("torch", 4096, 1, 1, str(not_a_dir))
+
+
+def test_a_timed_subgroup_gives_each_thread_a_chunk_of_the_kernel():
+    # a team of 64 over subgroups of fewer chunks than threads read 10x a run's walk (session 27)
+    assert timed_numel(100 << 20, 2) == MAX_NUMEL
+    assert timed_numel(100 << 20, 64) == 64 * THREAD_CHUNK
+    assert timed_numel(300_000, 64) == 300_000 // 1024 * 1024  # never more than the run's own subgroup
+    assert timed_numel(100, 4) == 1024
