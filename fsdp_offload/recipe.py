@@ -42,6 +42,7 @@ class TrainConfig:
     profile_step: int | None = None  # this step (from 0) run under torch.profiler: a trace per rank in the run dir
     collective_timeout_s: float = 1800  # a collective that waits longer fails (gloo/NCCL name it); ends a hung job
     watchdog_s: float | None = 60  # a rank silent this long is named in the log by the others; null or 0: no watchdog
+    compile: bool = False  # torch.compile each block's computation (models.compile_blocks); the first step compiles
 
     def __post_init__(self) -> None:  # a bad recipe fails here, before a process group or a model exists
         if self.device not in ("auto", "cpu", "cuda"):
@@ -70,6 +71,8 @@ class TrainConfig:
             raise ValueError(f"train.collective_timeout_s={self.collective_timeout_s!r} must be a number of seconds > 0")
         if self.watchdog_s is not None and not (is_number(self.watchdog_s) and self.watchdog_s >= 0):
             raise ValueError(f"train.watchdog_s={self.watchdog_s!r} must be a number of seconds >= 0 (0 or null: no watchdog)")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"train.compile={self.compile!r}: choose true (torch.compile each block) or false")
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)

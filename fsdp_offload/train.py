@@ -36,7 +36,7 @@ from .checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_c
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
-from .models import num_params
+from .models import compile_blocks, num_params
 from .node import node_ranks
 from .optimizer import OffloadAdamW
 from .memory import available_host_bytes, resolve_host_budget
@@ -158,6 +158,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
                                       fused=device.type == "cuda")  # fmt: skip
+    if tcfg.compile:
+        compile_blocks(model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg))
     startup = {"startup_s": time.perf_counter() - t_build, "host_peak_startup_gib": host_peak_gib()}
     if device.type == "cuda":  # the steps' rows then report the training peak alone

@@ -35,6 +35,7 @@ def our_traceback(out: subprocess.CompletedProcess) -> bool:
         ("train.min_lr_ratio=5", "train.min_lr_ratio=5: the cosine decays to lr * min_lr_ratio, which must be in [0, 1]"),
         ("train.collective_timeout_s=0", "train.collective_timeout_s=0 must be a number of seconds > 0"),
         ("train.watchdog_s=-1", "train.watchdog_s=-1 must be a number of seconds >= 0"),
+        ("train.compile=maybe", "train.compile='maybe': choose true (torch.compile each block) or false"),
     ],
 )
 def test_what_cannot_be_meant_is_refused(override, message):

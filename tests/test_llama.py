@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 
-from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
+from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer, compile_blocks, num_params
 from fsdp_offload.models.llama import Attention, apply_rope, precompute_rope
 
 TINY = MODEL_PRESETS["tiny"]
@@ -334,3 +334,25 @@ def _fsdp2_worker(rank: int, world: int) -> None:
 def test_fsdp2_per_block_meta_init_checkpointed_tied():
     """fully_shard per block + root on 2 gloo ranks matches the unsharded model's loss and grads."""
     run_ranks(2, _fsdp2_worker)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_blocks_share_one_graph_and_match_eager(checkpointing):
+    """compile_blocks: the blocks' math compiled (aot_eager here: the graph capture and autograd of
+    inductor's path, eager kernels, so the grads are the eager ones exactly; inductor itself is checked on
+    the GPU, test_compile_gpu.py), one graph for every block, the params' names unchanged."""
+    from torch._dynamo.utils import counters
+
+    args = tiny(n_layers=3, activation_checkpointing=checkpointing)
+    eager, compiled = build(args), build(args)
+    names = [n for n, _ in compiled.named_parameters()]
+    torch._dynamo.reset()
+    counters.clear()
+    compile_blocks(compiled, backend="aot_eager")
+    assert [n for n, _ in compiled.named_parameters()] == names
+    x = tokens()
+    for model in (eager, compiled):
+        lm_loss(model, x).backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.equal(a.grad, b.grad), name

@@ -260,13 +260,14 @@ class TransformerBlock(nn.Module):
         # GPT-2 style: each residual branch's output projection is scaled by 1/sqrt(2 * n_layers),
         # so the residual stream's variance does not grow with depth.
         self.out_std = INIT_STD / math.sqrt(2 * args.n_layers)
+        self.math = self._forward  # the block's computation; compile_blocks compiles it
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
             # Checkpoint the inner function, not the module: FSDP2's hooks on this block then run
             # once, and the recompute in backward finds the params already unsharded.
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self.math, x, cos, sin, use_reentrant=False)
+        return self.math(x, cos, sin)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -277,6 +278,15 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.out_std)
         self.ffn_norm.init_weights()
         self.feed_forward.init_weights(self.out_std)
+
+
+def compile_blocks(model: "Transformer", backend: str = "inductor") -> None:
+    """Compiles each block's computation with torch.compile (`backend`: inductor, its default, fuses the
+    norms, the rotary embedding and SwiGLU's elementwise ops into a few kernels each way). The module
+    calls and their hooks (FSDP2's gathers and reductions, the optimizer's grad hooks) stay eager, and
+    the params' names do not change. The blocks share one compiled graph: the first step compiles it."""
+    for block in model.layers:
+        block.math = torch.compile(block._forward, backend=backend, fullgraph=True)
 
 
 class Transformer(nn.Module):
