@@ -66,9 +66,23 @@ def _rank_rates(value: object) -> str | None:
     return None
 
 
+def _rank_ms(value: object) -> str | None:
+    if not isinstance(value, dict):
+        return f'is {value!r}: it must map each local rank to milliseconds, e.g. {{"0": 1.5}}'
+    for rank, ms in value.items():
+        if not (isinstance(rank, str) and rank.isdigit()):
+            return f"has the key {rank!r}: its keys must be local ranks (0, 1, ...)"
+        if _ms(ms) is not None:
+            return f"[{rank!r}] {_ms(ms)}"
+    return None
+
+
 # The fields each kind of entry is read for (others, such as a tier's "source", are only kept).
 TIER_FIELDS: dict[str, Check] = {"read_gbps": _gbps, "write_gbps": _gbps, "latency_ms": _ms}
 RATE_FIELDS: dict[str, Check] = {"run": _text, "mparams_per_s": _rank_rates, "updated": _text}
+# What a rate's run saved beside it where its update streamed nothing: a subgroup's walk, the step's grad norm
+# (update_costs.UpdateCosts' subgroup_s and step_s; an entry of an older run has none)
+COST_FIELDS: dict[str, Check] = {"subgroup_ms": _rank_ms, "step_ms": _rank_ms}
 
 
 def entry_problem(entry: object, fields: dict[str, Check]) -> str | None:
@@ -117,7 +131,8 @@ def locked_profile(path: str) -> Iterator[BandwidthProfile]:
 
 class BandwidthProfile:
     """`{"format": ..., "hosts": {host: {tier key: {read_gbps, write_gbps, latency_ms, source, updated}}},
-    "update_rates": {host: {rate key: {"run": id, "mparams_per_s": {local rank: M params/s}, updated}}}}`.
+    "update_rates": {host: {rate key: {"run": id, "mparams_per_s": {local rank: M params/s}, updated,
+    and where the run streamed nothing "subgroup_ms" and "step_ms": {local rank: ms}}}}}`.
 
     Read and rewritten under an flock on `<path>.lock`, and replaced atomically, so the ranks of a node
     (and nodes sharing a home dir) can use one file.
@@ -235,19 +250,37 @@ class BandwidthProfile:
         """This host's learned CPU update rates under `key` (learned_rate.update_rate_key): the run that saved
         them, params/s by the local rank that measured it, and when (call with the lock held). An entry
         that is not as RATE_FIELDS say (a hand edit) is warned of and counts as none."""
+        entry = self._rate_entry(key)
+        if entry is None:
+            return None, {}, None
+        return entry["run"], {r: v * 1e6 for r, v in entry["mparams_per_s"].items()}, entry["updated"]
+
+    def update_rate_costs(self, key: str) -> dict[str, tuple[float, float]]:
+        """The update's fixed costs that the run of `key`'s rates saved beside them, in seconds by local rank:
+        (a subgroup's walk, the step's grad norm); {} where it saved none (it streamed, or an older run), or
+        where they are not as COST_FIELDS say (warned of: the planner times them)."""
+        entry = self._rate_entry(key)
+        if entry is None or not any(name in entry for name in COST_FIELDS):
+            return {}
+        if not self.usable([UPDATE_RATES, self.host, key], entry, COST_FIELDS, "times the update's fixed costs instead"):
+            return {}
+        walks, norms = entry["subgroup_ms"], entry["step_ms"]
+        return {r: (walks[r] / 1e3, norms[r] / 1e3) for r in walks if r in norms}
+
+    def _rate_entry(self, key: str) -> dict | None:
+        """`key`'s entry of this host's update rates if there is one as RATE_FIELDS say, else None (a broken
+        one warned of)."""
         entry: object = self._read_all()
         where: list[str] = []
         instead = "times the CPU update instead (a run's own steps here save a new rate)"
         for part in (UPDATE_RATES, self.host, key):
             if not isinstance(entry, dict):  # a section that is not an object hides every entry under it
                 self.unusable(where, f"it is {entry!r}, not an object", instead)
-                return None, {}, None
+                return None
             entry, where = entry.get(part), [*where, part]
             if entry is None:  # none saved: nothing to say
-                return None, {}, None
-        if not self.usable(where, entry, RATE_FIELDS, instead):
-            return None, {}, None
-        return entry["run"], {r: v * 1e6 for r, v in entry["mparams_per_s"].items()}, entry["updated"]
+                return None
+        return entry if self.usable(where, entry, RATE_FIELDS, instead) else None
 
     def update_rate_keys(self) -> list[str]:
         """The keys this host has learned CPU update rates under (call with the lock held)."""
@@ -255,8 +288,10 @@ class BandwidthProfile:
         mine = mine.get(self.host) if isinstance(mine, dict) else None
         return sorted(mine) if isinstance(mine, dict) else []
 
-    def store_update_rate(self, key: str, run: str, local_rank: int, params_per_s: float) -> None:
-        """Stores one local rank's learned CPU update rate under `key` for `run` (call with the lock held):
+    def store_update_rate(self, key: str, run: str, local_rank: int, params_per_s: float,
+                          costs: tuple[float, float] | None = None) -> None:  # fmt: skip
+        """Stores one local rank's learned CPU update rate under `key` for `run` (call with the lock held),
+        and `costs` beside it where given (seconds: a subgroup's walk, the step's grad norm; update_rate_costs):
         the first rank of a new run to save clears the last run's ranks, so one entry is one run's."""
         data = self._read_all()
         section = data[UPDATE_RATES] = data.get(UPDATE_RATES) if isinstance(data.get(UPDATE_RATES), dict) else {}
@@ -265,6 +300,9 @@ class BandwidthProfile:
         if entry_problem(entry, RATE_FIELDS) is not None or entry["run"] != run:  # (a broken entry is replaced whole)
             entry = {"run": run, "mparams_per_s": {}}
         entry["mparams_per_s"][str(local_rank)] = params_per_s / 1e6
+        for name, seconds in zip(COST_FIELDS, costs or ()):
+            kept = entry.get(name)
+            entry[name] = {**(kept if isinstance(kept, dict) else {}), str(local_rank): seconds * 1e3}
         entry["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         mine[key] = entry
         self._write(data)

@@ -30,7 +30,7 @@ from .interrupts import interrupts_between_subgroups
 from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
-from .learned_rate import UpdateRateLearner, kernel_label
+from .learned_rate import UpdateRateLearner, kernel_label, step_fixed_costs
 from .metrics import StepMetrics, step_metrics, traced
 from .optimizer_args import hyperparameters
 from .order import update_order
@@ -74,7 +74,7 @@ class StepEngine:
         self._begin_s = 0.0  # time step() took before the update could start
         self._norm_s = 0.0  # time this step took to take the grad norm (metrics.norm_s)
         self._cpu_kernel_s = 0.0  # time in the CPU kernel this step (metrics.cpu_kernel_s)
-        self._cpu_kernel_run = (0, 0, None)  # this step's CPU kernel: params updated, threads, grad dtype (for the rate)
+        self._cpu_kernel_run = (0, 0, 0, None)  # this step's CPU kernel: params and subgroups updated, threads, grad dtype
         self._finished: StepMetrics | None = None  # the last update's metrics, before finish_update publishes them
         self.last_metrics: StepMetrics | None = None  # the last finished update's
         self.untaken: deque[StepMetrics] = deque(maxlen=1024)  # finished steps' metrics, for take_metrics()
@@ -243,7 +243,7 @@ class StepEngine:
     def run(self, start: float) -> None:
         """Updates the subgroups of `pending` and copies their params back into the model."""
         params = [local_data(p) for p in self.params]
-        self._cpu_kernel_s, self._cpu_kernel_run = 0.0, (0, 0, None)  # a failed try's kernels are not in this try's update_s
+        self._cpu_kernel_s, self._cpu_kernel_run = 0.0, (0, 0, 0, None)  # a failed try's kernels are not in this try's update_s
         updated: set[int] = set()
 
         def update(sg: int, state: torch.Tensor) -> None:
@@ -312,8 +312,8 @@ class StepEngine:
             kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
         if not state.is_cuda:
             self._cpu_kernel_s += time.perf_counter() - began
-            updated = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs)
-            self._cpu_kernel_run = (updated, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
+            updated, subgroups = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs), self._cpu_kernel_run[1] + 1
+            self._cpu_kernel_run = (updated, subgroups, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
 
@@ -343,9 +343,10 @@ class StepEngine:
         m.subgroups_on_gpu = len(self.store.gpu_state)
         m.norm_s, self._norm_s = self._norm_s, 0.0
         m.cpu_kernel_s, self._cpu_kernel_s = self._cpu_kernel_s, 0.0
-        (updated, threads, grad_dtype), self._cpu_kernel_run = self._cpu_kernel_run, (0, 0, None)
+        (updated, subgroups, threads, grad_dtype), self._cpu_kernel_run = self._cpu_kernel_run, (0, 0, 0, None)
         if self.rate_learner is not None and updated:
-            self.rate_learner.observe(kernel_label(self.cpu_kernel), threads, grad_dtype, updated, m.cpu_kernel_s)
+            self.rate_learner.observe(kernel_label(self.cpu_kernel), threads, grad_dtype, updated, m.cpu_kernel_s,
+                                      step_fixed_costs(m, subgroups))  # fmt: skip
         self._finished = m
         for i, has in enumerate(self.grads.staged):
             self.steps[i] += has

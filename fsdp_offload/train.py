@@ -61,6 +61,7 @@ from .tier_speeds import starting_speeds
 from .units import GIB, format_count, format_seconds
 from .bandwidth_profile import profile_problem
 from .learned_rate import learned_rate_for
+from .update_costs import learned_costs
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -130,8 +131,10 @@ def _run(cfg: DictConfig) -> list[dict]:
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
         learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
+        costs = None if learned is None else learned_costs(learned)  # (nothing timed here: it would slow the start)
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
-                                         device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget)  # fmt: skip
+                                         device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
+                                         costs=costs)  # fmt: skip
         plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb, agree)
         mine, checkpointing_why = plan.ranks[rank % len(plan.ranks)], plan.checkpointing_why
         if rank == 0:
@@ -139,8 +142,9 @@ def _run(cfg: DictConfig) -> list[dict]:
             if step_overflow(plan):
                 log.warning("plan: %s", step_overflow(plan))
             if plan.predicted_update_s is not None:
-                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)",
-                         format_seconds(plan.predicted_update_s), learned.detail)  # fmt: skip
+                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)%s",
+                         format_seconds(plan.predicted_update_s), learned.detail,
+                         " with its steps' fixed costs" if costs else "; its fixed costs not counted (the plan command times them)")  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
         # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
         # run at speed), from the plan's tier speeds (the profile, if set, keeps what the run learns);

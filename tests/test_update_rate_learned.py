@@ -18,17 +18,17 @@ from fsdp_offload.bandwidth_profile import BandwidthProfile
 from fsdp_offload.learned_rate import LEARN_STEPS, UpdateRateLearner, learned_rate_for, rate_key_for, update_rate_key
 from fsdp_offload.machine import MachineConfig, measured_speeds
 from fsdp_offload.plan import main as plan_main
-from fsdp_offload.update_costs import UpdateCosts
+from fsdp_offload.update_costs import UpdateCosts, learned_costs, measured_costs
 
 BF16 = torch.bfloat16
 
 
 def learn(path: str, rate: float, ranks: int = 1, slot: int = 0, run: str = "run-a", threads: int = 4, numel: int = 4096,
-          kernel: str = "torch") -> None:  # fmt: skip
-    """A run's rank that updated at `rate` params/s from its first step on."""
+          kernel: str = "torch", costs: tuple[float, float] | None = None) -> None:  # fmt: skip
+    """A run's rank that updated at `rate` params/s from its first step on, `costs` beside its kernel."""
     learner = UpdateRateLearner(path, ranks, slot, run, numel)
     for _ in range(1 + LEARN_STEPS):
-        learner.observe(kernel, threads, BF16, int(rate), 1.0)
+        learner.observe(kernel, threads, BF16, int(rate), 1.0, costs)
 
 
 def cfg_for(path: str, numel: int = 4096, **kw) -> OffloadConfig:
@@ -160,15 +160,49 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
         opt.step()
     numel = sum(p.numel() for p in params)
     steps = opt.take_metrics()
+    opt.close()
     assert len(steps) == 1 + LEARN_STEPS
     expected = statistics.median(numel / m.cpu_kernel_s for m in steps[1:])  # the first step is a warm-up
+    walk = statistics.median((m.update_s - m.cpu_kernel_s - m.norm_s) / len(opt.layout) for m in steps[1:])
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: pytest.fail("timed a rate that was learned"))
     rate, _ = measured_speeds(cfg, MachineConfig(), cpu_threads=torch.get_num_threads())
     assert rate.source == "learned" and rate.params_per_s == pytest.approx(expected, rel=1e-6)  # (kept in M params/s)
+    # all in host memory: the steps' own walk and norm are kept beside it, and the planner times neither
+    assert rate.subgroup_s == pytest.approx(walk, rel=1e-6, abs=1e-9)
+    assert rate.step_s == pytest.approx(statistics.median(m.norm_s for m in steps[1:]), rel=1e-6, abs=1e-9)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: pytest.fail("timed costs that were learned"))
+    assert measured_costs(cfg, MachineConfig(), torch.get_num_threads(), rate, streams=False) == learned_costs(rate)
     # another rank count, or no profile: nothing learned for it, so timed
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 123e6)
     assert measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=torch.get_num_threads())[0].source == "timed"
     assert measured_speeds(OffloadConfig(kernel="torch"), MachineConfig(), cpu_threads=None)[0].source == "timed"
+
+
+def test_the_fixed_costs_a_run_saved_go_beside_its_rate_only_where_every_rank_saved_them(tmp_path, monkeypatch, caplog):
+    path = str(tmp_path / "p.json")
+    cfg = cfg_for(path)
+    learn(path, 300e6, ranks=2, slot=0, costs=(0.002, 0.001))
+    learn(path, 200e6, ranks=2, slot=1, costs=(0.003, 0.0005))
+    rate = learned_rate_for(cfg, 2, 4)
+    assert (rate.params_per_s, rate.subgroup_s, rate.step_s) == pytest.approx((200e6, 0.003, 0.001))  # each the slowest rank's
+    timed = UpdateCosts(step_s=0.5, subgroup_s=0.5, transfer_s=0.25)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: timed)
+    # streaming, the tier's reads and writes are still timed, the walk and the norm are the run's own
+    assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 4, rate) == UpdateCosts(step_s=0.001, subgroup_s=0.003, transfer_s=0.25)
+    learn(path, 300e6, ranks=2, slot=0, run="run-b")  # a run that streamed: no costs (a new run clears the last one's)
+    learn(path, 200e6, ranks=2, slot=1, run="run-b", costs=(0.003, 0.0005))
+    rate = learned_rate_for(cfg, 2, 4)
+    assert rate.params_per_s == pytest.approx(200e6) and rate.subgroup_s is None and learned_costs(rate) is None
+    assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 4, rate, streams=False) is timed
+    broken = json.loads(open(path).read())
+    entry = next(iter(broken["update_rates"].values()))[rate_key_for(cfg, 2, 4)]
+    entry["subgroup_ms"] = {"0": -1.0, "1": 3.0}  # a hand edit
+    with open(path, "w") as f:
+        json.dump(broken, f)
+    with caplog.at_level(logging.WARNING):
+        rate = learned_rate_for(cfg, 2, 4)
+    assert rate.source == "learned" and rate.subgroup_s is None  # the rate stands, the costs are timed
+    assert "subgroup_ms" in caplog.text and "times the update's fixed costs instead" in caplog.text
 
 
 def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys, monkeypatch):
@@ -214,12 +248,15 @@ def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved_and_saves_
     planned = json.loads((tmp_path / "b" / "placement.json").read_text())["plan"]
     assert planned["cpu_s"] == pytest.approx(planned["params"] / 1e9)  # the rank's params at the learned 1000 M/s
     assert planned["update_s"] >= planned["cpu_s"]
-    assert f"a step predicted, from the CPU rate an earlier run saved ({key}, saved " in out.stdout + out.stderr
-    assert "learned the CPU update rate" in out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    assert f"a step predicted, from the CPU rate an earlier run saved ({key}, saved " in said
+    assert "its fixed costs not counted (the plan command times them)" in said  # that run saved none
+    assert "learned the CPU update rate" in said and "ms a subgroup beside the kernel" in said
     with saved.locked():
         run, rates, _ = saved.update_rate_entry(key)
+        costs = saved.update_rate_costs(key)
     saved.close()
-    assert run != "an-earlier-run" and set(rates) == {"0"}  # this run's own, at its fourth step
+    assert run != "an-earlier-run" and set(rates) == {"0"} and set(costs) == {"0"}  # this run's own, at its fourth step
 
 
 def test_ranks_without_a_process_group_share_torchrun_s_job_id(monkeypatch):
