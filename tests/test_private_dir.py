@@ -117,6 +117,15 @@ def test_a_lock_file_reopened_after_its_last_user_took_the_dir_away(tmp_path):
     assert list(locks.iterdir()) == []
 
 
+def test_a_tier_built_and_never_used_leaves_nothing_of_ours(tmp_path):
+    tier = make_tier(f"posix:{tmp_path}?threads=1")  # checked at construction: a bad dir fails here
+    assert list(tmp_path.iterdir()) == []  # (not closed: an optimizer whose construction failed later)
+    tier.attach(tier_file_tag("rank0"), [ALIGN])
+    assert os.path.isfile(tier.path) and os.path.dirname(tier.path) == private_dir(str(tmp_path))
+    tier.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("locks_in_the_tier_dir", [False, True])
 def test_a_run_s_closed_tiers_leave_nothing_of_ours(tmp_path, locks_in_the_tier_dir):
     """Two tiers, exclusive access (node locks), state streamed through both; after close the tier

@@ -101,8 +101,10 @@ class ChunkedFileTier(Tier):
         self._sums: dict[int, tuple[str, list[int]]] = {}
         self._workers: IOWorkers | None = None
         self._short_of_space = False  # no room for every slot of the node's ranks: stale copies are freed
-        # Checks the dir at construction so a bad path fails before any training.
+        # Checks the dir at construction so a bad path fails before any training, then leaves it to the file
+        # (attach makes it again): a tier built and never attached or closed leaves nothing behind.
         self._dir = make_private_dir(self.root, self.spec)
+        remove_private_dir(self.root)
 
     @property
     def path(self) -> str:
