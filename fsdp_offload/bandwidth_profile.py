@@ -80,9 +80,9 @@ def _rank_ms(value: object) -> str | None:
 # The fields each kind of entry is read for (others, such as a tier's "source", are only kept).
 TIER_FIELDS: dict[str, Check] = {"read_gbps": _gbps, "write_gbps": _gbps, "latency_ms": _ms}
 RATE_FIELDS: dict[str, Check] = {"run": _text, "mparams_per_s": _rank_rates, "updated": _text}
-# What a rate's run saved beside it where its update streamed nothing: a subgroup's walk, the step's grad norm
-# (update_costs.UpdateCosts' subgroup_s and step_s; an entry of an older run has none)
-COST_FIELDS: dict[str, Check] = {"subgroup_ms": _rank_ms, "step_ms": _rank_ms}
+# What a rate's run saved beside it where its update streamed nothing: a subgroup's walk beside the kernel
+# (update_costs.UpdateCosts.subgroup_s; an entry of an older run has none)
+WALK_FIELDS: dict[str, Check] = {"subgroup_ms": _rank_ms}
 
 
 def entry_problem(entry: object, fields: dict[str, Check]) -> str | None:
@@ -132,7 +132,7 @@ def locked_profile(path: str) -> Iterator[BandwidthProfile]:
 class BandwidthProfile:
     """`{"format": ..., "hosts": {host: {tier key: {read_gbps, write_gbps, latency_ms, source, updated}}},
     "update_rates": {host: {rate key: {"run": id, "mparams_per_s": {local rank: M params/s}, updated,
-    and where the run streamed nothing "subgroup_ms" and "step_ms": {local rank: ms}}}}}`.
+    and where the run streamed nothing "subgroup_ms": {local rank: ms}}}}}`.
 
     Read and rewritten under an flock on `<path>.lock`, and replaced atomically, so the ranks of a node
     (and nodes sharing a home dir) can use one file.
@@ -255,17 +255,16 @@ class BandwidthProfile:
             return None, {}, None
         return entry["run"], {r: v * 1e6 for r, v in entry["mparams_per_s"].items()}, entry["updated"]
 
-    def update_rate_costs(self, key: str) -> dict[str, tuple[float, float]]:
-        """The update's fixed costs that the run of `key`'s rates saved beside them, in seconds by local rank:
-        (a subgroup's walk, the step's grad norm); {} where it saved none (it streamed, or an older run), or
-        where they are not as COST_FIELDS say (warned of: the planner times them)."""
+    def update_rate_walks(self, key: str) -> dict[str, float]:
+        """The walk a subgroup beside the kernel that the run of `key`'s rates saved beside them, in seconds
+        by local rank; {} where it saved none (it streamed, or an older run), or where it is not as
+        WALK_FIELDS say (warned of: the planner times it)."""
         entry = self._rate_entry(key)
-        if entry is None or not any(name in entry for name in COST_FIELDS):
+        if entry is None or "subgroup_ms" not in entry:
             return {}
-        if not self.usable([UPDATE_RATES, self.host, key], entry, COST_FIELDS, "times the update's fixed costs instead"):
+        if not self.usable([UPDATE_RATES, self.host, key], entry, WALK_FIELDS, "times the update's walk instead"):
             return {}
-        walks, norms = entry["subgroup_ms"], entry["step_ms"]
-        return {r: (walks[r] / 1e3, norms[r] / 1e3) for r in walks if r in norms}
+        return {r: ms / 1e3 for r, ms in entry["subgroup_ms"].items()}
 
     def _rate_entry(self, key: str) -> dict | None:
         """`key`'s entry of this host's update rates if there is one as RATE_FIELDS say, else None (a broken
@@ -289,9 +288,9 @@ class BandwidthProfile:
         return sorted(mine) if isinstance(mine, dict) else []
 
     def store_update_rate(self, key: str, run: str, local_rank: int, params_per_s: float,
-                          costs: tuple[float, float] | None = None) -> None:  # fmt: skip
+                          walk_s: float | None = None) -> None:  # fmt: skip
         """Stores one local rank's learned CPU update rate under `key` for `run` (call with the lock held),
-        and `costs` beside it where given (seconds: a subgroup's walk, the step's grad norm; update_rate_costs):
+        and its walk a subgroup beside it (update_rate_walks; None: none, and any this rank saved before goes):
         the first rank of a new run to save clears the last run's ranks, so one entry is one run's."""
         data = self._read_all()
         section = data[UPDATE_RATES] = data.get(UPDATE_RATES) if isinstance(data.get(UPDATE_RATES), dict) else {}
@@ -300,9 +299,14 @@ class BandwidthProfile:
         if entry_problem(entry, RATE_FIELDS) is not None or entry["run"] != run:  # (a broken entry is replaced whole)
             entry = {"run": run, "mparams_per_s": {}}
         entry["mparams_per_s"][str(local_rank)] = params_per_s / 1e6
-        for name, seconds in zip(COST_FIELDS, costs or ()):
-            kept = entry.get(name)
-            entry[name] = {**(kept if isinstance(kept, dict) else {}), str(local_rank): seconds * 1e3}
+        walks = entry.get("subgroup_ms")
+        walks = dict(walks) if _rank_ms(walks) is None else {}  # (a broken map is made afresh)
+        walks.pop(str(local_rank), None)
+        if walk_s is not None:
+            walks[str(local_rank)] = walk_s * 1e3
+        entry.pop("subgroup_ms", None)
+        if walks:
+            entry["subgroup_ms"] = walks
         entry["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         mine[key] = entry
         self._write(data)

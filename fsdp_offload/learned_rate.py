@@ -5,8 +5,8 @@ Timed alone before a run, the kernel's time came out 0.85-2.18x a step's own on 
 on all three that ran it. So a run with `offload.bandwidth_profile` set saves what its steps did
 (`UpdateRateLearner`), and a plan on that host for the same kernel, ranks, threads, grads and subgroup
 size predicts from it (`learned_rate_for`) instead of timing the kernel. Where that run's update streamed
-nothing, it also saves what its update took beside the kernel (a subgroup's walk, the grad norm), which
-the planner then takes instead of timing them over small subgroups: that timing read 0.08-3.3x the steps'
+nothing, it also saves what its update took a subgroup beside the kernel (its walk), which the planner
+then takes instead of timing it over small subgroups: that timing read 0.08-3.3x the steps'
 own walk at 4 ranks and 0.2-20x at 1 rank, on three machines (session 27).
 """
 
@@ -37,9 +37,9 @@ class CpuRate:
     params_per_s: float
     source: str  # "given" (machine.cpu_mparams_per_s), "learned" (an earlier run's steps here) or "timed" (update_rate)
     detail: str = ""  # "learned": the run it came from; "timed": what would give a learned one (learned_rate.unlearned_note)
-    # "learned", where that run's update streamed nothing: its steps' own fixed costs (the slowest rank's), seconds
-    subgroup_s: float | None = None  # a subgroup's walk beside the kernel (update_costs.UpdateCosts.subgroup_s)
-    step_s: float | None = None  # the grad norm once a step (UpdateCosts.step_s)
+    # "learned", where that run's update streamed nothing: its steps' own walk a subgroup beside the kernel, the
+    # slowest rank's, seconds (update_costs.UpdateCosts.subgroup_s)
+    subgroup_s: float | None = None
 
 
 def kernel_label(kernel: object) -> str:
@@ -73,22 +73,23 @@ def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | 
     key = rate_key_for(cfg, ranks, threads)
     with locked_profile(cfg.bandwidth_profile) as profile:
         _, rates, updated = profile.update_rate_entry(key)
-        costs = profile.update_rate_costs(key)
+        walks = profile.update_rate_walks(key)
     local = {str(r) for r in range(ranks)}
     if not local <= set(rates):  # every local rank of that run, or none of it
         return None
-    walk, norm = (max(costs[r][i] for r in local) for i in (0, 1)) if local <= set(costs) else (None, None)
-    return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}", walk, norm)
+    walk = max(walks[r] for r in local) if local <= set(walks) else None
+    return CpuRate(min(rates.values()), "learned", f"{key}, saved {updated}, {cfg.bandwidth_profile}", walk)
 
 
-def step_fixed_costs(metrics, cpu_subgroups: int) -> tuple[float, float] | None:
-    """What a step's update (`metrics`, a StepMetrics) took beside its CPU kernel over `cpu_subgroups`, in
-    seconds: a subgroup's walk and the grad norm, as the planner counts them (update_costs.UpdateCosts'
-    subgroup_s and step_s). None where it also read or wrote a tier or updated subgroups on the GPU,
-    whose time is in the update's too."""
+def step_walk(metrics, cpu_subgroups: int) -> float | None:
+    """What a step's update (`metrics`, a StepMetrics) took beside its CPU kernel and grad norm, a subgroup of
+    the `cpu_subgroups` it updated there, in seconds: the walk as the planner counts it (update_costs.
+    UpdateCosts.subgroup_s). None where the update also read or wrote a tier or updated subgroups on the
+    GPU, whose time is in its own. (The grad norm is not kept: it waits for backward's tail, which is the
+    model's and the batch's, not in a rate's key.)"""
     if cpu_subgroups <= 0 or metrics.subgroups_read or metrics.subgroups_written or metrics.subgroups_on_gpu:
         return None
-    return max(0.0, metrics.update_s - metrics.cpu_kernel_s - metrics.norm_s) / cpu_subgroups, metrics.norm_s
+    return max(0.0, metrics.update_s - metrics.cpu_kernel_s - metrics.norm_s) / cpu_subgroups
 
 
 def unlearned_note(cfg: OffloadConfig, ranks: int, threads: int) -> str:
@@ -122,26 +123,26 @@ class UpdateRateLearner:
         self.subgroup_numel = subgroup_numel
         self._seen = 0
         self._rates: list[float] = []
-        self._costs: list[tuple[float, float] | None] = []
+        self._walks: list[float | None] = []
         self._saved = False
         self._waited = False  # the first try waits SAVE_WAIT_S for a peer's save; later ones do not wait
 
     def observe(self, kernel: str, threads: int, grad_dtype: torch.dtype, params: int, seconds: float,
-                costs: tuple[float, float] | None = None) -> None:  # fmt: skip
-        """One step's CPU kernel: `params` updated in `seconds` by `threads` threads; its update's fixed costs
-        beside the kernel (step_fixed_costs), None where the step cannot tell them."""
+                walk_s: float | None = None) -> None:  # fmt: skip
+        """One step's CPU kernel: `params` updated in `seconds` by `threads` threads; its update's walk a
+        subgroup beside the kernel (step_walk), None where the step cannot tell it."""
         self._seen += 1
         if self._seen == 1 or self._saved or params <= 0 or seconds <= 0:
             return  # the first step warms up; once saved, the rate is kept
         if len(self._rates) < LEARN_STEPS:
             self._rates.append(params / seconds)
-            self._costs.append(costs)
+            self._walks.append(walk_s)
         if len(self._rates) == LEARN_STEPS:
             key = update_rate_key(kernel, self.ranks, threads, grad_dtype, self.subgroup_numel)
-            kept = None if None in self._costs else tuple(statistics.median(c[i] for c in self._costs) for i in (0, 1))
-            self._saved = self._save(key, statistics.median(self._rates), kept)
+            walk = None if None in self._walks else statistics.median(self._walks)
+            self._saved = self._save(key, statistics.median(self._rates), walk)
 
-    def _save(self, key: str, rate: float, costs: tuple[float, float] | None) -> bool:
+    def _save(self, key: str, rate: float, walk_s: float | None) -> bool:
         """Saves `rate`, the first time waiting at most SAVE_WAIT_S for the profile (this runs inside a
         step: a peer rank's save takes milliseconds, another process's tier measurement minutes), later
         not at all; True once done or given up, False to try again at the next step. Never raises."""
@@ -153,7 +154,7 @@ class UpdateRateLearner:
                 while True:
                     with profile.locked(wait=False) as got:
                         if got:
-                            profile.store_update_rate(key, self.run, self.local_rank, rate, costs)
+                            profile.store_update_rate(key, self.run, self.local_rank, rate, walk_s)
                             break
                     if time.monotonic() > deadline:
                         return False
@@ -164,7 +165,7 @@ class UpdateRateLearner:
             log.warning("cannot save the learned CPU update rate to %s: %s (training goes on)", self.profile_path, exc)
             return True
         if self.local_rank == 0:  # said once a node
-            beside = "" if costs is None else f", {costs[0] * 1e3:.2f} ms a subgroup beside the kernel"
+            beside = "" if walk_s is None else f", {walk_s * 1e3:.2f} ms a subgroup beside the kernel"
             log.info("learned the CPU update rate: %.0f M params/s a rank%s (%s), saved to %s for the planner", rate / 1e6,
                      beside, key, self.profile_path)  # fmt: skip
         return True

@@ -30,7 +30,7 @@ from .interrupts import interrupts_between_subgroups
 from .held_grad import is_held
 from .kernels import triton_kernel
 from .kernels.contract import AdamWHyper
-from .learned_rate import UpdateRateLearner, kernel_label, step_fixed_costs
+from .learned_rate import UpdateRateLearner, kernel_label, step_walk
 from .metrics import StepMetrics, step_metrics, traced
 from .optimizer_args import hyperparameters
 from .order import update_order
@@ -345,8 +345,9 @@ class StepEngine:
         m.cpu_kernel_s, self._cpu_kernel_s = self._cpu_kernel_s, 0.0
         (updated, subgroups, threads, grad_dtype), self._cpu_kernel_run = self._cpu_kernel_run, (0, 0, 0, None)
         if self.rate_learner is not None and updated:
+            # (an update started in backward waits there for its grads: its walk is not a step's alone)
             self.rate_learner.observe(kernel_label(self.cpu_kernel), threads, grad_dtype, updated, m.cpu_kernel_s,
-                                      step_fixed_costs(m, subgroups))  # fmt: skip
+                                      None if self.during_backward else step_walk(m, subgroups))  # fmt: skip
         self._finished = m
         for i, has in enumerate(self.grads.staged):
             self.steps[i] += has

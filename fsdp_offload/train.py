@@ -61,7 +61,7 @@ from .tier_speeds import starting_speeds
 from .units import GIB, format_count, format_seconds
 from .bandwidth_profile import profile_problem
 from .learned_rate import learned_rate_for
-from .update_costs import learned_costs
+from .update_costs import learned_walk
 
 log = logging.getLogger("train")  # Hydra sends it to the console and the run dir's train.log
 
@@ -131,7 +131,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
         learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
-        costs = None if learned is None else learned_costs(learned)  # (nothing timed here: it would slow the start)
+        costs = None if learned is None else learned_walk(learned)  # (nothing timed here: it would slow the start)
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
                                          costs=costs)  # fmt: skip
@@ -144,7 +144,8 @@ def _run(cfg: DictConfig) -> list[dict]:
             if plan.predicted_update_s is not None:
                 log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)%s",
                          format_seconds(plan.predicted_update_s), learned.detail,
-                         " with its steps' fixed costs" if costs else "; its fixed costs not counted (the plan command times them)")  # fmt: skip
+                         (" and its steps' walk a subgroup; the grad norm and tier transfers not counted" if costs else
+                          "; the update's fixed costs not counted") + " (the plan command times them)")  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
         # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
         # run at speed), from the plan's tier speeds (the profile, if set, keeps what the run learns);
@@ -195,6 +196,7 @@ def _run(cfg: DictConfig) -> list[dict]:
     if rank == 0:
         log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}, "
                  f"activation checkpointing {'on' if margs.activation_checkpointing else 'off'} ({checkpointing_why})"
+                 + (", each block's math compiled (train.compile: the first step compiles it)" if tcfg.compile else "")
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")
               + f"; {resume_line}; metrics in {out_dir}")  # fmt: skip

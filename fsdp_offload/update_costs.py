@@ -80,29 +80,25 @@ class UpdateCosts:
 
 def measured_costs(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None, rate: CpuRate,
                    streams: bool = True) -> UpdateCosts | None:  # fmt: skip
-    """The update's fixed costs beside `rate`: those its run's steps had where a learned rate's run saved them
-    (learned_costs), and what they leave out timed here (time_update_costs) as the node's ranks run them,
+    """The update's fixed costs beside `rate`, timed here (time_update_costs) as the node's ranks run them,
     through the run's first tier's dir where it is here (`streams` False, the plan writing no tier: none
-    timed; then nothing is timed beside learned costs); None beside a stated rate (another machine's). A
-    kernel call is costed beyond a timed rate only: a learned one is a step's own kernel time."""
+    timed), with the walk a subgroup that a learned rate's run saved beside it (learned_walk) in place of
+    the timed one; None beside a stated rate (another machine's). A kernel call is costed beyond a timed
+    rate only: a learned one is a step's own kernel time."""
     if rate.source == "given":
         return None
-    learned = learned_costs(rate)
-    if learned is not None and not streams:
-        return learned
     here = machine.tier_read_gbps is None and bool(cfg.tier_specs) and os.path.isdir(cfg.tier_specs[0].dir)
     timed = time_update_costs(cfg.kernel, cfg.subgroup_numel, cpu_threads_per_rank(cpu_threads, machine.ranks_per_node),
                               machine.ranks_per_node, cfg.tier_specs[0].dir if here else None, cfg.tier_access,
                               rate.params_per_s if rate.source == "timed" else None, streams=streams)  # fmt: skip
-    return timed if learned is None else dataclasses.replace(timed, step_s=learned.step_s, subgroup_s=learned.subgroup_s)
+    return timed if rate.subgroup_s is None else dataclasses.replace(timed, subgroup_s=rate.subgroup_s)
 
 
-def learned_costs(rate: CpuRate) -> UpdateCosts | None:
-    """The fixed costs a learned rate's run saved beside it (its steps' own walk and grad norm, the slowest
-    rank's: learned_rate.step_fixed_costs), None where it saved none."""
-    if rate.subgroup_s is None or rate.step_s is None:
-        return None
-    return UpdateCosts(step_s=rate.step_s, subgroup_s=rate.subgroup_s)
+def learned_walk(rate: CpuRate) -> UpdateCosts | None:
+    """The walk a subgroup that a learned rate's run saved beside it (its steps' own, the slowest rank's:
+    learned_rate.step_walk) as the only fixed cost, for a prediction that times nothing; None where it
+    saved none."""
+    return None if rate.subgroup_s is None else UpdateCosts(subgroup_s=rate.subgroup_s)
 
 
 def time_update_costs(kernel: str, subgroup_numel: int, threads: int, ranks: int, tier_dir: str | None = None,

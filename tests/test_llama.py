@@ -1,7 +1,9 @@
 """The LLaMA-style model: shapes, bf16 backward, GQA, RoPE, init, checkpointing, presets."""
 
+import copy
 import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -356,3 +358,9 @@ def test_compiled_blocks_share_one_graph_and_match_eager(checkpointing):
     assert counters["stats"]["unique_graphs"] == 1
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         assert torch.equal(a.grad, b.grad), name
+    # a copy computes with its own weights, compiled as well, and the model still pickles
+    twin = copy.deepcopy(compiled)
+    with torch.no_grad():
+        twin.layers[0].feed_forward.w2.weight.zero_()
+        assert not torch.equal(twin(x), compiled(x))
+    assert pickle.loads(pickle.dumps(compiled)).layers[0].compile_backend == "aot_eager"

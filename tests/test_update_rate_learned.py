@@ -14,21 +14,21 @@ import torch
 from fsdp_offload import OffloadAdamW, OffloadConfig, machine as machine_module
 from fsdp_offload import update_costs as update_costs_module
 from fsdp_offload.bandwidth import TierSpeed
-from fsdp_offload.bandwidth_profile import BandwidthProfile
+from fsdp_offload.bandwidth_profile import BandwidthProfile, locked_profile
 from fsdp_offload.learned_rate import LEARN_STEPS, UpdateRateLearner, learned_rate_for, rate_key_for, update_rate_key
 from fsdp_offload.machine import MachineConfig, measured_speeds
 from fsdp_offload.plan import main as plan_main
-from fsdp_offload.update_costs import UpdateCosts, learned_costs, measured_costs
+from fsdp_offload.update_costs import UpdateCosts, learned_walk, measured_costs
 
 BF16 = torch.bfloat16
 
 
 def learn(path: str, rate: float, ranks: int = 1, slot: int = 0, run: str = "run-a", threads: int = 4, numel: int = 4096,
-          kernel: str = "torch", costs: tuple[float, float] | None = None) -> None:  # fmt: skip
-    """A run's rank that updated at `rate` params/s from its first step on, `costs` beside its kernel."""
+          kernel: str = "torch", walk_s: float | None = None) -> None:  # fmt: skip
+    """A run's rank that updated at `rate` params/s from its first step on, `walk_s` a subgroup beside its kernel."""
     learner = UpdateRateLearner(path, ranks, slot, run, numel)
     for _ in range(1 + LEARN_STEPS):
-        learner.observe(kernel, threads, BF16, int(rate), 1.0, costs)
+        learner.observe(kernel, threads, BF16, int(rate), 1.0, walk_s)
 
 
 def cfg_for(path: str, numel: int = 4096, **kw) -> OffloadConfig:
@@ -167,42 +167,91 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: pytest.fail("timed a rate that was learned"))
     rate, _ = measured_speeds(cfg, MachineConfig(), cpu_threads=torch.get_num_threads())
     assert rate.source == "learned" and rate.params_per_s == pytest.approx(expected, rel=1e-6)  # (kept in M params/s)
-    # all in host memory: the steps' own walk and norm are kept beside it, and the planner times neither
+    # all in host memory: the steps' own walk is kept beside it, and the plan takes it for the timed one
     assert rate.subgroup_s == pytest.approx(walk, rel=1e-6, abs=1e-9)
-    assert rate.step_s == pytest.approx(statistics.median(m.norm_s for m in steps[1:]), rel=1e-6, abs=1e-9)
-    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: pytest.fail("timed costs that were learned"))
-    assert measured_costs(cfg, MachineConfig(), torch.get_num_threads(), rate, streams=False) == learned_costs(rate)
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: UpdateCosts(step_s=1e-4, subgroup_s=0.5))
+    assert measured_costs(cfg, MachineConfig(), torch.get_num_threads(), rate, streams=False) == UpdateCosts(step_s=1e-4, subgroup_s=rate.subgroup_s)
     # another rank count, or no profile: nothing learned for it, so timed
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 123e6)
     assert measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=torch.get_num_threads())[0].source == "timed"
     assert measured_speeds(OffloadConfig(kernel="torch"), MachineConfig(), cpu_threads=None)[0].source == "timed"
 
 
-def test_the_fixed_costs_a_run_saved_go_beside_its_rate_only_where_every_rank_saved_them(tmp_path, monkeypatch, caplog):
+def test_the_walk_a_run_saved_goes_beside_its_rate_only_where_every_rank_saved_it(tmp_path, monkeypatch, caplog):
     path = str(tmp_path / "p.json")
     cfg = cfg_for(path)
-    learn(path, 300e6, ranks=2, slot=0, costs=(0.002, 0.001))
-    learn(path, 200e6, ranks=2, slot=1, costs=(0.003, 0.0005))
+    learn(path, 300e6, ranks=2, slot=0, walk_s=0.002)
+    learn(path, 200e6, ranks=2, slot=1, walk_s=0.003)
     rate = learned_rate_for(cfg, 2, 4)
-    assert (rate.params_per_s, rate.subgroup_s, rate.step_s) == pytest.approx((200e6, 0.003, 0.001))  # each the slowest rank's
+    assert (rate.params_per_s, rate.subgroup_s) == pytest.approx((200e6, 0.003))  # each the slowest rank's
+    assert learned_walk(rate) == UpdateCosts(subgroup_s=pytest.approx(0.003))
     timed = UpdateCosts(step_s=0.5, subgroup_s=0.5, transfer_s=0.25)
     monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: timed)
-    # streaming, the tier's reads and writes are still timed, the walk and the norm are the run's own
-    assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 4, rate) == UpdateCosts(step_s=0.001, subgroup_s=0.003, transfer_s=0.25)
-    learn(path, 300e6, ranks=2, slot=0, run="run-b")  # a run that streamed: no costs (a new run clears the last one's)
-    learn(path, 200e6, ranks=2, slot=1, run="run-b", costs=(0.003, 0.0005))
+    # the norm and the tier's reads and writes are still timed, the walk is the run's own
+    assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 4, rate) == UpdateCosts(step_s=0.5, subgroup_s=0.003, transfer_s=0.25)
+    learn(path, 200e6, ranks=2, slot=1, walk_s=None)  # the same run's rank 1 saving again without one (it streamed): its old one goes
     rate = learned_rate_for(cfg, 2, 4)
-    assert rate.params_per_s == pytest.approx(200e6) and rate.subgroup_s is None and learned_costs(rate) is None
+    assert rate.params_per_s == pytest.approx(200e6) and rate.subgroup_s is None and learned_walk(rate) is None
     assert measured_costs(cfg, MachineConfig(ranks_per_node=2), 4, rate, streams=False) is timed
+    learn(path, 200e6, ranks=2, slot=1, walk_s=0.004)
     broken = json.loads(open(path).read())
     entry = next(iter(broken["update_rates"].values()))[rate_key_for(cfg, 2, 4)]
-    entry["subgroup_ms"] = {"0": -1.0, "1": 3.0}  # a hand edit
+    entry["subgroup_ms"]["0"] = -1.0  # a hand edit
     with open(path, "w") as f:
         json.dump(broken, f)
     with caplog.at_level(logging.WARNING):
         rate = learned_rate_for(cfg, 2, 4)
-    assert rate.source == "learned" and rate.subgroup_s is None  # the rate stands, the costs are timed
-    assert "subgroup_ms" in caplog.text and "times the update's fixed costs instead" in caplog.text
+    assert rate.source == "learned" and rate.subgroup_s is None  # the rate stands, the walk is timed
+    assert "subgroup_ms" in caplog.text and "times the update's walk instead" in caplog.text
+    learn(path, 300e6, ranks=2, slot=0, walk_s=0.001)  # a save makes the broken map afresh: rank 1's must come again
+    assert learned_rate_for(cfg, 2, 4).subgroup_s is None
+    learn(path, 200e6, ranks=2, slot=1, walk_s=0.004)
+    assert learned_rate_for(cfg, 2, 4).subgroup_s == pytest.approx(0.004)
+
+
+def test_a_step_tells_its_walk_only_where_its_update_had_nothing_else_in_it():
+    from types import SimpleNamespace
+
+    from fsdp_offload.learned_rate import step_walk
+
+    def step(**changes):
+        return SimpleNamespace(**{"update_s": 0.010, "cpu_kernel_s": 0.004, "norm_s": 0.002, "subgroups_read": 0,
+                                  "subgroups_written": 0, "subgroups_on_gpu": 0, **changes})  # fmt: skip
+
+    assert step_walk(step(), 4) == pytest.approx(0.001)
+    assert step_walk(step(), 0) is None
+    assert step_walk(step(subgroups_read=1), 4) is None and step_walk(step(subgroups_written=2), 4) is None
+    assert step_walk(step(subgroups_on_gpu=1), 4) is None
+
+
+def test_an_update_started_in_backward_saves_no_walk(tmp_path, monkeypatch):
+    """Without clipping a bf16 run's update starts in backward and waits there for its grads: its time is
+    not the walk's. The rate is saved, the walk is not."""
+    from test_fsdp import ARGS, loss_of
+
+    from fsdp_offload.parallelize import build_fsdp_model
+    from dist_utils import free_port
+    import torch.distributed as dist
+
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo")
+    try:
+        path = str(tmp_path / "p.json")
+        model = build_fsdp_model(ARGS, torch.device("cpu"))
+        opt = OffloadAdamW(model.parameters(), model=model, offload=cfg_for(path, max_grad_norm=None, overlap="backward"))
+        assert opt.engine.during_backward
+        x = torch.randint(0, ARGS.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+        for _ in range(1 + LEARN_STEPS):
+            loss_of(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+    with locked_profile(path) as profile:
+        keys = profile.update_rate_keys()
+        assert len(keys) == 1 and set(profile.update_rate_entry(keys[0])[1]) == {"0"} and profile.update_rate_walks(keys[0]) == {}
 
 
 def test_the_plan_command_says_where_the_rate_came_from(tmp_path, capsys, monkeypatch):
@@ -250,13 +299,13 @@ def test_train_predicts_its_update_from_the_rate_an_earlier_run_saved_and_saves_
     assert planned["update_s"] >= planned["cpu_s"]
     said = out.stdout + out.stderr
     assert f"a step predicted, from the CPU rate an earlier run saved ({key}, saved " in said
-    assert "its fixed costs not counted (the plan command times them)" in said  # that run saved none
+    assert "the update's fixed costs not counted (the plan command times them)" in said  # that run saved none
     assert "learned the CPU update rate" in said and "ms a subgroup beside the kernel" in said
     with saved.locked():
         run, rates, _ = saved.update_rate_entry(key)
-        costs = saved.update_rate_costs(key)
+        walks = saved.update_rate_walks(key)
     saved.close()
-    assert run != "an-earlier-run" and set(rates) == {"0"} and set(costs) == {"0"}  # this run's own, at its fourth step
+    assert run != "an-earlier-run" and set(rates) == {"0"} and set(walks) == {"0"}  # this run's own, at its fourth step
 
 
 def test_ranks_without_a_process_group_share_torchrun_s_job_id(monkeypatch):

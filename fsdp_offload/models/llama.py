@@ -19,6 +19,7 @@ on an unsharded replica, and keeps each rank's shard (the streamed start-up).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -260,14 +261,16 @@ class TransformerBlock(nn.Module):
         # GPT-2 style: each residual branch's output projection is scaled by 1/sqrt(2 * n_layers),
         # so the residual stream's variance does not grow with depth.
         self.out_std = INIT_STD / math.sqrt(2 * args.n_layers)
-        self.math = self._forward  # the block's computation; compile_blocks compiles it
+        self.compile_backend: str | None = None  # set by compile_blocks: the block's math runs compiled
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # (the function, not a bound method: a copy of the model computes with its own weights)
+        math_of = TransformerBlock._forward if self.compile_backend is None else compiled_block_math(self.compile_backend)
         if self.activation_checkpointing and torch.is_grad_enabled():
             # Checkpoint the inner function, not the module: FSDP2's hooks on this block then run
             # once, and the recompute in backward finds the params already unsharded.
-            return checkpoint(self.math, x, cos, sin, use_reentrant=False)
-        return self.math(x, cos, sin)
+            return checkpoint(math_of, self, x, cos, sin, use_reentrant=False)
+        return math_of(self, x, cos, sin)
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -280,13 +283,21 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(self.out_std)
 
 
+@functools.cache
+def compiled_block_math(backend: str):
+    """TransformerBlock's math compiled by torch.compile with `backend`: one function for every block of
+    every model, so they share its graph (the block comes in as an argument)."""
+    return torch.compile(TransformerBlock._forward, backend=backend, fullgraph=True)
+
+
 def compile_blocks(model: "Transformer", backend: str = "inductor") -> None:
-    """Compiles each block's computation with torch.compile (`backend`: inductor, its default, fuses the
-    norms, the rotary embedding and SwiGLU's elementwise ops into a few kernels each way). The module
+    """Runs each block's computation compiled (compiled_block_math; `backend`: inductor, its default, fuses
+    the norms, the rotary embedding and SwiGLU's elementwise ops into a few kernels each way). The module
     calls and their hooks (FSDP2's gathers and reductions, the optimizer's grad hooks) stay eager, and
-    the params' names do not change. The blocks share one compiled graph: the first step compiles it."""
+    the params' names do not change; the model holds only the backend's name (it still pickles and
+    copies). The first step compiles the graph."""
     for block in model.layers:
-        block.math = torch.compile(block._forward, backend=backend, fullgraph=True)
+        block.compile_backend = backend
 
 
 class Transformer(nn.Module):
