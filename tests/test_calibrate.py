@@ -81,7 +81,8 @@ def test_a_tier_path_with_a_tilde_is_in_the_home_dir(tmp_path, monkeypatch):
     spec = TierSpec.parse("throttle:posix:~/nvme?read=1GB/s")
     assert spec.dir == str(tmp_path / "nvme") and str(spec) == "throttle:posix:~/nvme?read=1GB/s"  # said as written
     tier = make_tier("posix:~/nvme")
-    assert (tmp_path / "nvme" / f"fsdp-offload-{os.getuid()}").is_dir()
+    tier.attach(tier_file_tag("rank0"), [ALIGN])
+    assert os.path.dirname(tier.path) == str(tmp_path / "nvme" / f"fsdp-offload-{os.getuid()}") and os.path.isfile(tier.path)
     tier.close()
 
 
