@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -284,7 +285,7 @@ class TransformerBlock(nn.Module):
 
 
 @functools.cache
-def compiled_block_math(backend: str):
+def compiled_block_math(backend: str) -> Callable[..., torch.Tensor]:
     """TransformerBlock's math compiled by torch.compile with `backend`: one function for every block of
     every model, so they share its graph (the block comes in as an argument)."""
     return torch.compile(TransformerBlock._forward, backend=backend, fullgraph=True)
