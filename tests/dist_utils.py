@@ -27,6 +27,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
+def one_rank_group(monkeypatch, backend: str) -> Iterator[None]:
+    """A process group of pytest's own process alone (rank 0 of 1) on `backend`, destroyed at the end; its
+    env set through `monkeypatch`, so none of it outlives the test (a MASTER_PORT left behind made later
+    train.py runs fail to bind it)."""
+    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group(backend)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def _rendezvous_file() -> Iterator[str]:
     """A file:// rendezvous of its own for one group's ranks: no port to pick, none to race for."""
     folder = tempfile.mkdtemp(prefix="fsdp-offload-rdzv-")

@@ -9,8 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import free_port
+from dist_utils import one_rank_group
 from test_fsdp import ARGS, loss_of
 
 from fsdp_offload import OffloadConfig
@@ -22,13 +21,8 @@ pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftes
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: inductor's GPU kernels under FSDP2 on NCCL")
 def test_compiled_blocks_train_as_the_eager_ones_on_the_gpu(monkeypatch):
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("nccl")
-    try:
+    with one_rank_group(monkeypatch, "nccl"):
         _compiled_against_eager()
-    finally:
-        dist.destroy_process_group()
 
 
 def _compiled_against_eager() -> None:

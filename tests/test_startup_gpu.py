@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_utils import free_port
+from dist_utils import one_rank_group
 from test_fsdp import ARGS
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -26,15 +25,8 @@ pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftes
 def test_streamed_startup_gpu_peak_and_resident_share(tmp_path, monkeypatch):
     """On the GPU: the same weights as the plain start-up with a GPU-resident share, and a start-up peak
     well under the FP32 model's size (the plain start-up holds it whole)."""
-    # one rank in pytest's own process: its env and process group must not outlive the test (a fixed
-    # MASTER_PORT left behind made later train.py runs fail to bind it)
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("nccl")
-    try:
+    with one_rank_group(monkeypatch, "nccl"):
         _streamed_startup_gpu_peak_and_resident_share()
-    finally:
-        dist.destroy_process_group()
 
 
 def _streamed_startup_gpu_peak_and_resident_share() -> None:

@@ -227,17 +227,13 @@ def test_a_step_tells_its_walk_only_where_its_update_had_nothing_else_in_it():
 def test_an_update_started_in_backward_saves_no_walk(tmp_path, monkeypatch):
     """Without clipping a bf16 run's update starts in backward and waits there for its grads: its time is
     not the walk's. The rate is saved, the walk is not."""
+    from dist_utils import one_rank_group
     from test_fsdp import ARGS, loss_of
 
     from fsdp_offload.parallelize import build_fsdp_model
-    from dist_utils import free_port
-    import torch.distributed as dist
 
-    for name, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
-        monkeypatch.setenv(name, value)
-    dist.init_process_group("gloo")
-    try:
-        path = str(tmp_path / "p.json")
+    path = str(tmp_path / "p.json")
+    with one_rank_group(monkeypatch, "gloo"):
         model = build_fsdp_model(ARGS, torch.device("cpu"))
         opt = OffloadAdamW(model.parameters(), model=model, offload=cfg_for(path, max_grad_norm=None, overlap="backward"))
         assert opt.engine.during_backward
@@ -247,8 +243,6 @@ def test_an_update_started_in_backward_saves_no_walk(tmp_path, monkeypatch):
             opt.step()
             opt.zero_grad()
         opt.close()
-    finally:
-        dist.destroy_process_group()
     with locked_profile(path) as profile:
         keys = profile.update_rate_keys()
         assert len(keys) == 1 and set(profile.update_rate_entry(keys[0])[1]) == {"0"} and profile.update_rate_walks(keys[0]) == {}
