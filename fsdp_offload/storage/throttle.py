@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import READ_PRIORITY, WRITE_PRIORITY, IOWorkers, Tier, transfer
+from .base import READ_PRIORITY, WRITE_PRIORITY, IOWorkers, Tier, Transfer
 
 @dataclass(frozen=True)
 class Limits:
@@ -85,12 +85,15 @@ class ThrottledTier(Tier):
         start, done_at = self._clock.reserve(self.limits.seconds(kind, nbytes), arrival)
         op = self.inner.read if kind == "read" else self.inner.write
         op(key, buf).result()
-        now = time.perf_counter()
-        if now > done_at:
-            self._clock.busy_until(now)
+        finished = time.perf_counter()
+        if finished > done_at:
+            self._clock.busy_until(finished)
         else:
-            time.sleep(done_at - now)
-        return transfer(self.spec, kind, key, nbytes, start)
+            time.sleep(done_at - finished)
+        # The device's own span, as the bandwidth model should learn it: the wrapped tier's end where it took
+        # longer than booked; not when this pacing thread woke (late on a busy machine: a slower tier than
+        # the one set)
+        return Transfer(self.spec, kind, key, nbytes, start, max(done_at, finished))
 
     def write(self, key: int, buf: torch.Tensor) -> Future:
         self._check_slot(key, buf)
