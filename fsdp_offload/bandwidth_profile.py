@@ -55,26 +55,28 @@ def _text(value: object) -> str | None:
     return None if isinstance(value, str) and value else f"is {value!r}: it must be a non-empty string"
 
 
-def _rank_rates(value: object) -> str | None:
-    if not isinstance(value, dict):
-        return f'is {value!r}: it must map each local rank to its M params/s, e.g. {{"0": 250.0}}'
-    for rank, rate in value.items():
-        if not (isinstance(rank, str) and rank.isdigit()):
-            return f"has the key {rank!r}: its keys must be local ranks (0, 1, ...)"
-        if not (_finite(rate) and rate > 0):
-            return f"[{rank!r}] is {rate!r}: it must be a number of M params/s > 0"
-    return None
+def _mparams_per_s(value: object) -> str | None:
+    return None if _finite(value) and value > 0 else f"is {value!r}: it must be a number of M params/s > 0"
 
 
-def _rank_ms(value: object) -> str | None:
-    if not isinstance(value, dict):
-        return f'is {value!r}: it must map each local rank to milliseconds, e.g. {{"0": 1.5}}'
-    for rank, ms in value.items():
-        if not (isinstance(rank, str) and rank.isdigit()):
-            return f"has the key {rank!r}: its keys must be local ranks (0, 1, ...)"
-        if _ms(ms) is not None:
-            return f"[{rank!r}] {_ms(ms)}"
-    return None
+def _by_rank(each: Check, what: str) -> Check:
+    """The check of a map from each local rank to a value that `each` checks (`what`: the values, with an example)."""
+
+    def check(value: object) -> str | None:
+        if not isinstance(value, dict):
+            return f"is {value!r}: it must map each local rank to {what}"
+        for rank, one in value.items():
+            if not (isinstance(rank, str) and rank.isdigit()):
+                return f"has the key {rank!r}: its keys must be local ranks (0, 1, ...)"
+            if each(one) is not None:
+                return f"[{rank!r}] {each(one)}"
+        return None
+
+    return check
+
+
+_rank_rates = _by_rank(_mparams_per_s, 'its M params/s, e.g. {"0": 250.0}')
+_rank_ms = _by_rank(_ms, 'milliseconds, e.g. {"0": 1.5}')
 
 
 # The fields each kind of entry is read for (others, such as a tier's "source", are only kept).
