@@ -14,6 +14,7 @@ it builds the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -139,7 +140,8 @@ class ModelShapes:
 
 def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
     """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
-    unsharded units (the one running and the one prefetched) with the grads of one, the checkpointed
+    unsharded units (the one running and the one prefetched; every unit where they are not resharded
+    after forward) with the grads of one, the checkpointed
     block inputs (or every block's activations without checkpointing) and the logits with their FP32
     loss and grad."""
     tokens = seq_len * micro_batch
@@ -147,7 +149,9 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     per_block = tokens * itemsize * (args.dim if args.activation_checkpointing else 12 * args.dim + 4 * args.ffn_dim)
     block_work = tokens * (4 * args.dim + 3 * args.ffn_dim) * itemsize * 2  # one block's forward recomputed in backward
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
-    return local_params * itemsize + 3 * shapes.largest_module * itemsize + args.n_layers * per_block + block_work + logits
+    # gathered params: two units at a time, or every unit from its forward to its backward (not resharded)
+    gathered = 2 * shapes.largest_module if args.reshard_after_forward else sum(math.prod(s) for s in shapes.param_shapes)
+    return local_params * itemsize + (gathered + shapes.largest_module) * itemsize + args.n_layers * per_block + block_work + logits
 
 
 def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, **kw) -> RankPlan:

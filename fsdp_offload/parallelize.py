@@ -34,11 +34,13 @@ def shard_units(model: Transformer, **kw) -> None:
     the final norm with the output head, then the root. The head is a unit of its own so that its grads
     are reduced (and can be updated) as soon as backward has run it, first, instead of with the
     root's at the very end; it stays unsharded from its forward to its backward, which follows at once.
-    Tied embeddings keep the shared weight in the root unit."""
+    Tied embeddings keep the shared weight in the root unit. The embedding and the blocks reshard after
+    forward as `model.args.reshard_after_forward` says."""
+    units = {**kw, "reshard_after_forward": model.args.reshard_after_forward}
     if model.output is not None:
-        fully_shard(model.tok_embeddings, **kw)
+        fully_shard(model.tok_embeddings, **units)
     for block in model.layers:
-        fully_shard(block, **kw)
+        fully_shard(block, **units)
     if model.output is not None:
         fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)
     fully_shard(model, **kw)

@@ -46,6 +46,11 @@ class LlamaArgs:
     # recompute each block's forward in backward (saves the activations of all but the block's input);
     # "auto": the entry resolves it from the device's memory (fsdp_offload.checkpointing) before a build
     activation_checkpointing: bool | str = False
+    # FSDP2's reshard_after_forward for the embedding and the blocks (parallelize.shard_units): true frees
+    # a unit's gathered params after its forward and gathers them again in backward; false keeps them
+    # gathered from forward to backward (a whole bf16 copy of the rank's units on the device), one
+    # all-gather a unit a step instead of two. The numbers computed are the same either way.
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "vocab_size": self.vocab_size,
@@ -61,6 +66,9 @@ class LlamaArgs:
         if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto"):
             raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}: choose true, false or auto "
                              "(off where the device holds the step's activations)")  # fmt: skip
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"model.reshard_after_forward={self.reshard_after_forward!r}: choose true (gather each unit "
+                             "again in backward) or false (keep it gathered from forward to backward)")  # fmt: skip
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
