@@ -106,7 +106,8 @@ class Plan:
     cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
     update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
     activation_checkpointing: bool = False  # the model's, as planned
-    checkpointing_why: str = ""  # why, where "auto" chose it (checkpointing.plan_checkpointing)
+    reshard_after_forward: bool = True  # the model's, as planned
+    step_memory_why: str = ""  # why the two above (step_memory.plan_step_memory)
 
     @property
     def predicted_update_s(self) -> float | None:
@@ -124,7 +125,7 @@ class ModelShapes:
     @classmethod
     def of(cls, args: LlamaArgs) -> ModelShapes:
         with torch.device("meta"):
-            model = Transformer(dataclasses.replace(args, activation_checkpointing=False))  # the shapes alone
+            model = Transformer(dataclasses.replace(args, activation_checkpointing=False, reshard_after_forward=True))  # the shapes alone
         return cls([p.shape for p in model.parameters()],
                    max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()))  # fmt: skip
 
@@ -297,9 +298,11 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     it). Raises PlanError naming the level that is short, ValueError for options the target cannot run.
     `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
     predicted), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
-    plan_speeds gets them once for every rank's placement. `args` checkpoint or not ('auto': plan_checkpointing)."""
-    if args.activation_checkpointing == "auto":  # planned both ways there
-        raise ValueError("model.activation_checkpointing='auto' is planned by fsdp_offload.checkpointing.plan_checkpointing")
+    plan_speeds gets them once for every rank's placement. `args` checkpoint and reshard or not ('auto':
+    step_memory.plan_step_memory)."""
+    for name in ("activation_checkpointing", "reshard_after_forward"):
+        if getattr(args, name) == "auto":  # planned every way there
+            raise ValueError(f"model.{name}='auto' is planned by fsdp_offload.step_memory.plan_step_memory")
     gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
     host = planned_host_bytes(machine)
     if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
@@ -323,7 +326,8 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
                        seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
              for r in range(machine.ranks_per_node)]  # fmt: skip
     plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
-                gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing)  # fmt: skip
+                gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing,
+                reshard_after_forward=args.reshard_after_forward)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan
 
@@ -342,7 +346,7 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
                  "memory)" if tier_host else "")  # fmt: skip
         model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
-        checkpointing = "" if plan.activation_checkpointing or not model_host else ", or set model.activation_checkpointing=auto"
+        checkpointing = f", or {frugal_step_fix(plan)}" if frugal_step_fix(plan) and model_host else ""
         if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
             fix = "lower data.micro_batch or data.seq_len" + checkpointing
         else:
@@ -381,6 +385,14 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
             )
 
 
+def frugal_step_fix(plan: Plan) -> str:
+    """Where a plan keeps a step's activations or gathered units on its device as stated, the options
+    that let the entry keep them only where they fit ("": it keeps neither)."""
+    kept = [f"model.{name}" for name, frugal in (("activation_checkpointing", plan.activation_checkpointing),
+                                                ("reshard_after_forward", plan.reshard_after_forward)) if not frugal]  # fmt: skip
+    return f"set {' and '.join(kept)} to auto" if kept else ""
+
+
 def preset_name(args: LlamaArgs) -> str:
     """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
     shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
@@ -388,14 +400,16 @@ def preset_name(args: LlamaArgs) -> str:
 
 
 def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
-                    checkpointing: bool | str, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
+                    step: LlamaArgs, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
     """The largest preset whose plan fits the same recipe and machine (None: not even the smallest), up to the
-    first that does not (every level's need grows with the size). `speeds`: None: plan_speeds's, once."""
+    first that does not (every level's need grows with the size), each with `step`'s activation
+    checkpointing and resharding. `speeds`: None: plan_speeds's, once."""
     speeds = plan_speeds(cfg, speeds)
     best = None
     for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
-        # 'auto' is planned with checkpointing: its activations take least, and a run resolves it to what fits
-        args = dataclasses.replace(args, activation_checkpointing=checkpointing is not False)
+        # 'auto' is planned as the frugal step (checkpointing on, units resharded): a run resolves it to what fits
+        args = dataclasses.replace(args, activation_checkpointing=step.activation_checkpointing is not False,
+                                   reshard_after_forward=step.reshard_after_forward is not False)
         try:
             make_plan(name, args, cfg, machine, seq_len, micro_batch, device_type, speeds=speeds)
         except PlanError:

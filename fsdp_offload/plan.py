@@ -40,7 +40,7 @@ from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
                       planned_host_bytes, tiers_sharing_a_file_system)
-from .checkpointing import plan_checkpointing, step_overflow
+from .step_memory import describe, plan_step_memory, step_overflow
 from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
 from .recipe import read_config
 from .storage import TierError
@@ -84,7 +84,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     if budgets:  # as resolved for this node: "auto" says what it came to
         lines.append("host budget a rank: " + ", ".join(name if name.endswith(")") else f"{name} ({readable_size(nbytes)})"
                                                         for nbytes, name in budgets))  # fmt: skip
-    lines.append(f"activation checkpointing: {'on' if plan.activation_checkpointing else 'off'} ({plan.checkpointing_why})")
+    lines.append(f"step: {describe(plan)} ({plan.step_memory_why})")
     if step_overflow(plan):
         lines.append(f"warning: {step_overflow(plan)}")
     lines.append(f"predicted update phase: {format_seconds(plan.predicted_update_s)} a step (~: estimates)")
@@ -189,11 +189,11 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     planned = lambda costs, args: make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch,  # noqa: E731
                                             device, rate.params_per_s, speeds, costs=costs)  # fmt: skip
     # one that does not fit says so before seconds of timing; one that writes no tier times none
-    plan, args = plan_checkpointing(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
+    plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
     costs = measured_costs(ocfg, machine, train.cpu_threads, rate, streams=streams)
     if costs is not None:  # (the same plan, its prediction now with the fixed costs)
-        plan = dataclasses.replace(planned(costs, args), checkpointing_why=plan.checkpointing_why)
+        plan = dataclasses.replace(planned(costs, args), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     return plan, ocfg
 
@@ -202,7 +202,7 @@ def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str 
     """The largest preset that fits a composed config's recipe on `machine` (None: not even the smallest)."""
     train, args, data, recipe, _ = read_config(cfg)
     return largest_fitting(recipe.config, machine, data.seq_len, data.micro_batch, target_device(train.device, machine),
-                           args.activation_checkpointing, speeds)  # fmt: skip
+                           args, speeds)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,6 @@ from tqdm import tqdm
 from .checkpoint import (
     check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
 )  # fmt: skip
-from .checkpointing import any_rank, fsdp_checkpointing, fsdp_step_bytes, plan_checkpointing, step_overflow
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
@@ -51,6 +50,7 @@ from .run_setup import check_writable_dir, init_distributed, lr_lambda, rng_stat
 from .run_rows import (
     add_scalars, add_update_metrics, drop_rows_from, host_peak_gib, process_now, rows_file, start_fresh, tensorboard_writer,
 )  # fmt: skip
+from .step_memory import describe, fsdp_step_bytes, fsdp_step_memory, plan_step_memory, same_on_every_rank, step_overflow
 from .storage import TierError
 from .storage.chunked import tier_root_problem
 from .storage.lock import lock_root_problem
@@ -112,7 +112,7 @@ def _run(cfg: DictConfig) -> list[dict]:
             return []
 
     t_build = time.perf_counter()
-    agree = lambda on: any_rank(on, group, device)  # noqa: E731  (the job's ranks checkpoint alike)
+    agree = lambda choice: same_on_every_rank(choice, group, device)  # noqa: E731  (the job's ranks keep alike)
     if recipe.optimizer == "offload":
         # A tier dir, the tier lock dir or the bandwidth profile unusable on any rank's node ends the job first, said once.
         ocfg = recipe.config
@@ -135,8 +135,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
                                          costs=costs)  # fmt: skip
-        plan, margs = plan_checkpointing(margs, planned, recipe.config.gpu_headroom_gb, agree)
-        mine, checkpointing_why = plan.ranks[rank % len(plan.ranks)], plan.checkpointing_why
+        plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree)
+        mine, step_memory_why = plan.ranks[rank % len(plan.ranks)], plan.step_memory_why
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
             if step_overflow(plan):
@@ -157,7 +157,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         # (on the CPU the node's ranks share its available memory)
         room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
                 else available_host_bytes() // local)  # fmt: skip
-        margs, checkpointing_why = fsdp_checkpointing(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
+        margs, step_memory_why = fsdp_step_memory(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
                                                       room, agree)  # fmt: skip
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
@@ -190,12 +190,13 @@ def _run(cfg: DictConfig) -> list[dict]:
         if recipe.optimizer == "offload":  # what the planner said, and what was built
             with open(os.path.join(out_dir, "placement.json"), "w") as f:
                 json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), "activation_checkpointing":
-                           margs.activation_checkpointing, "activation_checkpointing_why": checkpointing_why, **startup}, f, indent=1)  # fmt: skip
+                           margs.activation_checkpointing, "reshard_after_forward": margs.reshard_after_forward,
+                           "step_memory_why": step_memory_why, **startup}, f, indent=1)  # fmt: skip
     metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:
         log.info(f"{format_count(num_params(margs))} params, {world} rank(s) on {device.type}, optimizer {recipe.optimizer}, "
-                 f"activation checkpointing {'on' if margs.activation_checkpointing else 'off'} ({checkpointing_why})"
+                 f"{describe(margs)} ({step_memory_why})"
                  + (", each block's math compiled (train.compile: the first step compiles it)" if tcfg.compile else "")
               + (f" (kernel {optimizer.kernel_name}, {len(optimizer.layout)} subgroups/rank, "
                  f"{optimizer.store.cache.num_slots} in host memory, tiers {recipe.config.tiers})" if recipe.optimizer == "offload" else "")

@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
             "host_peak_gib: each rank's own ru_maxrss (start-up included), summed over the node's ranks",
             "peers keep lr constant at train.yaml's lr; the product follows train.py's warmup/cosine schedule (speed does not depend on lr)",
             "multipath: state on the shm path is in RAM but not in the process's RSS",
+            "model.reshard_after_forward: train.py's systems (this product, gpu_only) resolve it as a user's run does "
+            "(auto: units kept gathered from forward to backward where the GPU holds them); the worker peers keep their "
+            "own defaults (FSDP2's fully_shard: resharded; DeepSpeed ZeRO-3: its prefetch and live-parameter settings)",
             "gpu_peak_gib: torch.cuda.max_memory_allocated over the steps (train.py resets it after start-up; the "
             "workers do not: DeepSpeed initialises the FP32 model on the GPU, the FSDP2 peer on the CPU)",
         ],

@@ -13,8 +13,9 @@ predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the plann
 "timed" before the case, or "learned" where offload.bandwidth_profile holds an earlier run's on this
 host for the same ranks and threads; the update's fixed costs as predicted, predicted_walk_s and
 predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
-median step's, which a shared machine's bursts move less than the mean; activation_checkpointing, as
-the run resolved it, beside planned_activation_checkpointing, as the plan here did), the logs under --log-dir.
+median step's, which a shared machine's bursts move less than the mean; activation_checkpointing and
+reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
+planned_reshard_after_forward, as the plan here did), the logs under --log-dir.
 Steps after the first are averaged.
 """
 
@@ -95,6 +96,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
                activation_checkpointing=placement.get("activation_checkpointing"),  # as the run resolved it
                planned_activation_checkpointing=plan.activation_checkpointing,  # as this plan did (its budget may differ)
+               reshard_after_forward=placement.get("reshard_after_forward"),
+               planned_reshard_after_forward=plan.reshard_after_forward,
                tier_bytes={t.spec: t.bytes for t in mine.tiers},
                bytes_read_per_step=statistics.fmean(sum(r["bytes_read"].values()) for r in steady),
                bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady),

@@ -32,7 +32,8 @@ def composed(*overrides: str):
 def test_model_recipes_match_presets(model):
     cfg = composed(f"model={model}")
     args = LlamaArgs(**OmegaConf.to_container(cfg.model))
-    preset = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing=args.activation_checkpointing)
+    preset = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing=args.activation_checkpointing,
+                                 reshard_after_forward=args.reshard_after_forward)
     assert args == preset
 
 
@@ -98,13 +99,13 @@ def test_train_recipe_starts_the_update_in_backward_where_the_step_allows_it(ove
 
 
 def test_tiny_disk_says_what_it_builds():
-    from fsdp_offload.checkpointing import plan_checkpointing
     from fsdp_offload.machine import MachineConfig
     from fsdp_offload.node_plan import make_plan
     from fsdp_offload.recipe import read_config
+    from fsdp_offload.step_memory import plan_step_memory
 
     cached, total = map(int, re.search(r"caches (\d+) of its (\d+)", (RECIPES / "offload" / "tiny_disk.yaml").read_text()).groups())
     _, args, data, recipe, _ = read_config(composed("train.device=cpu"))
     planned = lambda a: make_plan("tiny", a, recipe.config, MachineConfig(host_gib=64), data.seq_len, data.micro_batch, "cpu")  # noqa: E731
-    rank = plan_checkpointing(args, planned, recipe.config.gpu_headroom_gb)[0].ranks[0]  # as train.py plans it
+    rank = plan_step_memory(args, planned, recipe.config.gpu_headroom_gb)[0].ranks[0]  # as train.py plans it
     assert (rank.cache_slots, rank.subgroups) == (cached, total)

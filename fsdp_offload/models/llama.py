@@ -44,13 +44,14 @@ class LlamaArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     # recompute each block's forward in backward (saves the activations of all but the block's input);
-    # "auto": the entry resolves it from the device's memory (fsdp_offload.checkpointing) before a build
+    # "auto": the entry resolves it from the device's memory (fsdp_offload.step_memory) before a build
     activation_checkpointing: bool | str = False
     # FSDP2's reshard_after_forward for the embedding and the blocks (parallelize.shard_units): true frees
     # a unit's gathered params after its forward and gathers them again in backward; false keeps them
     # gathered from forward to backward (a whole bf16 copy of the rank's units on the device), one
-    # all-gather a unit a step instead of two. The numbers computed are the same either way.
-    reshard_after_forward: bool = True
+    # all-gather a unit a step instead of two. The numbers computed are the same either way. "auto": as
+    # activation_checkpointing's (fsdp_offload.step_memory)
+    reshard_after_forward: bool | str = True
 
     def __post_init__(self) -> None:
         sizes = {"dim": self.dim, "n_layers": self.n_layers, "n_heads": self.n_heads, "vocab_size": self.vocab_size,
@@ -66,9 +67,9 @@ class LlamaArgs:
         if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto"):
             raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}: choose true, false or auto "
                              "(off where the device holds the step's activations)")  # fmt: skip
-        if not isinstance(self.reshard_after_forward, bool):
+        if not (isinstance(self.reshard_after_forward, bool) or self.reshard_after_forward == "auto"):
             raise ValueError(f"model.reshard_after_forward={self.reshard_after_forward!r}: choose true (gather each unit "
-                             "again in backward) or false (keep it gathered from forward to backward)")  # fmt: skip
+                             "again in backward), false (keep it gathered from forward to backward) or auto")  # fmt: skip
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
@@ -312,10 +313,11 @@ def compile_blocks(model: "Transformer", backend: str = "inductor") -> None:
 class Transformer(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        if args.activation_checkpointing == "auto":  # a model checkpoints or does not: the entry decides which
-            raise ValueError("model.activation_checkpointing='auto' is resolved before the model is built, from the "
-                             "device's memory: train.py and the planner do it (fsdp_offload.checkpointing); set true "
-                             "or false to build a Transformer yourself")  # fmt: skip
+        for name in ("activation_checkpointing", "reshard_after_forward"):
+            if getattr(args, name) == "auto":  # a model does or does not: the entry decides which
+                raise ValueError(f"model.{name}='auto' is resolved before the model is built, from the device's memory: "
+                                 "train.py and the planner do it (fsdp_offload.step_memory); set true or false to build a "
+                                 "Transformer yourself")  # fmt: skip
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))

@@ -1,0 +1,189 @@
+"""What a training step keeps on its device from forward to backward, resolved once at the entry
+(train.py, the plan CLI) before the model is built: every block's activations
+(`model.activation_checkpointing`, off keeps them) and every FSDP unit's gathered params
+(`model.reshard_after_forward`, false keeps them). Either may be `auto`, every preset's default.
+
+Keeping them saves work where the device has the room (nvidia-h200-x4, the 1.35B at seq 2048,
+micro-batch 1, all state in host memory):
+- the activations: no second forward inside backward; the 4-rank step took 0.43-0.44 s against
+  0.50-0.58 s with checkpointing on (session 26, `bench_scale_nvidia-h200-x4_20261127-021724.json`);
+- the gathered units: no second all-gather a unit in backward; 0.349-0.350 s against 0.386-0.399 s
+  resharded, the backward 0.114-0.120 s against 0.137-0.151 s (session 28,
+  `bench_scale_nvidia-h200-x4_20261127-063152.json`).
+
+`auto` takes the first of these that keeps what is asked of it:
+  1. the activations and the gathered units kept;
+  2. the activations kept, the units resharded;
+  3. the activations recomputed, the gathered units kept;
+  4. neither kept (the frugal step: checkpointing on, units resharded).
+An option is kept only where the plan with it still fits (on the CPU the step is host memory the plan
+counts), on a GPU every rank's estimated step stays under its memory less `offload.gpu_headroom_gb`,
+and the optimizer's state is placed as with the frugal step: the same subgroups on the GPU, host cache
+slots, grad path, grad sums and tier traffic. A stated value is kept as stated. A job's ranks take one
+answer: where they differ, the frugal step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .models import LlamaArgs
+from .node_plan import ModelShapes, Plan, PlanError, frugal_step_fix, train_gpu_bytes
+from .units import GIB, readable_size
+
+# (activation_checkpointing, reshard_after_forward), the most the step keeps on its device first
+PREFERENCE = ((False, False), (False, True), (True, False), (True, True))
+
+
+def resolved(args: LlamaArgs, checkpointing: bool, reshard: bool) -> LlamaArgs:
+    return dataclasses.replace(args, activation_checkpointing=checkpointing, reshard_after_forward=reshard)
+
+
+def options(args: LlamaArgs) -> list[LlamaArgs]:
+    """`args` resolved every way its `auto`s allow, in PREFERENCE order: the last is the frugal step."""
+    stated = lambda value, choice: value == "auto" or value is choice  # noqa: E731
+    return [resolved(args, c, r) for c, r in PREFERENCE
+            if stated(args.activation_checkpointing, c) and stated(args.reshard_after_forward, r)]  # fmt: skip
+
+
+def describe(args: LlamaArgs | Plan) -> str:
+    """A resolved step (a model's args or the plan of them) in words, as the run's log and the plan say it."""
+    units = "units resharded after forward" if args.reshard_after_forward else "units kept gathered from forward to backward"
+    return f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, {units}"
+
+
+def kept(args: LlamaArgs, frugal: LlamaArgs) -> str:
+    """What step `args` keeps on its device that the frugal step does not."""
+    held = [name for name, more in (("the activations", args.activation_checkpointing != frugal.activation_checkpointing),
+                                    ("the gathered units", args.reshard_after_forward != frugal.reshard_after_forward)) if more]  # fmt: skip
+    return " and ".join(held)
+
+
+def stated_why(args: LlamaArgs) -> str:
+    return (f"set: model.activation_checkpointing={str(args.activation_checkpointing).lower()}, "
+            f"model.reshard_after_forward={str(args.reshard_after_forward).lower()}")  # fmt: skip
+
+
+def state_placement(plan: Plan) -> list[tuple]:
+    """Where a plan keeps the optimizer's state and grads and what it moves, rank by rank: what keeping
+    more of the step on the device must leave as it is."""
+    return [(r.gpu_subgroups, r.cache_slots, r.grad_path, r.grad_accumulation,
+             [(t.subgroups, t.read_bytes_per_step, t.written_bytes_per_step) for t in r.tiers]) for r in plan.ranks]  # fmt: skip
+
+
+def same_on_every_rank(choice: int, group: dist.ProcessGroup | None, device: torch.device) -> int | None:
+    """`choice` where every rank of `group` has it, else None (one collective; `device`: the group's backend's)."""
+    if group is None:
+        return choice
+    both = torch.tensor([choice, -choice], device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return choice if int(both[0]) == -int(both[1]) else None
+
+
+def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float,
+                     agree: Callable[[int], int | None] = lambda choice: choice) -> tuple[Plan, LlamaArgs]:  # fmt: skip
+    """The plan `make` gives for `args` with its `auto`s resolved (see the module's note), and those
+    args; `agree` makes the job's ranks' choices one (train.py: same_on_every_rank). The plan says why
+    (`step_memory_why`). Where even the frugal step does not fit, its PlanError is raised."""
+    choices = options(args)
+    frugal_args = choices[-1]
+    frugal = make(frugal_args)
+    if len(choices) == 1:
+        frugal.step_memory_why = stated_why(args)
+        return frugal, frugal_args
+    plans, reasons, mine = {len(choices) - 1: frugal}, [], len(choices) - 1
+    for i, option in enumerate(choices[:-1]):
+        what = kept(option, frugal_args)
+        try:
+            plans[i] = make(option)
+            reason = refusal(frugal, plans[i], headroom_gb)
+        except PlanError as exc:  # the step's activations take the host memory the state needs (a run on the CPU)
+            reason = f"the plan does not fit: {exc}"
+        if reason is None:
+            mine = i
+            reasons.append(holds(plans[i], what))
+            break
+        reasons.append(f"keeping {what}, {reason}")
+    agreed = agree(mine)
+    if agreed is None:
+        agreed, reasons = len(choices) - 1, ["the ranks differ: the frugal step"]
+    plan = plans[agreed] if agreed in plans else make(choices[agreed])
+    plan.step_memory_why = "auto: " + "; ".join(reasons)
+    return plan, choices[agreed]
+
+
+def refusal(frugal: Plan, plan: Plan, headroom_gb: float) -> str | None:
+    """Why `plan` (which fits) would not do on a GPU beside `frugal`, the frugal step's plan; None: it does."""
+    if plan.gpu_bytes is not None:
+        room, step = plan.gpu_bytes - int(headroom_gb * GIB), max(r.gpu_train_bytes for r in plan.ranks)
+        if step > room:
+            return (f"a rank's step would take about {readable_size(step)}, above the GPU's {readable_size(plan.gpu_bytes)} "
+                    f"less offload.gpu_headroom_gb={headroom_gb:g}")  # fmt: skip
+    if state_placement(plan) != state_placement(frugal):
+        return placement_change(frugal, plan)
+    return None
+
+
+def holds(plan: Plan, what: str) -> str:
+    """Why a kept option was taken."""
+    if plan.gpu_bytes is None:
+        return f"host memory holds the step keeping {what}, the state placed alike"
+    step = max(r.gpu_train_bytes for r in plan.ranks)
+    return (f"the GPU holds the step keeping {what} (about {readable_size(step)} a rank of {readable_size(plan.gpu_bytes)}), "
+            "the state placed alike")  # fmt: skip
+
+
+def placement_change(frugal: Plan, plan: Plan) -> str:
+    """What `plan` moves against the frugal step's: the first rank's first change."""
+    names = ("subgroups on the GPU", "host cache slots", "grad path", "grad sums' place", "tier GiB a step")
+    for rank, a, b in zip(frugal.ranks, state_placement(frugal), state_placement(plan)):
+        for name, x, y in zip(names, a, b):
+            if name == "tier GiB a step":
+                x, y = (f"{sum(r + w for _, r, w in t) / GIB:.2f}" for t in (x, y))
+            if x != y:
+                return f"rank {rank.rank}'s {name} would go from {x} to {y}"
+    return "the state would be placed otherwise"
+
+
+def step_overflow(plan: Plan) -> str | None:
+    """A warning where a rank's estimated step is above its GPU's memory (an estimate: never refused on)."""
+    if plan.gpu_bytes is None:
+        return None
+    worst = max(plan.ranks, key=lambda r: r.gpu_train_bytes)
+    if worst.gpu_train_bytes <= plan.gpu_bytes:
+        return None
+    fix = f", or {frugal_step_fix(plan)}" if frugal_step_fix(plan) else ""
+    return (f"rank {worst.rank}'s training step is estimated at {readable_size(worst.gpu_train_bytes)} of GPU memory, above "
+            f"the GPU's {readable_size(plan.gpu_bytes)}: lower data.micro_batch or data.seq_len, or offload.gpu_fraction{fix}")
+
+
+def fsdp_step_memory(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], room_bytes: int,
+                     agree: Callable[[int], int | None] = lambda choice: choice) -> tuple[LlamaArgs, str]:  # fmt: skip
+    """`args` resolved for plain FSDP2 (torch AdamW, no planner), and why: the first option (module
+    note) whose `step_bytes` (a rank's estimated peak: its state, params, grads and step) fits in
+    `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank)."""
+    choices = options(args)
+    if len(choices) == 1:
+        return choices[0], stated_why(args)
+    mine = next((i for i, a in enumerate(choices[:-1]) if step_bytes(a) <= room_bytes), len(choices) - 1)
+    agreed = agree(mine)
+    if agreed is None:
+        return choices[-1], "auto: the ranks differ: the frugal step"
+    chosen, frugal = choices[agreed], choices[-1]
+    if agreed < len(choices) - 1:
+        return chosen, f"auto: about {readable_size(step_bytes(chosen))} a rank keeping {kept(chosen, frugal)}, {readable_size(room_bytes)} of room"
+    least = choices[-2]  # the option that keeps least
+    return chosen, (f"auto: keeping {kept(least, frugal)} would take about {readable_size(step_bytes(least))} a rank, above "
+                    f"{readable_size(room_bytes)} of room")  # fmt: skip
+
+
+def fsdp_step_bytes(args: LlamaArgs, world: int, seq_len: int, micro_batch: int) -> int:
+    """A plain FSDP2 rank's estimated peak: its shard's FP32 params, grads and Adam moments (16 bytes a
+    param) and the bf16 step beside them (node_plan.train_gpu_bytes)."""
+    shapes = ModelShapes.of(args)
+    local = sum(shapes.local_numels(world, 0))
+    return 16 * local + train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize=2)
