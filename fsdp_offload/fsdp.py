@@ -13,7 +13,7 @@ are plain synchronous ones.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -166,6 +166,16 @@ def units_holding(units: list[tuple[list[nn.Module], list[nn.Parameter]]], param
     """The modules of the units (from `fsdp_units`) that hold any of `params`."""
     mine = {id(p) for p in params}
     return [modules for modules, unit_params in units if any(id(p) in mine for p in unit_params)]
+
+
+def reshard_gathered(modules: Iterable[nn.Module]) -> None:
+    """Frees the gathered params that a forward without its backward (an eval forward, under
+    reshard_after_forward=False or in FSDP2's root) left in any of `modules`' FSDP units: before a write
+    to the shards (the update, a load) or a read of them, after which FSDP2's next forward would compute
+    with the stale gathered copy rather than gather again. A no-op for a unit already sharded."""
+    for m in modules:
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def compute_device_type(params: list[torch.Tensor]) -> str:

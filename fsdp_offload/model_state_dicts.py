@@ -47,10 +47,9 @@ import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .fsdp import local_data
+from .fsdp import local_data, reshard_gathered
 
 if TYPE_CHECKING:
     from .state_dicts import OptimizerStates
@@ -105,9 +104,7 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
                     "holds with the loaded tensors, which it does not know; load with assign=False (the default)"
                 )
             follow = (method := check()) is not None and method()
-            for m in model.modules():  # after a forward without backward FSDP2 leaves units unsharded
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+            reshard_gathered(model.modules())  # the load writes the shards
             load_call = loads[id(missing_keys)] = (missing_keys, module, {} if follow else None)
         taken = load_call[2]
         if taken is None:

@@ -142,9 +142,8 @@ class ModelShapes:
 def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq_len: int, micro_batch: int, itemsize: int) -> int:
     """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
     unsharded units (the one running and the one prefetched; every unit where they are not resharded
-    after forward) with the grads of one, the checkpointed
-    block inputs (or every block's activations without checkpointing) and the logits with their FP32
-    loss and grad."""
+    after forward) with the grads of one, the checkpointed block inputs (or every block's activations
+    without checkpointing) and the logits with their FP32 loss and grad."""
     tokens = seq_len * micro_batch
     # unchecked, a block keeps ~12 dim- and 4 ffn-wide values a token (the 1.35B: 4.1 GiB more, as measured in session 26)
     per_block = tokens * itemsize * (args.dim if args.activation_checkpointing else 12 * args.dim + 4 * args.ffn_dim)
@@ -397,22 +396,3 @@ def preset_name(args: LlamaArgs) -> str:
     """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
     shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
     return next((k for k, v in MODEL_PRESETS.items() if shape(v) == shape(args)), "model")
-
-
-def largest_fitting(cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int, device_type: str,
-                    step: LlamaArgs, speeds: list[TierSpeed] | None = None) -> str | None:  # fmt: skip
-    """The largest preset whose plan fits the same recipe and machine (None: not even the smallest), up to the
-    first that does not (every level's need grows with the size), each with `step`'s activation
-    checkpointing and resharding. `speeds`: None: plan_speeds's, once."""
-    speeds = plan_speeds(cfg, speeds)
-    best = None
-    for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
-        # 'auto' is planned as the frugal step (checkpointing on, units resharded): a run resolves it to what fits
-        args = dataclasses.replace(args, activation_checkpointing=step.activation_checkpointing is not False,
-                                   reshard_after_forward=step.reshard_after_forward is not False)
-        try:
-            make_plan(name, args, cfg, machine, seq_len, micro_batch, device_type, speeds=speeds)
-        except PlanError:
-            break
-        best = name
-    return best

@@ -21,7 +21,7 @@ from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
     CopyStream, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units, install_forward_waits,
-    install_grad_hooks, install_sync_checks, local_data, mesh_group, root_fsdp_module, units_holding,
+    install_grad_hooks, install_sync_checks, local_data, mesh_group, reshard_gathered, root_fsdp_module, units_holding,
 )  # fmt: skip
 from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
 from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
@@ -147,7 +147,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
         if self.store.gpu_state:  # the GPU share reads FP32 sums where micro-batches are summed, else the staged grads
             warm_up_gpu_kernel(kernels[1], device, torch.float32 if cfg.micro_batches > 1 else self.param_dtype, self.param_dtype)
-        self._states = OptimizerStates(self.engine, self.param_groups, self._copies, self._settle)
+        self._sync_units: list[list[torch.nn.Module]] = units_holding(units, self._params)  # the FSDP units holding its params
+        self._states = OptimizerStates(self.engine, self.param_groups, self._copies, self._settle, self._sync_units)
         if masters is None:  # the FP32 params are the masters
             flat = [t.detach().reshape(-1) for t in locals_]
             self.store.fill(first_pass, {"master_param": flat.__getitem__})  # moments start at zero
@@ -156,14 +157,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                             then=self._states.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
         self._hooks: list = []  # removed at close(): a closed optimizer takes no grads
-        self._sync_units: list[list[torch.nn.Module]] = []  # the FSDP units holding its params (none without model=)
         self._no_grad_steps = NoGradSteps()
         if model is not None:
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
             self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
-            self._sync_units = units_holding(units, self._params)
             self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
             self._hooks += warn_uncast_at_first_forward(model, units, self._params, self.param_dtype)
             self._hooks += install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states)
@@ -262,6 +261,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         check_grads_synced(self._sync_units, self.offload.micro_batches)
         if self._sync_units:  # with model=, p.grad stands for the grads the hooks took (else it is the user's)
             follow_cleared_grads(self._params, self.grads.backwards, self.engine)
+        reshard_gathered(m for unit in self._sync_units for m in unit)  # the update writes the shards
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call backward on: multiplied by the dynamic loss scale with fp16, as is otherwise."""

@@ -41,7 +41,8 @@ from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
-from .node_plan import Plan, PlanError, RankPlan, largest_fitting, make_plan, preset_name
+from .models import MODEL_PRESETS, num_params
+from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds, preset_name
 from .recipe import read_config
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size
@@ -199,10 +200,20 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
 
 
 def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str | None:
-    """The largest preset that fits a composed config's recipe on `machine` (None: not even the smallest)."""
-    train, args, data, recipe, _ = read_config(cfg)
-    return largest_fitting(recipe.config, machine, data.seq_len, data.micro_batch, target_device(train.device, machine),
-                           args, speeds)  # fmt: skip
+    """The largest preset that fits a composed config's recipe on `machine` (None: not even the smallest),
+    up to the first that does not (every level's need grows with the size). `auto` activation
+    checkpointing and resharding are planned as the frugal step (a run resolves them to what fits)."""
+    train, step, data, recipe, _ = read_config(cfg)
+    speeds, device, best = plan_speeds(recipe.config, speeds), target_device(train.device, machine), None  # speeds once
+    for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
+        args = dataclasses.replace(args, activation_checkpointing=step.activation_checkpointing is not False,
+                                   reshard_after_forward=step.reshard_after_forward is not False)
+        try:
+            make_plan(name, args, recipe.config, machine, data.seq_len, data.micro_batch, device, speeds=speeds)
+        except PlanError:
+            break
+        best = name
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,11 +14,10 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .fsdp import CopyStream, local_data
+from .fsdp import CopyStream, local_data, reshard_gathered
 from .order import order_ending_with
 from .read_only import ReadOnlyState
 from .step_engine import StepEngine
@@ -30,8 +29,10 @@ META_KEY = "fsdp_offload"  # the first param group's entry for the offload's own
 class OptimizerStates:
     """The state-dict family of one OffloadAdamW (its face delegates here)."""
 
-    def __init__(self, engine: StepEngine, param_groups: list[dict[str, Any]], copies: CopyStream, settle: Callable[[], None]) -> None:
+    def __init__(self, engine: StepEngine, param_groups: list[dict[str, Any]], copies: CopyStream, settle: Callable[[], None],
+                 units: list[list[torch.nn.Module]]) -> None:  # fmt: skip
         self.engine, self.param_groups, self.copies, self.settle = engine, param_groups, copies, settle
+        self.units = units  # the FSDP units holding the params (none without model=)
         self.store, self.params = engine.store, engine.params
         self.param_states = [ParamState(self, i) for i in range(len(self.params))]  # `opt.state[p]`, in param order
         self.restored_at: int | None = None  # the step count at the last load of this optimizer's state
@@ -113,9 +114,7 @@ class OptimizerStates:
         `model.state_dict()` has it), whole, in host memory: this optimizer's FP32 masters, the model's
         own values (and dtype) for the params it does not own; then the persistent buffers, as they are."""
         self.settle()
-        for m in model.modules():  # after a forward without backward (eval) FSDP2 leaves the root unsharded
-            if isinstance(m, FSDPModule):
-                m.reshard()
+        reshard_gathered(model.modules())  # read from the shards
         index = {id(p): i for i, p in enumerate(self.params)}
         named = list(model.named_parameters(remove_duplicate=False))
         missing = sorted(set(index.values()) - {index[id(p)] for _, p in named if id(p) in index})
@@ -182,6 +181,7 @@ class OptimizerStates:
         """Before a load overwrites subgroups (`store.overwrite`): until it ends, the optimizer refuses to step."""
         self.settle()
         self.copies.wait_host()  # the last step's copies to the model still read the staging buffer
+        reshard_gathered(m for unit in self.units for m in unit)  # the load writes the shards
         self.engine.grads.clear()
         self.store.begin_load()
 

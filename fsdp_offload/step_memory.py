@@ -3,12 +3,12 @@
 (`model.activation_checkpointing`, off keeps them) and every FSDP unit's gathered params
 (`model.reshard_after_forward`, false keeps them). Either may be `auto`, every preset's default.
 
-Keeping them saves work where the device has the room (nvidia-h200-x4, the 1.35B at seq 2048,
-micro-batch 1, all state in host memory):
-- the activations: no second forward inside backward; the 4-rank step took 0.43-0.44 s against
+Keeping them saves work where the device has the room (the 1.35B at seq 2048, micro-batch 1, all
+state in host memory, 4 ranks):
+- the activations: no second forward inside backward; on 4 H100s the step took 0.43-0.44 s against
   0.50-0.58 s with checkpointing on (session 26, `bench_scale_nvidia-h200-x4_20261127-021724.json`);
-- the gathered units: no second all-gather a unit in backward; 0.349-0.350 s against 0.386-0.399 s
-  resharded, the backward 0.114-0.120 s against 0.137-0.151 s (session 28,
+- the gathered units: no second all-gather a unit in backward; on 4 H200s 0.349-0.350 s against
+  0.386-0.399 s resharded, the backward 0.114-0.120 s against 0.137-0.151 s (session 28,
   `bench_scale_nvidia-h200-x4_20261127-063152.json`).
 
 `auto` takes the first of these that keeps what is asked of it:
@@ -64,8 +64,15 @@ def kept(args: LlamaArgs, frugal: LlamaArgs) -> str:
 
 
 def stated_why(args: LlamaArgs) -> str:
-    return (f"set: model.activation_checkpointing={str(args.activation_checkpointing).lower()}, "
-            f"model.reshard_after_forward={str(args.reshard_after_forward).lower()}")  # fmt: skip
+    """What of `args` was stated, not `auto`, as the reason gives it ("" where both are `auto`)."""
+    stated = [f"model.{name}={str(getattr(args, name)).lower()}" for name in ("activation_checkpointing", "reshard_after_forward")
+              if getattr(args, name) != "auto"]  # fmt: skip
+    return f"set: {', '.join(stated)}" if stated else ""
+
+
+def auto_why(args: LlamaArgs, reasons: list[str]) -> str:
+    """The reason an `auto` resolution gives: what was stated beside it, then why."""
+    return "; ".join(filter(None, (stated_why(args), "auto: " + "; ".join(reasons))))
 
 
 def state_placement(plan: Plan) -> list[tuple]:
@@ -75,49 +82,52 @@ def state_placement(plan: Plan) -> list[tuple]:
              [(t.subgroups, t.read_bytes_per_step, t.written_bytes_per_step) for t in r.tiers]) for r in plan.ranks]  # fmt: skip
 
 
-def same_on_every_rank(choice: int, group: dist.ProcessGroup | None, device: torch.device) -> int | None:
-    """`choice` where every rank of `group` has it, else None (one collective; `device`: the group's backend's)."""
+def same_on_every_rank(choice: int, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of `group` has `choice` (one collective; `device`: the group's backend's)."""
     if group is None:
-        return choice
+        return True
     both = torch.tensor([choice, -choice], device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return choice if int(both[0]) == -int(both[1]) else None
+    return int(both[0]) == -int(both[1])
 
 
 def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float,
-                     agree: Callable[[int], int | None] = lambda choice: choice) -> tuple[Plan, LlamaArgs]:  # fmt: skip
+                     agree: Callable[[int], bool] = lambda choice: True) -> tuple[Plan, LlamaArgs]:  # fmt: skip
     """The plan `make` gives for `args` with its `auto`s resolved (see the module's note), and those
-    args; `agree` makes the job's ranks' choices one (train.py: same_on_every_rank). The plan says why
-    (`step_memory_why`). Where even the frugal step does not fit, its PlanError is raised."""
+    args; `agree(choice)` says whether the job's ranks all made this one (train.py: same_on_every_rank),
+    else they take the frugal step. The plan says why (`step_memory_why`). Where even the frugal step
+    does not fit, its PlanError is raised."""
     choices = options(args)
     frugal_args = choices[-1]
     frugal = make(frugal_args)
     if len(choices) == 1:
         frugal.step_memory_why = stated_why(args)
         return frugal, frugal_args
-    plans, reasons, mine = {len(choices) - 1: frugal}, [], len(choices) - 1
+    mine, plan, reasons = len(choices) - 1, frugal, []
     for i, option in enumerate(choices[:-1]):
         what = kept(option, frugal_args)
         try:
-            plans[i] = make(option)
-            reason = refusal(frugal, plans[i], headroom_gb)
-        except PlanError as exc:  # the step's activations take the host memory the state needs (a run on the CPU)
-            reason = f"the plan does not fit: {exc}"
+            kept_plan = make(option)
+            reason = refusal(frugal, kept_plan, headroom_gb)
+        except PlanError as exc:  # the step takes the host memory the state needs (a run on the CPU)
+            # (its advice to set the options to auto, which they are, left out)
+            reason = "the plan does not fit: " + str(exc).replace(f", or {frugal_step_fix(option)}", "")
         if reason is None:
-            mine = i
-            reasons.append(holds(plans[i], what))
+            mine, plan = i, kept_plan
+            reasons.append(holds(plan, what))
             break
         reasons.append(f"keeping {what}, {reason}")
-    agreed = agree(mine)
-    if agreed is None:
-        agreed, reasons = len(choices) - 1, ["the ranks differ: the frugal step"]
-    plan = plans[agreed] if agreed in plans else make(choices[agreed])
-    plan.step_memory_why = "auto: " + "; ".join(reasons)
-    return plan, choices[agreed]
+    else:
+        reasons.append("so none of it is kept")
+    if not agree(mine):
+        mine, plan, reasons = len(choices) - 1, frugal, ["the ranks differ: none of it is kept"]
+    plan.step_memory_why = auto_why(args, reasons)
+    return plan, choices[mine]
 
 
 def refusal(frugal: Plan, plan: Plan, headroom_gb: float) -> str | None:
-    """Why `plan` (which fits) would not do on a GPU beside `frugal`, the frugal step's plan; None: it does."""
+    """Why `plan` (which fits) would not do beside `frugal`, the frugal step's plan: its step above the
+    GPU's room, or the optimizer's state placed otherwise; None: it does."""
     if plan.gpu_bytes is not None:
         room, step = plan.gpu_bytes - int(headroom_gb * GIB), max(r.gpu_train_bytes for r in plan.ranks)
         if step > room:
@@ -131,10 +141,10 @@ def refusal(frugal: Plan, plan: Plan, headroom_gb: float) -> str | None:
 def holds(plan: Plan, what: str) -> str:
     """Why a kept option was taken."""
     if plan.gpu_bytes is None:
-        return f"host memory holds the step keeping {what}, the state placed alike"
+        return f"host memory holds the step keeping {what}, the optimizer's state placed as without them"
     step = max(r.gpu_train_bytes for r in plan.ranks)
     return (f"the GPU holds the step keeping {what} (about {readable_size(step)} a rank of {readable_size(plan.gpu_bytes)}), "
-            "the state placed alike")  # fmt: skip
+            "the optimizer's state placed as without them")  # fmt: skip
 
 
 def placement_change(frugal: Plan, plan: Plan) -> str:
@@ -162,23 +172,25 @@ def step_overflow(plan: Plan) -> str | None:
 
 
 def fsdp_step_memory(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], room_bytes: int,
-                     agree: Callable[[int], int | None] = lambda choice: choice) -> tuple[LlamaArgs, str]:  # fmt: skip
+                     agree: Callable[[int], bool] = lambda choice: True) -> tuple[LlamaArgs, str]:  # fmt: skip
     """`args` resolved for plain FSDP2 (torch AdamW, no planner), and why: the first option (module
     note) whose `step_bytes` (a rank's estimated peak: its state, params, grads and step) fits in
-    `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank)."""
+    `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank);
+    the frugal step where the job's ranks chose otherwise (`agree`, as plan_step_memory's)."""
     choices = options(args)
     if len(choices) == 1:
         return choices[0], stated_why(args)
+    frugal = choices[-1]
     mine = next((i for i, a in enumerate(choices[:-1]) if step_bytes(a) <= room_bytes), len(choices) - 1)
-    agreed = agree(mine)
-    if agreed is None:
-        return choices[-1], "auto: the ranks differ: the frugal step"
-    chosen, frugal = choices[agreed], choices[-1]
-    if agreed < len(choices) - 1:
-        return chosen, f"auto: about {readable_size(step_bytes(chosen))} a rank keeping {kept(chosen, frugal)}, {readable_size(room_bytes)} of room"
+    if not agree(mine):
+        return frugal, auto_why(args, ["the ranks differ: none of it is kept"])
+    room = readable_size(room_bytes)
+    if mine < len(choices) - 1:
+        return choices[mine], auto_why(args, [f"about {readable_size(step_bytes(choices[mine]))} a rank keeping "
+                                              f"{kept(choices[mine], frugal)}, {room} of room"])  # fmt: skip
     least = choices[-2]  # the option that keeps least
-    return chosen, (f"auto: keeping {kept(least, frugal)} would take about {readable_size(step_bytes(least))} a rank, above "
-                    f"{readable_size(room_bytes)} of room")  # fmt: skip
+    return frugal, auto_why(args, [f"keeping {kept(least, frugal)} would take about {readable_size(step_bytes(least))} a rank, "
+                                   f"above {room} of room; so none of it is kept"])  # fmt: skip
 
 
 def fsdp_step_bytes(args: LlamaArgs, world: int, seq_len: int, micro_batch: int) -> int:

@@ -112,7 +112,7 @@ def _run(cfg: DictConfig) -> list[dict]:
             return []
 
     t_build = time.perf_counter()
-    agree = lambda choice: same_on_every_rank(choice, group, device)  # noqa: E731  (the job's ranks keep alike)
+    agree = lambda choice: same_on_every_rank(choice, group, device)  # noqa: E731  (else the frugal step for all)
     if recipe.optimizer == "offload":
         # A tier dir, the tier lock dir or the bandwidth profile unusable on any rank's node ends the job first, said once.
         ocfg = recipe.config

@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": {"preset": args.model, "params": work.params, "params_billion": work.params / 1e9, "args": dataclasses.asdict(margs),
                   "seq_len": args.seq, "micro_batch": args.batch, "micro_batches": args.micro_batches, "nproc": args.nproc,
                   "tokens_per_step": work.tokens_per_step, "flops_per_token": work.flops_per_token,
-                  "compute_dtype": "bfloat16", "activation_checkpointing": True,
+                  "compute_dtype": "bfloat16", "activation_checkpointing": True, "reshard_after_forward": True,
                   "data": f"synthetic (fsdp_offload.data, seed {args.seed})"},  # fmt: skip
         "model_tflops_formula": MODEL_TFLOPS_FORMULA,
         "steps": args.steps,
@@ -240,9 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             "host_peak_gib: each rank's own ru_maxrss (start-up included), summed over the node's ranks",
             "peers keep lr constant at train.yaml's lr; the product follows train.py's warmup/cosine schedule (speed does not depend on lr)",
             "multipath: state on the shm path is in RAM but not in the process's RSS",
-            "model.reshard_after_forward: train.py's systems (this product, gpu_only) resolve it as a user's run does "
-            "(auto: units kept gathered from forward to backward where the GPU holds them); the worker peers keep their "
-            "own defaults (FSDP2's fully_shard: resharded; DeepSpeed ZeRO-3: its prefetch and live-parameter settings)",
+            "train.py's systems (this product, gpu_only) run with model.activation_checkpointing=true and "
+            "model.reshard_after_forward=true, as the FSDP2 peer's fully_shard does: the same compute and gathers",
             "gpu_peak_gib: torch.cuda.max_memory_allocated over the steps (train.py resets it after start-up; the "
             "workers do not: DeepSpeed initialises the FP32 model on the GPU, the FSDP2 peer on the CPU)",
         ],

@@ -322,6 +322,9 @@ def test_command_prints_the_plan_and_the_largest_preset(tmp_path, capsys):
     assert "tiny: " in out and f"posix:{tmp_path}" in out
     assert re.search(r"predicted update phase: \d+(\.\d+)? (s|ms|us) a step", out), out  # a tiny model's in ms, not "0.00 s"
     assert "predicted update phase: 0.00 s" not in out
+    # what the step keeps on its device, and why (the presets' auto: host memory holds it all here)
+    assert ("step: activation checkpointing off, units kept gathered from forward to backward (auto: host memory holds the step "
+            "keeping the activations and the gathered units, the optimizer's state placed as without them)") in out
     assert "largest preset that fits this recipe and machine:" in out
     assert main(["offload.calibration_gb=0.01", f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=20",
                  "machine.ranks_per_node=2", "offload.host_budget_gb=auto", "offload.host_headroom_gb=8",

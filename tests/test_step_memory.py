@@ -115,25 +115,25 @@ def test_the_activations_not_kept_where_they_would_move_the_grads_off_the_gpu():
 
 
 def test_the_job_takes_one_answer():
-    """`agree` (train.py: same_on_every_rank) gives the rank's choice where every rank has it, else None: the
-    frugal step."""
+    """`agree` (train.py: same_on_every_rank) says whether every rank made this rank's choice: else every rank
+    takes the frugal step."""
     args = dataclasses.replace(MODEL_PRESETS["1b"], **AUTO)
     cfg = OffloadConfig(tiers=["posix:/tmp"], host_budget_gb=64)
     make = lambda a: make_plan("1b", a, cfg, MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda")  # noqa: E731
     asked = []
-    plan, chosen = plan_step_memory(args, make, 4.0, agree=lambda choice: asked.append(choice) or None)
+    plan, chosen = plan_step_memory(args, make, 4.0, agree=lambda choice: asked.append(choice) or False)
     assert asked == [0] and (chosen.activation_checkpointing, chosen.reshard_after_forward) == (True, True)
     assert (plan.activation_checkpointing, plan.reshard_after_forward) == (True, True)
-    assert plan.step_memory_why == "auto: the ranks differ: the frugal step"
-    plan, chosen = plan_step_memory(args, make, 4.0, agree=lambda choice: 2)  # another rank's, had every rank taken it
-    assert (chosen.activation_checkpointing, chosen.reshard_after_forward) == (True, False) == (plan.activation_checkpointing,
-                                                                                                 plan.reshard_after_forward)  # fmt: skip
+    assert plan.step_memory_why == "auto: the ranks differ: none of it is kept"
+    plan, chosen = plan_step_memory(args, make, 4.0, agree=lambda choice: True)
+    assert (chosen.activation_checkpointing, chosen.reshard_after_forward) == (False, False) == (plan.activation_checkpointing,
+                                                                                                  plan.reshard_after_forward)  # fmt: skip
 
 
 def _same_on_every_rank(rank: int, world: int) -> None:
-    assert same_on_every_rank(rank, dist.group.WORLD, torch.device("cpu")) is None
-    assert same_on_every_rank(2, dist.group.WORLD, torch.device("cpu")) == 2
-    assert same_on_every_rank(0, dist.group.WORLD, torch.device("cpu")) == 0
+    assert same_on_every_rank(rank, dist.group.WORLD, torch.device("cpu")) is False
+    assert same_on_every_rank(2, dist.group.WORLD, torch.device("cpu")) is True
+    assert same_on_every_rank(0, dist.group.WORLD, torch.device("cpu")) is True
 
 
 def test_same_on_every_rank_over_gloo():
@@ -152,11 +152,12 @@ def test_plain_fsdp2_resolves_from_its_16_bytes_a_param_and_the_step():
     assert fsdp_step_memory(args, step, units)[0] == resolved(args, True, False)
     chosen, why = fsdp_step_memory(args, step, units - 1)
     assert chosen == resolved(args, True, True) and why == (f"auto: keeping the gathered units would take about {readable_size(units)} "
-                                                            f"a rank, above {readable_size(units - 1)} of room")  # fmt: skip
-    chosen, why = fsdp_step_memory(args, step, both, agree=lambda choice: None)
-    assert chosen == resolved(args, True, True) and why == "auto: the ranks differ: the frugal step"
-    # one stated: the other resolved beside it
-    assert fsdp_step_memory(dataclasses.replace(args, activation_checkpointing=True), step, both)[0] == resolved(args, True, False)
+                                                            f"a rank, above {readable_size(units - 1)} of room; so none of it is kept")  # fmt: skip
+    chosen, why = fsdp_step_memory(args, step, both, agree=lambda choice: False)
+    assert chosen == resolved(args, True, True) and why == "auto: the ranks differ: none of it is kept"
+    # one stated: the other resolved beside it, the reason naming which was set
+    chosen, why = fsdp_step_memory(dataclasses.replace(args, activation_checkpointing=True), step, both)
+    assert chosen == resolved(args, True, False) and why.startswith("set: model.activation_checkpointing=true; auto: about ")
 
 
 def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
@@ -223,24 +224,25 @@ def test_the_plan_says_why_and_warns_of_a_step_above_the_gpu():
     above = "a rank's step would take about {}, above the GPU's {} less offload.gpu_headroom_gb=4"
     assert why("1b", MachineConfig(gpu_gib=80, host_gib=512), "cuda", host_budget_gb=64) == (
         "auto: the GPU holds the step keeping the activations and the gathered units (about 10.20 GiB a rank of 80.00 GiB), "
-        "the state placed alike")
+        "the optimizer's state placed as without them")
     assert why("1b", MachineConfig(gpu_gib=12, host_gib=512), "cuda", host_budget_gb=64) == (
         "auto: keeping the activations and the gathered units, " + above.format("10.20 GiB", "12.00 GiB") + "; the GPU holds the "
-        "step keeping the activations (about 7.94 GiB a rank of 12.00 GiB), the state placed alike")
+        "step keeping the activations (about 7.94 GiB a rank of 12.00 GiB), the optimizer's state placed as without them")
     assert why("1b", MachineConfig(gpu_gib=10, host_gib=512), "cuda", host_budget_gb=64) == "auto: " + "; ".join(
         f"keeping {what}, " + above.format(size, "10.00 GiB")
         for what, size in (("the activations and the gathered units", "10.20 GiB"), ("the activations", "7.94 GiB"),
-                           ("the gathered units", "6.12 GiB")))  # fmt: skip
+                           ("the gathered units", "6.12 GiB"))) + "; so none of it is kept"  # fmt: skip
     assert why("1b", MachineConfig(ranks_per_node=4, gpu_gib=10.5, host_gib=500), "cuda", host_budget_gb=2.5,
                subgroup_numel=26000384) == (
         "auto: keeping the activations and the gathered units, " + above.format("8.32 GiB", "10.50 GiB") + "; keeping the "
         "activations, rank 0's host cache slots would go from 8 to 6; the GPU holds the step keeping the gathered units (about "
-        "4.87 GiB a rank of 10.50 GiB), the state placed alike")  # fmt: skip
+        "4.87 GiB a rank of 10.50 GiB), the optimizer's state placed as without them")  # fmt: skip
     assert re.fullmatch(r"auto: keeping the activations and the gathered units, the plan does not fit: host memory: .*; keeping the "
                         r"activations, the plan does not fit: host memory: .*; host memory holds the step keeping the gathered "
-                        r"units, the state placed alike", why("1b", MachineConfig(host_gib=14), "cpu", host_budget_gb=8))  # fmt: skip
+                        r"units, the optimizer's state placed as without them", why("1b", MachineConfig(host_gib=14), "cpu", host_budget_gb=8))  # fmt: skip
+    assert "to auto" not in why("1b", MachineConfig(host_gib=14), "cpu", host_budget_gb=8)  # (they are: the plan's advice is left out)
     assert why("1b", MachineConfig(host_gib=18), "cpu", host_budget_gb=8) == (
-        "auto: host memory holds the step keeping the activations and the gathered units, the state placed alike")
+        "auto: host memory holds the step keeping the activations and the gathered units, the optimizer's state placed as without them")
 
     # an estimate above the GPU is reported, never refused: a warning that names the fixes
     big = resolved(MODEL_PRESETS["7b"], False, True)
@@ -288,3 +290,43 @@ def _gathered_units_train_the_same(rank: int, world: int, tmp: str) -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_units_kept_gathered_train_the_same_as_resharded(tmp_path):
     run_ranks(2, _gathered_units_train_the_same, str(tmp_path))
+
+
+def _eval_between_steps_reads_the_new_params(rank: int, world: int, tmp: str) -> None:
+    """A forward under no_grad (an eval) leaves the units kept gathered; the step that follows writes the
+    shards. The next forward must gather again: a run with an eval before each step trains as one without."""
+    from test_fsdp import ARGS, SG, batch, loss_of
+
+    from fsdp_offload.parallelize import build_offloaded_model
+
+    runs = []
+    for evals in (False, True):
+        os.makedirs(f"{tmp}/{evals}{rank}")
+        cfg = OffloadConfig(tiers=[f"posix:{tmp}/{evals}{rank}"], subgroup_numel=SG, kernel="torch")
+        model, opt = build_offloaded_model(dataclasses.replace(ARGS, reshard_after_forward=False), torch.device("cpu"), seed=3,
+                                           offload=cfg)  # fmt: skip
+        losses = []
+        for step in range(3):
+            loss = loss_of(model, batch(rank, step))
+            loss.backward()
+            if evals:
+                with torch.no_grad():
+                    loss_of(model, batch(rank, 7))
+                assert all(block._get_fsdp_state()._fsdp_param_group.is_unsharded for block in model.layers)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        if evals:  # and a load of the optimizer's state after an eval: the next forward sees the loaded params
+            with torch.no_grad():
+                loss_of(model, batch(rank, 7))
+            opt.load_state_dict(opt.state_dict())
+            assert not any(block._get_fsdp_state()._fsdp_param_group.is_unsharded for block in model.layers)
+        losses.append(loss_of(model, batch(rank, 3)).item())
+        runs.append(losses)
+        opt.close()
+    assert runs[0] == runs[1]  # bit for bit
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_eval_forward_between_steps_leaves_no_stale_gathered_params(tmp_path):
+    run_ranks(2, _eval_between_steps_reads_the_new_params, str(tmp_path))

@@ -65,6 +65,10 @@ def test_auto_host_budget_is_sized_once_for_the_plan_and_the_optimizer(tmp_path)
     assert placement["plan"]["cache_slots"] == placement["built"]["cache_slots"]
     assert placement["plan"]["gpu_subgroups"] == placement["built"]["gpu_subgroups"]
     assert "offload.host_budget_gb=auto (" in out.stdout + out.stderr
+    # what the step keeps on its device, as the run resolved the presets' auto, and why
+    assert (placement["activation_checkpointing"], placement["reshard_after_forward"]) == (False, False)
+    assert placement["step_memory_why"].startswith("auto: host memory holds the step keeping the activations and the gathered units")
+    assert "activation checkpointing off, units kept gathered from forward to backward (auto: " in out.stdout + out.stderr
 
 
 def test_two_tiers_are_measured_once_a_node_for_the_plan_and_the_optimizer(tmp_path):

@@ -69,7 +69,8 @@ class LlamaArgs:
                              "(off where the device holds the step's activations)")  # fmt: skip
         if not (isinstance(self.reshard_after_forward, bool) or self.reshard_after_forward == "auto"):
             raise ValueError(f"model.reshard_after_forward={self.reshard_after_forward!r}: choose true (gather each unit "
-                             "again in backward), false (keep it gathered from forward to backward) or auto")  # fmt: skip
+                             "again in backward), false (keep it gathered from forward to backward) or auto (false where the "
+                             "device holds the gathered units)")  # fmt: skip
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
