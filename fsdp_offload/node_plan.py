@@ -384,9 +384,9 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
             )
 
 
-def frugal_step_fix(plan: Plan) -> str:
-    """Where a plan keeps a step's activations or gathered units on its device as stated, the options
-    that let the entry keep them only where they fit ("": it keeps neither)."""
+def frugal_step_fix(plan: Plan | LlamaArgs) -> str:
+    """Where a plan (or the args it is made from) keeps a step's activations or gathered units on its
+    device as stated, the options that let the entry keep them only where they fit ("": it keeps neither)."""
     kept = [f"model.{name}" for name, frugal in (("activation_checkpointing", plan.activation_checkpointing),
                                                 ("reshard_after_forward", plan.reshard_after_forward)) if not frugal]  # fmt: skip
     return f"set {' and '.join(kept)} to auto" if kept else ""
