@@ -258,6 +258,13 @@ def test_the_plan_says_why_and_warns_of_a_step_above_the_gpu():
                                    MachineConfig(gpu_gib=80, host_gib=512), 2048, 1, "cuda")) is None  # fmt: skip
 
 
+def gathered(unit: torch.nn.Module) -> bool:
+    """Whether FSDP2 holds `unit`'s params gathered (its param groups, as fsdp_offload reads them on torch 2.11-2.13)."""
+    from fsdp_offload.fsdp import _param_groups
+
+    return all(group.is_unsharded for group in _param_groups(unit))
+
+
 def _gathered_units_train_the_same(rank: int, world: int, tmp: str) -> None:
     from test_fsdp import ARGS, SG, batch, loss_of
 
@@ -274,7 +281,7 @@ def _gathered_units_train_the_same(rank: int, world: int, tmp: str) -> None:
         for step in range(3):
             loss = loss_of(model, batch(rank, step))
             # after forward, before backward: each block's params stay gathered only where asked
-            assert all(block._get_fsdp_state()._fsdp_param_group.is_unsharded is not reshard for block in model.layers)
+            assert all(gathered(block) is not reshard for block in model.layers)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -312,7 +319,7 @@ def _eval_between_steps_reads_the_new_params(rank: int, world: int, tmp: str) ->
             if evals:
                 with torch.no_grad():
                     loss_of(model, batch(rank, 7))
-                assert all(block._get_fsdp_state()._fsdp_param_group.is_unsharded for block in model.layers)
+                assert all(gathered(block) for block in model.layers)
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
@@ -320,7 +327,7 @@ def _eval_between_steps_reads_the_new_params(rank: int, world: int, tmp: str) ->
             with torch.no_grad():
                 loss_of(model, batch(rank, 7))
             opt.load_state_dict(opt.state_dict())
-            assert not any(block._get_fsdp_state()._fsdp_param_group.is_unsharded for block in model.layers)
+            assert not any(gathered(block) for block in model.layers)
         losses.append(loss_of(model, batch(rank, 3)).item())
         runs.append(losses)
         opt.close()
