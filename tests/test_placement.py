@@ -129,24 +129,23 @@ def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
             p.grad = torch.randn(SMALL_SG, dtype=torch.bfloat16)
         before = len(queued)
         opt.step()
-        # A flush the step queued may land after the step's I/O was taken (a loaded machine): it is then
-        # charged to a later step (two steps later seen under the CI's load). So each write a step records
-        # is one this step queued, or an earlier step queued and had not landed yet.
         written = {t.key for t in per_step[-1] if t.kind == "write"}
-        assert written <= set(queued[before:]) | late, f"step {step} wrote {written - set(queued[before:]) - late}, never queued"
-        late = (late | set(queued[before:])) - written
-        if step == 0 and order == "fixed":
-            continue  # the fill left the cache as alternating order wants it; fixed order settles a step later
-        if order == "forward":
-            if orders[-1] not in traffic.orders:
-                assert step < 3, f"step {step} took order {orders[-1]}, outside the predicted cycle {traffic.orders}"
-                continue  # forward order settles into its cycle within a few steps
-            kind = traffic.orders.index(orders[-1])
-        else:
-            kind = step % len(traffic.orders)
-            assert orders[-1] == traffic.orders[kind]
+        settling = (step == 0 and order == "fixed") or (order == "forward" and orders[-1] not in traffic.orders)
+        if settling:
+            # the fill left the cache as alternating order wants it (fixed order settles a step later); forward
+            # order settles into its cycle within a few steps. What such a step hands the tiers may land later.
+            assert step < 3, f"step {step} took order {orders[-1]}, outside the predicted cycle {traffic.orders}"
+            late = (late | set(queued[before:])) - written
+            continue
+        kind = traffic.orders.index(orders[-1]) if order == "forward" else step % len(traffic.orders)
+        assert orders[-1] == traffic.orders[kind]
         assert {t.key for t in per_step[-1] if t.kind == "read"} == traffic.reads[kind]
-        assert set(queued[before:]) == traffic.writes[kind], f"step {step} queued {sorted(queued[before:])}"  # as predicted
+        # A flush the step queued may land after the step's I/O was taken (a loaded machine), and the pipeline
+        # may hand it to its tier only then: it is then charged to a later step (two steps later seen under the
+        # CI's load). Each write is one that this step or an earlier one predicted (or, for a settling step,
+        # queued) and that has not landed yet.
+        assert written <= traffic.writes[kind] | late, f"step {step} wrote {written - traffic.writes[kind] - late} unpredicted"
+        late = (late | traffic.writes[kind]) - written
         checked += 1
     assert checked >= 5 and len(late) <= 1
     kept = set(range(m)) - traffic.moving

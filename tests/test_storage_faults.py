@@ -12,6 +12,8 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -143,6 +145,15 @@ def buffered_tier(tmp_path, monkeypatch, after_pwrite, before_failing_sync):
     return tier
 
 
+def issued_apart(*writes: Callable[[], Future]) -> list[Future]:
+    """The tier's futures of `writes`, each issued from a thread of its own: a write whose chunks all finish
+    before it has registered for them runs its fdatasync in the thread that issued it (a busy machine's
+    timing), which must not keep the other writes from being issued."""
+    with ThreadPoolExecutor(len(writes)) as pool:
+        issued = [pool.submit(write) for write in writes]
+        return [f.result(timeout=30) for f in issued]
+
+
 def test_a_write_back_error_fails_every_write_it_could_be_from(tmp_path, monkeypatch):
     """Buffered I/O (no O_DIRECT): the kernel reports a write-back error once, to whichever fdatasync
     meets it first, whatever write its page was from. Two writes both written before the failing sync
@@ -156,7 +167,7 @@ def test_a_write_back_error_fails_every_write_it_could_be_from(tmp_path, monkeyp
                          lambda: both_written.acquire(timeout=5) and both_written.acquire(timeout=5))  # fmt: skip
     try:
         buf = aligned_host_buffer(16384).fill_(5)
-        futures = [tier.write(0, buf), tier.write(1, buf)]
+        futures = issued_apart(lambda: tier.write(0, buf), lambda: tier.write(1, buf))
         for key, fut in enumerate(futures):
             with pytest.raises(OSError, match=f"writing subgroup {key} back to {tier.path} failed: Input/output error"):
                 fut.result()
@@ -180,9 +191,12 @@ def test_a_write_that_starts_while_a_sync_runs_is_charged_with_its_error(tmp_pat
                          lambda: sync_running.set() or second_written.wait(timeout=5))  # fmt: skip
     try:
         buf = aligned_host_buffer(16384).fill_(5)
-        first = tier.write(0, buf)
-        assert sync_running.wait(timeout=5)
-        second = tier.write(1, buf)
+
+        def second_while_the_sync_runs() -> Future:
+            assert sync_running.wait(timeout=5)
+            return tier.write(1, buf)
+
+        first, second = issued_apart(lambda: tier.write(0, buf), second_while_the_sync_runs)
         for key, fut in ((0, first), (1, second)):
             with pytest.raises(OSError, match=f"writing subgroup {key} back to {tier.path} failed: Input/output error"):
                 fut.result()
