@@ -100,11 +100,14 @@ def test_eq1_is_the_papers_formula():
 )
 def test_steady_traffic_is_what_the_pipeline_moves(tmp_path, m, c, order):
     """The learned rule's knowledge of which subgroups each step reads and writes (and which the cache
-    keeps) is checked against the transfers the pipeline really makes."""
+    keeps) is checked against the transfers the pipeline really makes.
+
+    Over two tiers, each one I/O thread: a tier serves its requests in order (a fetch's read before a
+    later fetch's write), so the fetches of one tier finish in the order the pipeline started them."""
     dirs = [tmp_path / "a", tmp_path / "b"]
     for d in dirs:
         d.mkdir()
-    tiers = [f"posix:{d}" for d in dirs]
+    tiers = [f"posix:{d}?threads=1" for d in dirs]
     profile = write_profile(str(tmp_path / "p.json"), {t: TierSpeed(1e9, 1e9, 0.0) for t in tiers})
     params = [torch.nn.Parameter(torch.randn(SMALL_SG)) for _ in range(m)]
     budget = (2 * m * SMALL_SG + c * 3 * SMALL_SG * 4) / 2**30

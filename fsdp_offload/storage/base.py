@@ -77,6 +77,39 @@ class IOWorkers:
             except BaseException as exc:  # handed to whoever waits on the future
                 fut.set_exception(exc)
 
+    def run_all(self, priority: int, jobs: list[Callable[[], None]], then: Callable[[], object]) -> Future:
+        """Queues `jobs` at `priority`; returns a future of `then()`, which the worker thread that finishes
+        the last job runs (never the caller: a tier's write returns before its fdatasync, however fast its
+        chunks were). It waits for every job even after one fails, so a buffer is never reused while a
+        request on it is still in flight; the first job's failure (in `jobs` order) is what it raises."""
+        out: Future = Future()
+        jobs = jobs or [lambda: None]
+        errors: list[BaseException | None] = [None] * len(jobs)
+        remaining = [len(jobs)]
+        lock = threading.Lock()
+
+        def run(i: int) -> None:
+            try:
+                jobs[i]()
+            except BaseException as exc:  # handed to whoever waits on `out`
+                errors[i] = exc
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                out.set_exception(failed)
+                return
+            try:
+                out.set_result(then())
+            except BaseException as exc:
+                out.set_exception(exc)
+
+        for i in range(len(jobs)):
+            self.submit(priority, lambda i=i: run(i))
+        return out
+
     def shutdown(self) -> None:
         for _ in self._threads:
             self._queue.put((1 << 30, next(self._seq), None, None))
@@ -84,35 +117,6 @@ class IOWorkers:
             t.join()
 
 
-def gather(futures: list[Future], on_done: Callable[[], object]) -> Future:
-    """A future that resolves to `on_done()` once every one of `futures` has finished.
-
-    It waits for all of them even after one fails, so a buffer is never reused while a request on it
-    is still in flight; the first failure is what it raises.
-    """
-    out: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def _one_done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            out.set_exception(errors[0])
-            return
-        try:
-            out.set_result(on_done())
-        except BaseException as exc:
-            out.set_exception(exc)
-
-    if not futures:
-        out.set_result(on_done())
-    for f in futures:
-        f.add_done_callback(_one_done)
-    return out
 
 
 class Tier(abc.ABC):

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from ..node import node_ranks
-from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, gather, transfer
+from .base import READ_PRIORITY, WRITE_PRIORITY, CorruptSubgroupError, IOWorkers, Tier, TierError, Transfer, transfer
 from .private_files import create_private_file, in_private_dir, make_private_dir, remove_private_dir, remove_stale_files
 from .private_files import tier_file_tag, tier_root_problem  # (store.py and train.py take them from here)
 from .spec import TierSpec, io_settings
@@ -186,8 +186,7 @@ class ChunkedFileTier(Tier):
 
     def _submit(self, priority: int, nbytes: int, job: Callable[[int, int], None], done: Callable[[], Transfer]) -> Future:
         spans = range(0, nbytes, self.chunk_bytes)
-        futs = [self._workers.submit(priority, lambda i=i, lo=lo: job(i, lo)) for i, lo in enumerate(spans)]
-        return gather(futs, done)
+        return self._workers.run_all(priority, [lambda i=i, lo=lo: job(i, lo) for i, lo in enumerate(spans)], done)
 
     def write(self, key: int, buf: torch.Tensor) -> Future:
         offset = self._check_slot(key, buf)
