@@ -187,11 +187,11 @@ def _run(cfg: DictConfig) -> list[dict]:
     out_dir = run_dir(tcfg.out_dir)
     if rank == 0:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
-        if recipe.optimizer == "offload":  # what the planner said, and what was built
-            with open(os.path.join(out_dir, "placement.json"), "w") as f:
-                json.dump({"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement(), "activation_checkpointing":
-                           margs.activation_checkpointing, "reshard_after_forward": margs.reshard_after_forward,
-                           "step_memory_why": step_memory_why, **startup}, f, indent=1)  # fmt: skip
+        # what the step keeps on its device and, for this optimizer, what the planner said and what was built
+        built = {"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement()} if recipe.optimizer == "offload" else {}
+        with open(os.path.join(out_dir, "placement.json"), "w") as f:
+            json.dump({**built, "activation_checkpointing": margs.activation_checkpointing, "reshard_after_forward":
+                       margs.reshard_after_forward, "step_memory_why": step_memory_why, **startup}, f, indent=1)  # fmt: skip
     metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:

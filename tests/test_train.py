@@ -71,6 +71,16 @@ def test_auto_host_budget_is_sized_once_for_the_plan_and_the_optimizer(tmp_path)
     assert "activation checkpointing off, units kept gathered from forward to backward (auto: " in out.stdout + out.stderr
 
 
+def test_plain_fsdp2_records_what_its_step_keeps_on_the_device(tmp_path):
+    """offload=none (FSDP2 with torch AdamW) resolves the presets' auto from its 16 bytes a param and records it
+    as the offloaded runs do, in placement.json (no plan, nothing built by the planner)."""
+    train(tmp_path / "run", "offload=none", "train.steps=2")
+    placement = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert "plan" not in placement and (placement["activation_checkpointing"], placement["reshard_after_forward"]) == (False, False)
+    assert placement["step_memory_why"].startswith("auto: about ") and "keeping the activations and the gathered units" in (
+        placement["step_memory_why"])
+
+
 def test_two_tiers_are_measured_once_a_node_for_the_plan_and_the_optimizer(tmp_path):
     """Without a bandwidth profile, the node's first rank measures the tiers for the plan and hands the
     speeds to the node's other ranks; the plan hands them to the optimizer."""
