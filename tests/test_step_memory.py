@@ -173,6 +173,9 @@ def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
         with pytest.raises(ValueError, match=re.escape(f"model.reshard_after_forward={bad!r}: choose true (gather each unit again in "
                                                        "backward), false (keep it gathered from forward to backward) or auto")):
             LlamaArgs(reshard_after_forward=bad)
+    for name in AUTO:  # `model.<name>=null` on the command line: named as given
+        with pytest.raises(ValueError, match=f"^model.{name}=null: choose true"):
+            LlamaArgs(**{name: None})
 
 
 def test_a_checkpoint_resumes_whichever_way_the_step_resolved(tmp_path):

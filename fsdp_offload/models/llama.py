@@ -30,6 +30,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+def _as_given(value: object) -> str:
+    """A recipe value as a command line gives it (Hydra reads `null` as None)."""
+    return "null" if value is None else repr(value)
+
+
 @dataclass
 class LlamaArgs:
     dim: int = 4096
@@ -65,10 +70,10 @@ class LlamaArgs:
         if not all(isinstance(v, (int, float)) and v > 0 for v in (self.norm_eps, self.rope_theta)):
             raise ValueError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be positive")
         if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto"):
-            raise ValueError(f"model.activation_checkpointing={self.activation_checkpointing!r}: choose true, false or auto "
+            raise ValueError(f"model.activation_checkpointing={_as_given(self.activation_checkpointing)}: choose true, false or auto "
                              "(off where the device holds the step's activations)")  # fmt: skip
         if not (isinstance(self.reshard_after_forward, bool) or self.reshard_after_forward == "auto"):
-            raise ValueError(f"model.reshard_after_forward={self.reshard_after_forward!r}: choose true (gather each unit "
+            raise ValueError(f"model.reshard_after_forward={_as_given(self.reshard_after_forward)}: choose true (gather each unit "
                              "again in backward), false (keep it gathered from forward to backward) or auto (false where the "
                              "device holds the gathered units)")  # fmt: skip
         if self.dim % self.n_heads:
