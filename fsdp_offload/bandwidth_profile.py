@@ -301,12 +301,10 @@ class BandwidthProfile:
         if entry_problem(entry, RATE_FIELDS) is not None or entry["run"] != run:  # (a broken entry is replaced whole)
             entry = {"run": run, "mparams_per_s": {}}
         entry["mparams_per_s"][str(local_rank)] = params_per_s / 1e6
-        walks = entry.get("subgroup_ms")
-        walks = dict(walks) if _rank_ms(walks) is None else {}  # (a broken map is made afresh)
-        walks.pop(str(local_rank), None)
+        walks = entry.pop("subgroup_ms", None)  # the other ranks' (a broken map made afresh), this rank's anew
+        walks = {r: ms for r, ms in walks.items() if r != str(local_rank)} if _rank_ms(walks) is None else {}
         if walk_s is not None:
             walks[str(local_rank)] = walk_s * 1e3
-        entry.pop("subgroup_ms", None)
         if walks:
             entry["subgroup_ms"] = walks
         entry["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")

@@ -268,18 +268,25 @@ def gathered(unit: torch.nn.Module) -> bool:
     return all(group.is_unsharded for group in _param_groups(unit))
 
 
+def sharded_model(tier: str, reshard: bool) -> tuple:
+    """test_fsdp's small model on 2 gloo ranks, resharding after forward or not, and its OffloadAdamW over `tier`."""
+    from test_fsdp import ARGS, SG
+
+    from fsdp_offload.parallelize import build_offloaded_model
+
+    os.makedirs(tier)
+    cfg = OffloadConfig(tiers=[f"posix:{tier}"], subgroup_numel=SG, kernel="torch")
+    return build_offloaded_model(dataclasses.replace(ARGS, reshard_after_forward=reshard), torch.device("cpu"), seed=3, offload=cfg)
+
+
 def _gathered_units_train_the_same(rank: int, world: int, tmp: str) -> None:
-    from test_fsdp import ARGS, SG, batch, loss_of
+    from test_fsdp import batch, loss_of
 
     from fsdp_offload.fsdp import local_data
-    from fsdp_offload.parallelize import build_offloaded_model
 
     runs = []
     for reshard in (True, False):
-        os.makedirs(f"{tmp}/{reshard}{rank}")
-        cfg = OffloadConfig(tiers=[f"posix:{tmp}/{reshard}{rank}"], subgroup_numel=SG, kernel="torch")
-        model, opt = build_offloaded_model(dataclasses.replace(ARGS, reshard_after_forward=reshard), torch.device("cpu"), seed=3,
-                                           offload=cfg)  # fmt: skip
+        model, opt = sharded_model(f"{tmp}/{reshard}{rank}", reshard)
         losses = []
         for step in range(3):
             loss = loss_of(model, batch(rank, step))
@@ -305,16 +312,11 @@ def test_units_kept_gathered_train_the_same_as_resharded(tmp_path):
 def _eval_between_steps_reads_the_new_params(rank: int, world: int, tmp: str) -> None:
     """A forward under no_grad (an eval) leaves the units kept gathered; the step that follows writes the
     shards. The next forward must gather again: a run with an eval before each step trains as one without."""
-    from test_fsdp import ARGS, SG, batch, loss_of
-
-    from fsdp_offload.parallelize import build_offloaded_model
+    from test_fsdp import batch, loss_of
 
     runs = []
     for evals in (False, True):
-        os.makedirs(f"{tmp}/{evals}{rank}")
-        cfg = OffloadConfig(tiers=[f"posix:{tmp}/{evals}{rank}"], subgroup_numel=SG, kernel="torch")
-        model, opt = build_offloaded_model(dataclasses.replace(ARGS, reshard_after_forward=False), torch.device("cpu"), seed=3,
-                                           offload=cfg)  # fmt: skip
+        model, opt = sharded_model(f"{tmp}/{evals}{rank}", reshard=False)
         losses = []
         for step in range(3):
             loss = loss_of(model, batch(rank, step))

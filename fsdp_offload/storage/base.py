@@ -117,8 +117,6 @@ class IOWorkers:
             t.join()
 
 
-
-
 class Tier(abc.ABC):
     """A storage path for subgroups. Subclasses do the I/O; this class holds what is common."""
 
