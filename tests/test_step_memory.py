@@ -176,6 +176,8 @@ def test_auto_is_never_built_nor_planned_as_is_and_a_bad_value_is_named():
     for name in AUTO:  # `model.<name>=null` on the command line: named as given
         with pytest.raises(ValueError, match=f"^model.{name}=null: choose true"):
             LlamaArgs(**{name: None})
+    with pytest.raises(ValueError, match=r"^model.activation_checkpointing='yes': choose .*; model.reshard_after_forward=null: choose"):
+        LlamaArgs(activation_checkpointing="yes", reshard_after_forward=None)  # both bad: both named, in one error
 
 
 def test_a_checkpoint_resumes_whichever_way_the_step_resolved(tmp_path):

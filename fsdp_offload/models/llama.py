@@ -69,13 +69,15 @@ class LlamaArgs:
                 raise ValueError(f"model.{name}={value!r} must be a whole number >= 1")
         if not all(isinstance(v, (int, float)) and v > 0 for v in (self.norm_eps, self.rope_theta)):
             raise ValueError(f"model.norm_eps={self.norm_eps} and model.rope_theta={self.rope_theta} must be positive")
-        if not (isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing == "auto"):
-            raise ValueError(f"model.activation_checkpointing={_as_given(self.activation_checkpointing)}: choose true, false or auto "
-                             "(off where the device holds the step's activations)")  # fmt: skip
-        if not (isinstance(self.reshard_after_forward, bool) or self.reshard_after_forward == "auto"):
-            raise ValueError(f"model.reshard_after_forward={_as_given(self.reshard_after_forward)}: choose true (gather each unit "
-                             "again in backward), false (keep it gathered from forward to backward) or auto (false where the "
-                             "device holds the gathered units)")  # fmt: skip
+        step_choices = {  # what a step keeps on its device: both are named where both are bad
+            "activation_checkpointing": "true, false or auto (off where the device holds the step's activations)",
+            "reshard_after_forward": "true (gather each unit again in backward), false (keep it gathered from forward to "
+                                     "backward) or auto (false where the device holds the gathered units)",
+        }  # fmt: skip
+        bad = [f"model.{name}={_as_given(getattr(self, name))}: choose {choices}" for name, choices in step_choices.items()
+               if not (isinstance(getattr(self, name), bool) or getattr(self, name) == "auto")]  # fmt: skip
+        if bad:
+            raise ValueError("; ".join(bad))
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}: pick a divisor of dim")
         if self.head_dim % 2:
