@@ -16,7 +16,8 @@ predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicte
 median step's, which a shared machine's bursts move less than the mean; activation_checkpointing and
 reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
 planned_reshard_after_forward, as the plan here did), the logs under --log-dir.
-Steps after the first are averaged.
+Steps after the first are averaged. A case with offload=none (plain FSDP2, torch's AdamW on the device) is the
+control beside them: nothing planned or predicted, its row the step's times, peaks and losses.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from fsdp_offload.node_plan import PlanError
 from fsdp_offload.plan import compose_plan_config, plan_from_config
+from fsdp_offload.recipe import read_config
 from fsdp_offload.results import record
 from fsdp_offload.storage.base import TierError
 from fsdp_offload.units import format_seconds
@@ -50,17 +52,19 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     t0 = time.perf_counter()
     try:  # a case the planner or the config refuses is a row with its error; the other cases still run
         cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
-        plan, _ = plan_from_config(cfg, machine)
+        plain = read_config(cfg)[3].optimizer != "offload"  # plain FSDP2 (offload=none): the control, nothing to plan
+        plan = None if plain else plan_from_config(cfg, machine)[0]
     except (PlanError, ValueError, TierError) as exc:  # TierError: a tier's dir is missing or unusable
         row["error"] = f"plan: {exc}"
         return row
     row["plan_s"] = time.perf_counter() - t0
-    mine = plan.ranks[0]
-    row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
-               predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
-               predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
-               predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
-               planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source)  # fmt: skip
+    if plan is not None:
+        mine = plan.ranks[0]
+        row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
+                   predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
+                   predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
+                   predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
+                   planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
     os.makedirs(out_dir, exist_ok=True)
     launch = [sys.executable, TRAIN] if nproc == 1 else [
@@ -88,23 +92,25 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
 
     slowest_update = slowest("update_s")
     placement = json.loads(Path(out_dir, "placement.json").read_text())
-    built = placement["built"]
     row.update(iteration_s=mean("step_s"), update_s=slowest_update, exposed_update_s=mean("exposed_update_s"),
-               forward_s=mean("forward_s"), backward_s=mean("backward_s"), effective_io_gbps=mean("effective_io_gbps"),
+               forward_s=mean("forward_s"), backward_s=mean("backward_s"),
                gpu_peak_gib=max(r.get("gpu_peak_gib", 0.0) for r in rows), host_peak_gib=max(r["host_peak_gib"] for r in rows),
                gpu_peak_startup_gib=placement.get("gpu_peak_startup_gib"), startup_s=placement["startup_s"],
-               subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
                activation_checkpointing=placement.get("activation_checkpointing"),  # as the run resolved it
-               planned_activation_checkpointing=plan.activation_checkpointing,  # as this plan did (its budget may differ)
                reshard_after_forward=placement.get("reshard_after_forward"),
+               update_s_median=slowest("update_s", statistics.median), losses=[r["loss"] for r in rows])  # fmt: skip
+    if plan is None:  # torch's AdamW on the device: no placement, tiers or CPU kernel to set beside a plan
+        return row
+    built = placement["built"]
+    row.update(effective_io_gbps=mean("effective_io_gbps"), subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
+               planned_activation_checkpointing=plan.activation_checkpointing,  # as this plan did (its budget may differ)
                planned_reshard_after_forward=plan.reshard_after_forward,
                tier_bytes={t.spec: t.bytes for t in mine.tiers},
                bytes_read_per_step=statistics.fmean(sum(r["bytes_read"].values()) for r in steady),
-               bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady),
-               losses=[r["loss"] for r in rows])  # fmt: skip
+               bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady))  # fmt: skip
     row["placement_equal"] = (built["gpu_subgroups"] == mine.gpu_subgroups and built["cache_slots"] == mine.cache_slots
                               and list(built["tier_subgroups"].values()) == [t.subgroups for t in mine.tiers])  # fmt: skip
-    row.update(update_s_median=slowest("update_s", statistics.median), norm_s=slowest("norm_s"))
+    row["norm_s"] = slowest("norm_s")
     if plan.predicted_update_s:
         row["predicted_over_measured"] = plan.predicted_update_s / row["update_s"]
         row["predicted_over_median"] = plan.predicted_update_s / row["update_s_median"]
@@ -144,8 +150,9 @@ def main() -> int:
             print(f"{r['case'][:58]:58} error: {r['error'][:300]}")
             continue
         ratio, median = r.get("predicted_over_measured"), r.get("predicted_over_median")
-        print(f"{r['case'][:58]:58} {format_seconds(r['predicted_update_s'] or float('nan')):>8} {format_seconds(r['update_s']):>8} "
-              f"{ratio or float('nan'):9.2f} {median or float('nan'):8.2f} {'equal' if r['placement_equal'] else 'differs':>9} "
+        placed = {True: "equal", False: "differs", None: "-"}[r.get("placement_equal")]
+        print(f"{r['case'][:58]:58} {format_seconds(r.get('predicted_update_s') or float('nan')):>8} {format_seconds(r['update_s']):>8} "
+              f"{ratio or float('nan'):9.2f} {median or float('nan'):8.2f} {placed:>9} "
               f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {format_seconds(r['iteration_s']):>8}")
     print(f"wrote {path}")
     return 0

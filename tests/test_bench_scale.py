@@ -39,3 +39,15 @@ def test_a_row_puts_the_kernel_time_inside_the_step_beside_the_planners_cpu_time
     # the update's fixed costs as predicted, beside the norm the run took; the median step's beside the mean
     assert row["predicted_walk_s"] >= 0 and row["predicted_step_s"] >= 0 and row["norm_s"] >= 0
     assert row["predicted_over_median"] == row["predicted_update_s"] / row["update_s_median"]
+
+
+def test_a_plain_fsdp2_case_is_the_control_with_no_plan(tmp_path):
+    """offload=none (torch's AdamW on the device): nothing is planned or predicted; the row holds the step's times,
+    peaks and losses beside the planned cases'."""
+    bench_scale = load_bench_scale()
+    args = argparse.Namespace(nproc=1, log_dir=str(tmp_path / "logs"), steps=2, timeout=120)
+    row = bench_scale.run_case("model=tiny offload=none train.device=cpu", args, 0)
+    assert "error" not in row, row
+    assert "predicted_update_s" not in row and "placement_equal" not in row and "cpu_kernel_s" not in row, row
+    assert row["iteration_s"] > 0 and row["backward_s"] > 0 and len(row["losses"]) == 2, row
+    assert row["reshard_after_forward"] in (True, False), row
