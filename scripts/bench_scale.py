@@ -17,7 +17,8 @@ median step's, which a shared machine's bursts move less than the mean; activati
 reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
 planned_reshard_after_forward, as the plan here did), the logs under --log-dir.
 Steps after the first are averaged. A case with offload=none (plain FSDP2, torch's AdamW on the device) is the
-control beside them: nothing planned or predicted, its row the step's times, peaks and losses.
+control beside them (`control`: true): nothing planned or predicted, its row the model, the step's times, peaks and
+losses.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_offload.node_plan import PlanError
+from fsdp_offload.node_plan import PlanError, preset_name
 from fsdp_offload.plan import compose_plan_config, plan_from_config
+from fsdp_offload.models.llama import num_params
 from fsdp_offload.recipe import read_config
 from fsdp_offload.results import record
 from fsdp_offload.storage.base import TierError
@@ -52,14 +54,17 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     t0 = time.perf_counter()
     try:  # a case the planner or the config refuses is a row with its error; the other cases still run
         cfg, machine = compose_plan_config(overrides + [f"machine.ranks_per_node={nproc}"])
-        plain = read_config(cfg)[3].optimizer != "offload"  # plain FSDP2 (offload=none): the control, nothing to plan
-        plan = None if plain else plan_from_config(cfg, machine)[0]
+        _, margs, _, recipe, _ = read_config(cfg)
+        control = recipe.optimizer != "offload"  # plain FSDP2 (offload=none): the control, nothing to plan
+        plan = None if control else plan_from_config(cfg, machine)[0]
     except (PlanError, ValueError, TierError) as exc:  # TierError: a tier's dir is missing or unusable
         row["error"] = f"plan: {exc}"
         return row
     row["plan_s"] = time.perf_counter() - t0
-    if plan is not None:
-        mine = plan.ranks[0]
+    mine = None if plan is None else plan.ranks[0]
+    if plan is None:
+        row.update(control=True, model=preset_name(margs), params_billion=num_params(margs) / 1e9, world_size=nproc)
+    else:
         row.update(model=plan.model, params_billion=plan.params / 1e9, world_size=plan.world_size,
                    predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
                    predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
@@ -99,7 +104,7 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                activation_checkpointing=placement.get("activation_checkpointing"),  # as the run resolved it
                reshard_after_forward=placement.get("reshard_after_forward"),
                update_s_median=slowest("update_s", statistics.median), losses=[r["loss"] for r in rows])  # fmt: skip
-    if plan is None:  # torch's AdamW on the device: no placement, tiers or CPU kernel to set beside a plan
+    if mine is None:  # torch's AdamW on the device: no placement, tiers or CPU kernel to set beside a plan
         return row
     built = placement["built"]
     row.update(effective_io_gbps=mean("effective_io_gbps"), subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
@@ -121,6 +126,21 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
     return row
 
 
+def table_line(r: dict) -> str:
+    """A row of the table printed at the end; a control (offload=none) says so where a plan's figures would be."""
+    if "error" in r:
+        return f"{r['case'][:58]:58} error: {r['error'][:300]}"
+    if r.get("control"):
+        pred = ratios = "control"
+        placed = "-"
+    else:
+        pred = format_seconds(r["predicted_update_s"] or float("nan"))
+        ratios = f"{r.get('predicted_over_measured') or float('nan'):9.2f} {r.get('predicted_over_median') or float('nan'):8.2f}"
+        placed = "equal" if r["placement_equal"] else "differs"
+    return (f"{r['case'][:58]:58} {pred:>8} {format_seconds(r['update_s']):>8} {ratios:>18} {placed:>9} "
+            f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {format_seconds(r['iteration_s']):>8}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", action="append", required=True,
@@ -138,7 +158,8 @@ def main() -> int:
     for i, case in enumerate(args.case):  # recorded after each case: a call cut short keeps the cases it finished
         rows.append(run_case(case, args, i))
         reference, r = rows[0].get("losses"), rows[-1]
-        if i and reference and r.get("losses") and len(r["losses"]) == len(reference):
+        alike = r.get("control") == rows[0].get("control")  # a control's optimizer is torch's: its losses differ by more
+        if i and alike and reference and r.get("losses") and len(r["losses"]) == len(reference):
             # the same data and global batch on another layout: equal losses up to reduction order
             r["loss_max_abs_diff_vs_case0"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
         path = record("bench_scale", args.device_kind, args.out,
@@ -146,14 +167,7 @@ def main() -> int:
     print(f"{'case':58} {'pred':>8} {'update':>8} {'pred/meas':>9} {'pred/med':>8} {'placement':>9} {'GPU start/train GiB':>19} "
           f"{'host GiB':>8} {'iter':>8}")  # fmt: skip
     for r in rows:
-        if "error" in r:
-            print(f"{r['case'][:58]:58} error: {r['error'][:300]}")
-            continue
-        ratio, median = r.get("predicted_over_measured"), r.get("predicted_over_median")
-        placed = {True: "equal", False: "differs", None: "-"}[r.get("placement_equal")]
-        print(f"{r['case'][:58]:58} {format_seconds(r.get('predicted_update_s') or float('nan')):>8} {format_seconds(r['update_s']):>8} "
-              f"{ratio or float('nan'):9.2f} {median or float('nan'):8.2f} {placed:>9} "
-              f"{r['gpu_peak_startup_gib'] or 0:9.1f}/{r['gpu_peak_gib']:<9.1f} {r['host_peak_gib']:8.1f} {format_seconds(r['iteration_s']):>8}")
+        print(table_line(r))
     print(f"wrote {path}")
     return 0
 

@@ -6,6 +6,8 @@ import argparse
 import importlib.util
 from pathlib import Path
 
+from fsdp_offload.units import format_seconds
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_scale.py"
 
 
@@ -39,6 +41,7 @@ def test_a_row_puts_the_kernel_time_inside_the_step_beside_the_planners_cpu_time
     # the update's fixed costs as predicted, beside the norm the run took; the median step's beside the mean
     assert row["predicted_walk_s"] >= 0 and row["predicted_step_s"] >= 0 and row["norm_s"] >= 0
     assert row["predicted_over_median"] == row["predicted_update_s"] / row["update_s_median"]
+    assert "control" not in row and f"{row['predicted_over_measured']:9.2f}" in bench_scale.table_line(row)
 
 
 def test_a_plain_fsdp2_case_is_the_control_with_no_plan(tmp_path):
@@ -49,5 +52,8 @@ def test_a_plain_fsdp2_case_is_the_control_with_no_plan(tmp_path):
     row = bench_scale.run_case("model=tiny offload=none train.device=cpu", args, 0)
     assert "error" not in row, row
     assert "predicted_update_s" not in row and "placement_equal" not in row and "cpu_kernel_s" not in row, row
+    assert row["control"] is True and row["model"] == "tiny" and row["world_size"] == 1 and row["params_billion"] > 0, row
     assert row["iteration_s"] > 0 and row["backward_s"] > 0 and len(row["losses"]) == 2, row
     assert row["reshard_after_forward"] in (True, False), row
+    line = bench_scale.table_line(row)  # the printed table names it where a plan's figures would be
+    assert line[58:].split()[:5] == ["control", *format_seconds(row["update_s"]).split(), "control", "-"], line
