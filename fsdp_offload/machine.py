@@ -21,7 +21,7 @@ from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
-from .update_rate import node_update_rate
+from .update_rate import node_update_rate, timed_beside_load
 
 
 @dataclass
@@ -171,6 +171,13 @@ SHARED_FILE_SYSTEM_NOTE = ("are on one file system: they share its bandwidth, wh
                            "counts it for each; a second path needs another device")  # fmt: skip
 
 
+def timed_rate(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate:
+    """The kernel timed here as the node's ranks run it; its detail says where the node was busy meanwhile."""
+    rate, load = timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks))
+    notes = [load.warning() if load is not None else "", unlearned_note(cfg, ranks, threads)]
+    return CpuRate(rate, "timed", "; ".join(n for n in notes if n))
+
+
 def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[CpuRate, list[TierSpeed] | None]:
     """Each rank's CPU update speed (machine.cpu_mparams_per_s; else learned from an earlier run's steps on
     this host, in offload.bandwidth_profile; else timed here as the node's ranks run it, side by side:
@@ -181,8 +188,7 @@ def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     else:
         ranks = machine.ranks_per_node
         threads = cpu_threads_per_rank(cpu_threads, ranks)
-        rate = learned_rate_for(cfg, ranks, threads) or CpuRate(
-            node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks), "timed", unlearned_note(cfg, ranks, threads))
+        rate = learned_rate_for(cfg, ranks, threads) or timed_rate(cfg, ranks, threads)
     if machine.tier_read_gbps is not None:  # the planned machine's, stated
         return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
     return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

@@ -4,10 +4,13 @@ side (where no earlier run here has saved the rate its steps had: learned_rate.p
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -92,3 +95,58 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
     return n / statistics.median(rounds)
+
+
+BUSY_CORES = 1.0  # CPU time others took while the rate was timed, in cores, from which the plan says so
+MIN_LOAD_WALL_S = 0.1  # /proc/stat counts in ticks (10 ms): a shorter measure is not judged
+
+
+@dataclass(frozen=True)
+class OtherLoad:
+    """What the rest of the node took of its CPUs while this process timed a rate, in cores (CPU seconds over
+    wall seconds): other processes, and time the hypervisor gave to other guests (steal). The timing's threads
+    take every core, so either slows its kernel, and the rate then reads below what a quiet node's steps get."""
+
+    others_cores: float
+    steal_cores: float
+
+    @staticmethod
+    def between(before: tuple[int, int], after: tuple[int, int], own_s: float, wall_s: float, ticks_per_s: int) -> OtherLoad:
+        """From two (busy, steal) readings of the node's CPU ticks (`node_cpu_ticks`) and this process's own
+        CPU seconds in between."""
+        busy_s, steal_s = ((a - b) / ticks_per_s for a, b in zip(after, before))
+        wall = max(wall_s, 1e-9)
+        return OtherLoad(max(0.0, busy_s - steal_s - own_s) / wall, steal_s / wall)
+
+    def warning(self) -> str:
+        """A sentence for the plan where the node was busy enough to slow the timing ("" where it was not)."""
+        busy = [f"other processes took {self.others_cores:.1f} cores" if self.others_cores >= BUSY_CORES else "",
+                f"the hypervisor gave {self.steal_cores:.1f} cores to other guests (steal)" if self.steal_cores >= BUSY_CORES else ""]
+        if not any(busy):
+            return ""
+        return (f"while the CPU rate was timed, {' and '.join(b for b in busy if b)}: the rate may read below a quiet "
+                "node's, and the predicted update above it; plan again on a quiet node, or let a run learn its rate "
+                "(offload.bandwidth_profile)")
+
+
+def node_cpu_ticks(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """The node's busy CPU ticks since boot (all but idle and iowait; steal included) and its steal ticks,
+    from /proc/stat's first line; None where there is none to read (not Linux)."""
+    try:
+        with open(stat) as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    return user + nice + system + irq + softirq + steal, steal
+
+
+def timed_beside_load(measure: Callable[[], float]) -> tuple[float, OtherLoad | None]:
+    """`measure()` (a rate), and what the rest of the node took of its CPUs meanwhile (None where the node's
+    CPU ticks cannot be read, or `measure` took too few of them to tell)."""
+    before, own0, t0 = node_cpu_ticks(), time.process_time(), time.perf_counter()
+    value = measure()
+    after, own_s, wall_s = node_cpu_ticks(), time.process_time() - own0, time.perf_counter() - t0
+    if before is None or after is None or wall_s < MIN_LOAD_WALL_S:
+        return value, None
+    return value, OtherLoad.between(before, after, own_s, wall_s, os.sysconf("SC_CLK_TCK"))

@@ -11,7 +11,8 @@ params_billion, world_size, gpu_peak_gib, gpu_peak_startup_gib, host_peak_gib, t
 predicted_update_s, iteration_s; cpu_kernel_s, the slowest rank's time in the CPU kernel, beside
 predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the planner's CPU rate came from:
 "timed" before the case, or "learned" where offload.bandwidth_profile holds an earlier run's on this
-host for the same ranks and threads; the update's fixed costs as predicted, predicted_walk_s and
+host for the same ranks and threads; cpu_rate_detail, the plan's note on that rate (for a timed one, where other
+processes or the hypervisor took the node's CPUs while it was timed); the update's fixed costs as predicted, predicted_walk_s and
 predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
 median step's, which a shared machine's bursts move less than the mean; activation_checkpointing and
 reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
@@ -69,7 +70,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                    predicted_update_s=plan.predicted_update_s, predicted_io_s=mine.io_s, predicted_cpu_s=mine.cpu_s,
                    predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
                    predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
-                   planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source)  # fmt: skip
+                   planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source,
+                   cpu_rate_detail=plan.cpu_rate_detail)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
     os.makedirs(out_dir, exist_ok=True)
     launch = [sys.executable, TRAIN] if nproc == 1 else [
