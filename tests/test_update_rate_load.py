@@ -8,6 +8,7 @@ import os
 import pytest
 
 import fsdp_offload.machine as machine_module
+import fsdp_offload.update_rate as update_rate
 from fsdp_offload.config import OffloadConfig
 from fsdp_offload.machine import MachineConfig, measured_speeds
 from fsdp_offload.update_rate import MIN_LOAD_WALL_S, OtherLoad, node_cpu_ticks, timed_beside_load
@@ -33,9 +34,7 @@ def test_proc_stat_is_read_from_its_first_line_and_none_where_there_is_none(tmp_
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the node's CPU ticks are read from Linux's /proc/stat")
-def test_a_measure_gives_its_value_and_a_load_where_it_ran_long_enough():
-    assert timed_beside_load(lambda: 7.0) == (7.0, None)  # too short to tell from ticks
-
+def test_a_measure_gives_its_value_and_a_load_where_the_ticks_can_tell(monkeypatch):
     def spin() -> float:
         import time
 
@@ -46,6 +45,8 @@ def test_a_measure_gives_its_value_and_a_load_where_it_ran_long_enough():
 
     value, load = timed_beside_load(spin)
     assert value == 8.0 and load is not None and load.others_cores >= 0 and load.steal_cores >= 0
+    monkeypatch.setattr(update_rate, "node_cpu_ticks", lambda: None)  # no /proc/stat to read: the value alone
+    assert timed_beside_load(spin) == (8.0, None)
 
 
 def test_a_plan_timed_on_a_busy_node_says_so(monkeypatch):
