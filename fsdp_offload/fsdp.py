@@ -13,6 +13,7 @@ are plain synchronous ones.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .held_grad import held_like, is_held
+from .held_grad import held_like, is_held, release_held_grads
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -120,6 +121,40 @@ def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
             raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not sharded by fully_shard (not a DTensor)")
         if p.device_mesh.ndim != 1:
             raise ValueError(f"param {i} lives on a {p.device_mesh.ndim}-D mesh: OffloadAdamW supports 1-D FSDP meshes")
+
+
+class ModelHooks:
+    """The hooks an optimizer put on its model's params and modules, removed together: by close(), or by
+    the optimizer's finalizer where it was dropped without one. The HeldGrads in p.grad go with them, so
+    the model is left as torch would leave it."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+        self._handles: list = []
+
+    def add(self, handles: list) -> None:
+        self._handles += handles
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        release_held_grads(self._params)
+
+
+def weakly(method: Callable[..., None]) -> Callable[..., None]:
+    """A bound method called through a weak reference to its object (a no-op once that is gone). A grad
+    hook is held by its param from C++, where the garbage collector cannot follow: a strong reference
+    from it would keep an optimizer dropped without close() (its pinned memory, tier files and threads)
+    alive until the process ends."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.Tensor], None],

@@ -20,8 +20,9 @@ import torch
 from .bandwidth import TierSpeed
 from .config import OffloadConfig, offload_config
 from .fsdp import (
-    CopyStream, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units, install_forward_waits,
-    install_grad_hooks, install_sync_checks, local_data, mesh_group, reshard_gathered, root_fsdp_module, units_holding,
+    CopyStream, ModelHooks, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units,
+    install_forward_waits, install_grad_hooks, install_sync_checks, local_data, mesh_group, reshard_gathered, root_fsdp_module,
+    units_holding, weakly,
 )  # fmt: skip
 from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
 from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
@@ -140,7 +141,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.grad_path = levels.grad_path  # where the low-precision grads wait for their update (resolved)
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
-        self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight])
+        self._hooks = ModelHooks(self._params)  # removed at close(), first: a closed optimizer takes no grads
+        self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight, self._hooks])
         self._copies = CopyStream(device)
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
@@ -156,18 +158,17 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.store.fill(list(range(len(self.layout))), {"master_param": lambda i: masters(self._params[i])},
                             then=self._states.load_params_from_master)  # fmt: skip
             self._copies.wait_host()
-        self._hooks: list = []  # removed at close(): a closed optimizer takes no grads
         self._no_grad_steps = NoGradSteps()
         if model is not None:
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
-            self._hooks = install_grad_hooks(self._params, self._hooked_grad, self.stage_grad, cfg.micro_batches)
-            self._hooks += install_sync_checks(self._sync_units, cfg.micro_batches)
-            self._hooks += warn_uncast_at_first_forward(model, units, self._params, self.param_dtype)
-            self._hooks += install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states)
+            self._hooks.add(install_grad_hooks(self._params, weakly(self._hooked_grad), weakly(self.stage_grad), cfg.micro_batches))
+            self._hooks.add(install_sync_checks(self._sync_units, cfg.micro_batches))
+            self._hooks.add(warn_uncast_at_first_forward(model, units, self._params, self.param_dtype))
+            self._hooks.add(install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states))
             if inflight is not None:
-                self._hooks += install_forward_waits([modules for modules, _ in units], inflight.wait_unit)
+                self._hooks.add(install_forward_waits([modules for modules, _ in units], inflight.wait_unit))
         else:
             for p in self._params:
                 if masters is None:
@@ -370,11 +371,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.engine.finish_update()
         finally:
             self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
-            for hook in self._hooks:
-                hook.remove()
-            self._hooks = []
-            release_held_grads(self._params)  # the model may go on with another optimizer
-            self._closer()
+            self._closer()  # the model's hooks and held grads first: the model may go on with another optimizer
 
     def _check_open(self) -> None:
         if not self._closer.alive:

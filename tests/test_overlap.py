@@ -6,11 +6,13 @@ forward of the first units runs while it is still going: that is what the run ch
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -330,6 +332,30 @@ def worker_closed(rank: int, world: int, tmp: str) -> None:
 
 def test_a_closed_optimizer_lets_the_model_run_and_refuses_to_step():
     run_ranks(1, worker_closed, "")
+
+
+def worker_dropped(rank: int, world: int, tmp: str) -> None:
+    model = build_model(rank)
+    budget = (2 * 40 * SG + 4 * 3 * SG * 4) / 2**30  # most state in a tier file
+    cfg = OffloadConfig(tiers=[f"posix:{tmp}"], host_budget_gb=budget, subgroup_numel=SG, kernel="torch")
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=cfg)
+    loss_of(model, batch(rank, 0)).backward()
+    opt.step()  # in flight when the two are dropped
+    assert [f for _, _, files in os.walk(tmp) for f in files] and opt.engine.inflight.busy
+    dropped = weakref.ref(opt)
+    del opt, model  # no close(): a notebook's cell run again, a loop of ablations
+    gc.collect()
+    assert dropped() is None, "a dropped OffloadAdamW is kept alive (its grad hooks on the params hold it)"
+    assert [f for _, _, files in os.walk(tmp) for f in files] == []  # its finalizer removed the tier's files
+    ours = [t.name for t in threading.enumerate() if t.name == "fsdp-offload-update" or t.name.startswith(f"posix:{tmp}")]
+    assert ours == [], ours  # and stopped its update worker and I/O threads
+
+
+def test_an_optimizer_dropped_without_close_is_freed(tmp_path):
+    """The grad hooks live on the params, which hold them from C++ where the garbage collector cannot follow:
+    holding the optimizer strongly, they kept a dropped one (pinned memory, tier files, threads) until the
+    process ended. They hold it weakly, and its finalizer removes them."""
+    run_ranks(1, worker_dropped, str(tmp_path))
 
 
 def test_auto_overlap_is_the_synchronous_step_for_a_model_on_the_cpu():
