@@ -70,6 +70,11 @@ class CopyStream:
         if self.stream is not None:
             self.stream.synchronize()
 
+    def close(self) -> None:
+        """Before the buffers its copies read are freed (at an optimizer's close, or its finalizer): waits
+        for them."""
+        self.wait_host()
+
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies queued so far. A thread that waits for it on the CPU sleeps rather
         than spins (blocking=True): a spinning wait takes a core from the CPU update it waits for."""

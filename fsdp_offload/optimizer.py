@@ -142,8 +142,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._hooks = ModelHooks(self._params)  # removed at close(), first: a closed optimizer takes no grads
-        self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, inflight, self._hooks])
-        self._copies = CopyStream(device)
+        self._copies = CopyStream(device)  # (closed after the update: its copies back read the staging buffer)
+        self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, self._copies, inflight,
+                                                           self._hooks])  # fmt: skip
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
@@ -163,7 +164,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
-            self._hooks.add(install_grad_hooks(self._params, weakly(self._hooked_grad), weakly(self.stage_grad), cfg.micro_batches))
+            hooked, staged = weakly(self._hooked_grad), weakly(self.stage_grad)  # the params must not keep it alive
+            self._hooks.add(install_grad_hooks(self._params, hooked, staged, cfg.micro_batches))
             self._hooks.add(install_sync_checks(self._sync_units, cfg.micro_batches))
             self._hooks.add(warn_uncast_at_first_forward(model, units, self._params, self.param_dtype))
             self._hooks.add(install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states))
@@ -370,8 +372,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     pass
             self.engine.finish_update()
         finally:
-            self._copies.wait_host()  # copies still reading the staging buffer, before it is unpinned
-            self._closer()  # the model's hooks and held grads first: the model may go on with another optimizer
+            self._closer()  # the model's hooks first (it may go on with another optimizer), the copies before the buffers
 
     def _check_open(self) -> None:
         if not self._closer.alive:
