@@ -11,13 +11,13 @@ and the FP32 export are state_dicts.py's.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .bandwidth import TierSpeed
+from .closing import OwnedResources
 from .config import OffloadConfig, offload_config
 from .fsdp import (
     CopyStream, ModelHooks, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units,
@@ -143,8 +143,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
         self._hooks = ModelHooks(self._params)  # removed at close(), first: a closed optimizer takes no grads
         self._copies = CopyStream(device)  # (closed after the update: its copies back read the staging buffer)
-        self._closer = weakref.finalize(self, _close_all, [levels.staging, levels.sums, self.store, self._copies, inflight,
-                                                           self._hooks])  # fmt: skip
+        self._owned = OwnedResources(self, [levels.staging, levels.sums, self.store, self._copies, inflight, self._hooks])
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
@@ -372,10 +371,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                     pass
             self.engine.finish_update()
         finally:
-            self._closer()  # the model's hooks first (it may go on with another optimizer), the copies before the buffers
+            self._owned.close()  # the model's hooks first (it may go on with another optimizer), the copies before the buffers
 
     def _check_open(self) -> None:
-        if not self._closer.alive:
+        if not self._owned.open:
             raise RuntimeError(
                 "this OffloadAdamW was closed (its tier files and buffers are gone): build a new one, and load "
                 "a checkpoint into it to go on"
@@ -391,8 +390,3 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "update); call step() again to finish it before saving or loading state"
             )
 
-
-def _close_all(resources: list) -> None:
-    for r in reversed(resources):
-        if r is not None:
-            r.close()

@@ -13,13 +13,13 @@ time for checkpoints, and knows when a load has left the state half written.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .cache import HostCache, aligned_host_buffer
+from .closing import close_in_reverse
 from .pipeline import Placement, SubgroupPipeline
 from .storage import Tier, Transfer
 from .storage.base import ALIGN
@@ -53,8 +53,10 @@ class SubgroupStore:
         self, layout: SubgroupLayout, gpu_subgroups: frozenset[int], device: torch.device, cache: HostCache,
         placement: Placement, tiers: list[Tier], extra_slot_bytes: list[int], prefetch: int,
     ) -> None:  # fmt: skip
-        # What close() releases, in reverse; a build that fails part-way releases it at once (tier files too)
-        self._closer = weakref.finalize(self, _close_all, [cache, placement, *tiers])
+        # What close() releases, in reverse; a build that fails part-way releases it at once (tier files too).
+        # No finalizer of its own: the optimizer owning it closes it, whose finalizer waits for the update in
+        # flight first (closing.py), where the store's could have fired first and freed the cache under it.
+        self._owned: list | None = [cache, placement, *tiers]
         try:
             self.layout, self.cache, self.placement, self.tiers = layout, cache, placement, tiers
             self.host_subgroups = [sg for sg in range(len(layout)) if sg not in gpu_subgroups]
@@ -68,7 +70,7 @@ class SubgroupStore:
             for t in tiers:
                 t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
         except BaseException:
-            self._closer()
+            self.close()
             raise
         self._loading = False  # a load has begun overwriting subgroups and not finished
         self._lock_wait_seen: dict[str, float] = {}
@@ -282,10 +284,7 @@ class SubgroupStore:
             )
 
     def close(self) -> None:
-        """Deletes this rank's tier files and saves what the placement learned."""
-        self._closer()
-
-
-def _close_all(resources: list) -> None:
-    for r in reversed(resources):
-        r.close()
+        """Deletes this rank's tier files and saves what the placement learned (once)."""
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            close_in_reverse(owned)
