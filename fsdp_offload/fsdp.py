@@ -71,9 +71,10 @@ class CopyStream:
             self.stream.synchronize()
 
     def close(self) -> None:
-        """Before the buffers its copies read are freed (at an optimizer's close, or its finalizer): waits
-        for them."""
-        self.wait_host()
+        """Before the buffers the copies read are freed (at an optimizer's close, or its finalizer): waits for
+        them, and for the grad hooks' copies into the staging buffer on FSDP2's stream (the whole device)."""
+        if self.stream is not None:
+            torch.cuda.synchronize(self.stream.device)
 
     def record(self) -> torch.cuda.Event | None:
         """An event after the copies queued so far. A thread that waits for it on the CPU sleeps rather

@@ -137,13 +137,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         group = mesh_group(self._params)
         levels = build_levels(cfg, self.layout, forward, [t.shape for t in locals_], device, self.param_dtype, group, memory_plan,
                               tier_speeds)  # fmt: skip
+        # closed in reverse: the update in flight ends, then the model's hooks go (a closed optimizer takes no
+        # grads), then the copies land, before the buffers they read are freed
+        self._owned = OwnedResources(self, device)
+        self._owned.add(levels.staging, levels.sums, levels.store)
         self.store, self.grads, self.grad_accumulation = levels.store, levels.grads, levels.grad_accumulation
         self.grad_path = levels.grad_path  # where the low-precision grads wait for their update (resolved)
+        self._copies, self._hooks = CopyStream(device), ModelHooks(self._params)
+        self._owned.add(self._copies, self._hooks)
         # None: step() updates every subgroup before it returns
         inflight = UpdateInFlight(unit_subgroups) if units and overlap != "none" else None
-        self._hooks = ModelHooks(self._params)  # removed at close(), first: a closed optimizer takes no grads
-        self._copies = CopyStream(device)  # (closed after the update: its copies back read the staging buffer)
-        self._owned = OwnedResources(self, [levels.staging, levels.sums, self.store, self._copies, inflight, self._hooks])
+        self._owned.add(inflight)
         kernels = (kernel, triton_kernel() if self.store.gpu_state else None)
         self.engine = StepEngine(cfg, self.param_groups, self._params, self.layout, forward, self.store, self.grads, self._copies,
                                  kernels, inflight, overlap == "backward", root, levels.size_gpu_share_later, levels.rate_learner)  # fmt: skip
@@ -371,7 +375,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                     pass
             self.engine.finish_update()
         finally:
-            self._owned.close()  # the model's hooks first (it may go on with another optimizer), the copies before the buffers
+            self._owned.close()  # (the model may go on with another optimizer: its hooks and held grads are gone)
 
     def _check_open(self) -> None:
         if not self._owned.open:

@@ -21,6 +21,7 @@ from dist_utils import free_port, optimizer_tensors, run_ranks
 from test_fsdp import ARGS, SG, batch, build_model, loss_of
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.closing import join_closing
 from fsdp_offload.fsdp import local_data
 from fsdp_offload.overlap import UpdateInFlight
 from fsdp_offload.parallelize import build_fsdp_model
@@ -245,6 +246,7 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 from test_fsdp import SG, batch, build_model, loss_of
 from fsdp_offload import OffloadAdamW, OffloadConfig
+from fsdp_offload.closing import join_closing
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
 model = build_model(0)
@@ -346,6 +348,7 @@ def worker_dropped(rank: int, world: int, tmp: str) -> None:
     del opt, model  # no close(): a notebook's cell run again, a loop of ablations
     gc.collect()
     assert dropped() is None, "a dropped OffloadAdamW is kept alive (its grad hooks on the params hold it)"
+    join_closing(60)  # its finalizer closes from a thread of its own
     assert [f for _, _, files in os.walk(tmp) for f in files] == []  # its finalizer removed the tier's files
     ours = [t.name for t in threading.enumerate() if t.name == "fsdp-offload-update" or t.name.startswith(f"posix:{tmp}")]
     assert ours == [], ours  # and stopped its update worker and I/O threads
