@@ -108,7 +108,13 @@ def release_pages(buf: torch.Tensor) -> int:
 
 
 def unpin(buf: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    """Unregisters `buf` (from host_buffer(pin=True)) before its memory is freed, on the device it was
+    registered on (the caller's current device)."""
+    err = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+    if err != 0:  # its pages stay registered: freed and reused, CUDA could still read them as locked
+        torch.cuda.cudart().cudaGetLastError()  # clear it, so no later CUDA call reports it
+        raise RuntimeError(f"cudaHostUnregister of {format_bytes(buf.numel() * buf.element_size())} of page-locked "
+                           f"host memory failed (CUDA error {err})")  # fmt: skip
 
 
 class HostCache:
