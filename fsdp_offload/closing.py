@@ -83,7 +83,9 @@ def _close_dropped(resources: list[Closable | None], device: torch.device) -> No
         finally:
             _closers.discard(threading.current_thread())
 
-    thread = threading.Thread(target=close, name="fsdp-offload-close", daemon=False)  # (not the finalizing thread's daemon flag)
+    # a daemon: a close that waits long (a tier lock held elsewhere) must not hold the process at its exit, where
+    # what it leaves is a killed run's (the next run on the host removes those tier files)
+    thread = threading.Thread(target=close, name="fsdp-offload-close", daemon=True)
     _closers.add(thread)
     try:
         thread.start()
