@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -148,17 +148,16 @@ class ModelHooks:
         release_held_grads(self._params)
 
 
-def weakly(method: Callable[..., None]) -> Callable[..., None]:
-    """A bound method called through a weak reference to its object (a no-op once that is gone). A grad
-    hook is held by its param from C++, where the garbage collector cannot follow: a strong reference
-    from it would keep an optimizer dropped without close() (its pinned memory, tier files and threads)
-    alive until the process ends."""
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A bound method called through a weak reference to its object (None, calling nothing, once that is
+    gone), for the hooks an optimizer leaves on its model. A grad hook is held by its param from C++,
+    where the garbage collector cannot follow: a strong reference from it would keep an optimizer dropped
+    without close() (its pinned memory, tier files and threads) alive until the process ends."""
     ref = weakref.WeakMethod(method)
 
-    def call(*args) -> None:
+    def call(*args: object) -> Any:
         bound = ref()
-        if bound is not None:
-            bound(*args)
+        return None if bound is None else bound(*args)
 
     return call
 

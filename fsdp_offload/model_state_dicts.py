@@ -43,13 +43,12 @@ loaded weights: a silently different run whose first loss looked right.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .fsdp import local_data, reshard_gathered
+from .fsdp import local_data, reshard_gathered, weakly
 
 if TYPE_CHECKING:
     from .state_dicts import OptimizerStates
@@ -83,7 +82,7 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
     copied to `states.load_masters` ({param index: its loaded local part}) once the load ends. The
     hooks hold the optimizer weakly; once it is gone they do nothing."""
     owned = {id(p): i for i, p in enumerate(params)}
-    finish, check, load = (weakref.WeakMethod(m) for m in (finish_update, states.before_model_load, states.load_masters))
+    finish, check, load = (weakly(m) for m in (finish_update, states.before_model_load, states.load_masters))
     # Each running load_state_dict() by its missing_keys list (torch passes the same one to every module's
     # hooks of one call, and a new one to the next, nested or not): the first of our modules it reached,
     # whose post-hook comes after all the others' (the model itself, or a submodule loaded alone, under any
@@ -91,8 +90,7 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
     loads: dict[int, tuple[list, torch.nn.Module, dict[int, torch.Tensor] | None]] = {}  # id(missing_keys) -> its load
 
     def wait(*_args: object) -> None:
-        if (method := finish()) is not None:
-            method()
+        finish()
 
     def take(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict, _strict: bool,
              missing_keys: list, *_: object) -> None:  # fmt: skip
@@ -103,7 +101,7 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
                     f"{type(module).__name__}.load_state_dict(assign=True) would replace the params OffloadAdamW "
                     "holds with the loaded tensors, which it does not know; load with assign=False (the default)"
                 )
-            follow = (method := check()) is not None and method()
+            follow = bool(check())  # (False once the optimizer is gone)
             reshard_gathered(model.modules())  # the load writes the shards
             load_call = loads[id(missing_keys)] = (missing_keys, module, {} if follow else None)
         taken = load_call[2]
@@ -123,8 +121,8 @@ def install_model_state_dict_hooks(model: torch.nn.Module, params: list[torch.Te
             return
         del loads[id(missing_keys)]
         loaded = {i: part for i, part in (load_call[2] or {}).items() if copied(params[i], part)}
-        if loaded and (method := load()) is not None:
-            method(loaded)
+        if loaded:
+            load(loaded)
 
     handles = []
     for m in model.modules():
