@@ -1,9 +1,9 @@
 """FSDP2 glue: grad shards to host as reduce-scatter ends, new params back before the next forward.
 
-A post-accumulate-grad hook on each sharded param copies its bf16 grad shard into the optimizer's
-staging buffer (page-locked host memory; GPU memory for GPU-resident subgroups and with
-`grad_path="gpu_bf16"`) on the stream FSDP2 runs the hook on (its post-reduce stream) and frees
-the GPU grad. After the step, the new bf16 params go back on a side stream of the optimizer's
+A post-accumulate-grad hook on each sharded param takes its bf16 grad shard; once an FSDP unit's are
+all in, the optimizer copies them into its staging buffer (page-locked host memory; GPU memory for
+GPU-resident subgroups and with `grad_path="gpu_bf16"`) on the stream FSDP2 runs the hooks on (its
+post-reduce stream) and frees the GPU grads. After the step, the new bf16 params go back on a side stream of the optimizer's
 (`CopyStream`). With the update overlapped, a forward pre-hook on each FSDP unit, ahead of FSDP's own,
 waits for the subgroups that hold that unit's params before FSDP all-gathers them; with a synchronous
 step, the root's next all-gather waits on one event (`set_post_optim_event`). On CPU (gloo) the copies
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .held_grad import held_like, is_held, release_held_grads
+from .unit_grads import HandOver, UnitGrads
 
 
 def local_data(p: torch.Tensor) -> torch.Tensor:
@@ -132,19 +133,32 @@ def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
 class ModelHooks:
     """The hooks an optimizer put on its model's params and modules, removed together: by close(), or by
     the optimizer's finalizer where it was dropped without one. The HeldGrads in p.grad go with them, so
-    the model is left as torch would leave it."""
+    the model is left as torch would leave it, and so do the grads the hooks still hold."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._params = params
         self._handles: list = []
+        self._unit_grads: UnitGrads | None = None
 
-    def add(self, handles: list) -> None:
+    def add(self, handles: list, unit_grads: UnitGrads | None = None) -> None:
         self._handles += handles
+        self._unit_grads = unit_grads or self._unit_grads
+
+    def hand_over_grads(self) -> None:
+        """Hands the optimizer the grads the grad hooks still hold: before anything reads the step's grads."""
+        if self._unit_grads is not None:
+            self._unit_grads.hand_over()
+
+    def drop_grads(self) -> None:
+        """Drops the grads the grad hooks still hold (zero_grad())."""
+        if self._unit_grads is not None:
+            self._unit_grads.drop()
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.drop_grads()
         release_held_grads(self._params)
 
 
@@ -162,44 +176,42 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def install_grad_hooks(params: list[torch.Tensor], fresh: Callable[[int, torch.Tensor], None],
-                       added: Callable[[int, torch.Tensor], None], micro_batches: int) -> list:  # fmt: skip
-    """Hooks that hand each param's reduced grad shard to the optimizer and free it, leaving a HeldGrad
-    in `p.grad`, which refuses every read with an error naming the optimizer's own clip (with None
-    there torch's clip_grad_norm_ would see no grad and clip nothing). A grad that finds `p.grad` empty
-    or zeroed goes to `fresh(index, local_grad)` (the step's first, or the first after p.grad was
-    cleared); the next backward's, which FSDP2 adds to the HeldGrad, goes to `added(index, local_grad)`.
+def install_grad_hooks(params: list[torch.Tensor], units: list[tuple[list[nn.Module], list[nn.Parameter]]],
+                       hand_over: HandOver, micro_batches: int) -> tuple[list, UnitGrads]:  # fmt: skip
+    """Hooks that take each param's reduced grad shard for the optimizer, leaving a HeldGrad in `p.grad`,
+    which refuses every read with an error naming the optimizer's own clip (with None there torch's
+    clip_grad_norm_ would see no grad and clip nothing). The grads go to `hand_over(indices, grads,
+    fresh)` an FSDP unit at a time (`units`, from fsdp_units; unit_grads.UnitGrads); `fresh[k]`
+    says grad k found `p.grad` empty or zeroed (the step's first, or the first after p.grad was cleared).
+    The next backward's grad, which FSDP2 adds to the HeldGrad, goes over as not fresh.
 
-    FSDP2 runs these on its post-reduce stream, right after the reduction that made the grad, so the
+    FSDP2 runs these on its post-reduce stream, right after the reduction that made the grads, so the
     optimizer queues its copies there: they wait for nothing else, backward's compute never waits for
     them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
     A side stream of our own costs a stream switch, a cross-stream wait and a cross-stream free per
     grad: scripts/bench_hook_stream.py measures the two."""
-
-    def keep_until_used(local: torch.Tensor) -> None:
-        if local.is_cuda:  # where the grad was allocated on another stream (HSDP's all-reduce)
-            local.record_stream(torch.cuda.current_stream(local.device))
+    index = {id(p): i for i, p in enumerate(params)}
+    members = [[index[id(p)] for p in unit_params if id(p) in index and p.requires_grad] for _, unit_params in units]
+    unit_grads = UnitGrads(members, len(params), hand_over)
 
     def make_hook(index: int) -> Callable[[torch.Tensor], None]:
         def take(local: torch.Tensor) -> None:
-            added(index, local)
-            keep_until_used(local)
+            unit_grads.add(index, local, False)
 
         def restart(local: torch.Tensor) -> None:
-            fresh(index, local)
-            keep_until_used(local)
+            unit_grads.add(index, local, True)
 
         # Runs once per param in the middle of backward, so it is kept to a few calls.
         def hook(param: torch.Tensor) -> None:
             grad = param.grad
             if is_held(grad):
-                return  # FSDP2 added this backward's grad to the held one: `take` (or `restart`) has handed it in
-            restart(grad.to_local() if isinstance(grad, DTensor) else grad)
+                return  # FSDP2 added this backward's grad to the held one: `take` (or `restart`) has it
+            restart(grad._local_tensor if isinstance(grad, DTensor) else grad)  # (to_local() runs an op: 5 us)
             param.grad = held_like(grad, micro_batches, take, restart)
 
         return hook
 
-    return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)]
+    return [p.register_post_accumulate_grad_hook(make_hook(i)) for i, p in enumerate(params)], unit_grads
 
 
 def units_holding(units: list[tuple[list[nn.Module], list[nn.Parameter]]], params: list[torch.Tensor]) -> list[list[nn.Module]]:

@@ -42,16 +42,23 @@ class NonFiniteGradError(ValueError):
 _CPU_NORM_CHUNK = 1 << 22  # elements a CPU reduction upcasts at a time: bounds its FP64 copy (32 MiB)
 
 
+def gpu_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each grad's L2 norm, a 0-dim FP32 tensor on its GPU, all in one multi-tensor kernel (the grad hooks
+    hand an FSDP unit's grads over at once, in the middle of backward). The low-precision elements are
+    upcast in registers and accumulated in FP32 per fixed-size chunk of each grad, and each grad's chunks
+    summed in a fixed order: the same bits for a grad however many others share the launch, far below
+    what the FP32 clip factor shows."""
+    return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
+
+
 def square_sum(flat: torch.Tensor) -> torch.Tensor:
     """Sum of squares of a flat grad as a 0-dim FP64 tensor on its device (inf/nan if any element is,
     and inf on the GPU if one is above 1.8e19, whose square FP32 cannot hold), the same bits every
-    time for the same grad. On the GPU it is one reduction kernel however large the shard (the grad
-    hooks call this for every grad, in the middle of backward): it upcasts the low-precision elements
-    in registers and accumulates in FP32 over a tree, whose rounding is far below what the FP32 clip
-    factor shows. On the CPU, whose reduction accumulates serially, chunks are upcast to FP64 (the
-    copy bounded by the chunk). The norms' squares are summed in FP64."""
+    time for the same grad. On the GPU it is the square of `gpu_norms`'. On the CPU, whose reduction
+    accumulates serially, chunks are upcast to FP64 (the copy bounded by the chunk). The norms' squares
+    are summed in FP64."""
     if flat.is_cuda:
-        return torch.linalg.vector_norm(flat, dtype=torch.float32).double().square()
+        return gpu_norms([flat])[0].double().square()
     norms = [
         torch.linalg.vector_norm(flat[lo : lo + _CPU_NORM_CHUNK], dtype=torch.float64)
         for lo in range(0, max(1, flat.numel()), _CPU_NORM_CHUNK)
@@ -62,21 +69,27 @@ def square_sum(flat: torch.Tensor) -> torch.Tensor:
 class SquareSums:
     """Each param's grad's sum of squares (`square_sum`), taken as the grad is staged and summed in
     param order at the step, so the norm depends on no subgroup cut, cache state or timing. On the GPU
-    the hook writes only the grad's FP32 norm into its slot (one reduction kernel, in the middle of
-    backward, where the launching thread bounds the step at several ranks), and the step squares them
-    all at once in FP64: the bits of `square_sum`, at a quarter of its launches per grad."""
+    the hooks write only the grads' FP32 norms into their slots (`gpu_norms`: one kernel for an FSDP
+    unit's grads, in the middle of backward, where the launching thread bounds the step at several
+    ranks, and one more to put them in their slots), and the step squares them all at once in FP64:
+    the bits of `square_sum`."""
 
     def __init__(self, params: int, device: torch.device) -> None:
         self._norms_on_gpu = device.type == "cuda"
         self._values = torch.zeros(params, dtype=torch.float32 if self._norms_on_gpu else torch.float64, device=device)
         self._slots = self._values.unbind()  # views made once: none is made per grad
 
-    def take(self, index: int, flat: torch.Tensor) -> None:
-        """Param `index`'s grad (flat, on this device) is now `flat`."""
+    def take(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """The grads of params `indices` (any shape, one dtype, on any device) are now `grads`."""
+        if not indices:
+            return
+        slots = [self._slots[i] for i in indices]
         if self._norms_on_gpu:  # a grad handed in from host memory (stage_grad) is copied up and reduced as the others
-            torch.linalg.vector_norm(flat.to(self._values.device), dtype=torch.float32, out=self._slots[index])
+            device = self._values.device
+            torch._foreach_copy_(slots, gpu_norms([g if g.device == device else g.to(device) for g in grads]))
         else:
-            self._slots[index].copy_(square_sum(flat))
+            for slot, grad in zip(slots, grads):
+                slot.copy_(square_sum(grad.reshape(-1)))
 
     def total(self) -> torch.Tensor:
         """The sum over params, FP64, shape (1,)."""
@@ -181,26 +194,33 @@ class StepGrads:
         """Which params hold a grad for the next step."""
         return self.staging.staged
 
-    def stage(self, index: int, grad: torch.Tensor) -> None:
-        if grad.dtype != self.dtype:
-            raise TypeError(
-                f"grad of param {index} (shape {tuple(grad.shape)}) is {grad.dtype}; OffloadAdamW expects "
-                f"{self.dtype} grads (the model's params are {self.dtype})"
-            )
-        if grad.shape != self._local_shapes[index]:
-            raise ValueError(
-                f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
-                f"{tuple(self._local_shapes[index])}"
-            )
-        self._total = None  # a norm taken before this grad is stale
-        self.backwards[index] += 1
-        if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
-            self.sums.add(index, grad)
-            return
-        flat = grad.reshape(-1)
-        self.staging.stage(index, flat)
-        if self._square_sums is not None:
-            self._square_sums.take(index, flat)
+    def stage(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """One grad each (its local shard, any shape) for params `indices`: the step's first of a param goes
+        into the staging buffer, its norm taken where it is; a later one into the FP32 sums."""
+        for index, grad in zip(indices, grads):  # all checked before any is taken
+            if grad.dtype != self.dtype:
+                raise TypeError(
+                    f"grad of param {index} (shape {tuple(grad.shape)}) is {grad.dtype}; OffloadAdamW expects "
+                    f"{self.dtype} grads (the model's params are {self.dtype})"
+                )
+            if grad.shape != self._local_shapes[index]:
+                raise ValueError(
+                    f"grad of param {index} has shape {tuple(grad.shape)}, the param's local shape is "
+                    f"{tuple(self._local_shapes[index])}"
+                )
+        self._total = None  # a norm taken before these grads is stale
+        firsts, first_grads = [], []
+        for index, grad in zip(indices, grads):
+            self.backwards[index] += 1
+            if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
+                self.sums.add(index, grad)
+            else:
+                firsts.append(index)
+                first_grads.append(grad)
+        if firsts:
+            self.staging.stage(firsts, first_grads)
+            if self._square_sums is not None:
+                self._square_sums.take(firsts, first_grads)
 
     def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
@@ -212,8 +232,7 @@ class StepGrads:
                 "FSDP2 model, whose hooks hand each grad in), or hand each micro-batch's grads to opt.stage_grad()"
             )
         with copies.after_current():
-            for i in taken:
-                self.stage(i, local[i])
+            self.stage(taken, [local[i] for i in taken])
         copies.wait_host()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -225,11 +244,10 @@ class StepGrads:
         self.take_square_sums()
         if self._total is None:
             self.sums.drain()
-            for i, summed in enumerate(self.sums.summed):
-                if summed:
-                    self._square_sums.take(i, self.sums.param_sum(i).to(self._device))
-            for i in self._accumulated - {i for i, summed in enumerate(self.sums.summed) if summed}:
-                self._square_sums.take(i, self.staging.param_grad(i).to(self._device))
+            summed = [i for i, s in enumerate(self.sums.summed) if s]
+            self._square_sums.take(summed, [self.sums.param_sum(i).to(self._device) for i in summed])
+            staged = sorted(self._accumulated - set(summed))
+            self._square_sums.take(staged, [self.staging.param_grad(i).to(self._device) for i in staged])
             self._accumulated.clear()
             sq = self._square_sums.total()
             if self._group is not None:

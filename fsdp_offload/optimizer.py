@@ -167,8 +167,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if masters is None:
                 cast_params(model, self.param_dtype, self._params)
             setattr(model, CAST_MARK, True)
-            hooked, staged = weakly(self._hooked_grad), weakly(self.stage_grad)  # the params must not keep it alive
-            self._hooks.add(install_grad_hooks(self._params, hooked, staged, cfg.micro_batches))
+            # the params must not keep the optimizer alive: the hooks call it weakly
+            self._hooks.add(*install_grad_hooks(self._params, units, weakly(self._hooked_grads), cfg.micro_batches))
             self._hooks.add(install_sync_checks(self._sync_units, cfg.micro_batches))
             self._hooks.add(warn_uncast_at_first_forward(model, units, self._params, self.param_dtype))
             self._hooks.add(install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states))
@@ -224,16 +224,18 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     # -- grads ----------------------------------------------------------------------------------
 
-    def _hooked_grad(self, index: int, grad: torch.Tensor) -> None:
-        """A grad from the FSDP2 hook. One that comes after the step's last planned grad found p.grad
-        cleared (model.zero_grad(), p.grad = None): as torch, the param's earlier grads are dropped."""
+    def _hooked_grads(self, indices: list[int], grads: list[torch.Tensor], fresh: list[bool]) -> None:
+        """An FSDP unit's grads from the hooks (unit_grads.UnitGrads). A fresh one that comes after the step's
+        last planned grad found p.grad cleared (model.zero_grad(), p.grad = None): as torch, the param's
+        earlier grads are dropped."""
         self._check_open()
-        self.engine.stage_hooked_grad(index, grad)
+        self.engine.stage_hooked_grads(indices, grads, fresh)
 
     def stage_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Hands param `index`'s low-precision grad to the step (the hooks call this)."""
+        """Hands param `index`'s low-precision grad to the step, after any the hooks still hold."""
         self._check_open()
-        self.engine.stage_grad(index, grad)
+        self._hooks.hand_over_grads()
+        self.engine.stage_grads([index], [grad])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         inflight = self.engine.inflight
@@ -242,6 +244,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
                 "updated subgroups with these grads; call step() first"
             )
+        self._hooks.drop_grads()
         release_held_grads(self._params)
         super().zero_grad(set_to_none)
         if self.engine.pending is None and not (inflight is not None and inflight.busy):
@@ -263,6 +266,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Before a clip or step uses the grads: every backward since the last step handed them in (none
         after a step with no zero_grad() between, none left unreduced by FSDP2); a p.grad the model
         cleared since is followed as torch would (torch_idioms.follow_cleared_grads)."""
+        self._hooks.hand_over_grads()
         refuse_backwards_after_step(self._params)
         check_grads_synced(self._sync_units, self.offload.micro_batches)
         if self._sync_units:  # with model=, p.grad stands for the grads the hooks took (else it is the user's)

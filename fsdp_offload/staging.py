@@ -40,6 +40,28 @@ def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, host_s
     return "host_bf16"
 
 
+def _continues(t: torch.Tensor, run: torch.Tensor, run_numel: int) -> bool:
+    """Whether `t` starts where a run of `run_numel` elements from `run` ends, in the same allocation."""
+    root = run if run._base is None else run._base
+    return (t if t._base is None else t._base) is root and t.data_ptr() == run.data_ptr() + run_numel * run.element_size()
+
+
+def copy_in_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dsts[k].copy_(srcs[k])` for each k (1-D, contiguous, of one dtype each side), one copy a run of
+    pairs that continue each other in both: on the GPU each copy is a launch the backward's thread pays."""
+    k = 0
+    while k < len(dsts):
+        dst, src = dsts[k], srcs[k]
+        n, end = dst.numel(), k + 1
+        while end < len(dsts) and _continues(dsts[end], dst, n) and _continues(srcs[end], src, n):
+            n += dsts[end].numel()
+            end += 1
+        if end > k + 1:
+            dst, src = dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))
+        dst.copy_(src, non_blocking=src.is_cuda)
+        k = end
+
+
 class LowpStaging:
     def __init__(
         self,
@@ -141,12 +163,20 @@ class LowpStaging:
             self.view(sg).copy_(lowp, non_blocking=True)
             self._windows.release(sg)
 
-    def stage(self, param: int, flat: torch.Tensor) -> None:
-        """Copies param `param`'s grad (`flat`: 1-D, on any device) into the buffer: its first of the
-        step (later ones are summed in FP32 by grad_sums.GradSums)."""
-        for dst, part in self._pieces[param]:
-            dst.copy_(flat if part is None else flat[part], non_blocking=flat.is_cuda)
-        self.staged[param] = True
+    def stage(self, params: list[int], grads: list[torch.Tensor]) -> None:
+        """Copies each param's grad (its local shard, any shape, on any device: its first of the step; later
+        ones are summed in FP32 by grad_sums.GradSums) into the buffer: one copy a run of pieces that lie
+        end to end both where the grads are and in the buffer (an FSDP unit's grads are views of one
+        reduce-scatter output, and its params' parts of a subgroup follow each other)."""
+        dsts, srcs = [], []
+        for param, grad in zip(params, grads):
+            flat = grad.reshape(-1)
+            for dst, part in self._pieces[param]:
+                dsts.append(dst)
+                srcs.append(flat if part is None else flat[part])
+        copy_in_runs(dsts, srcs)
+        for param in params:
+            self.staged[param] = True
 
     def on_device(self, sg: int) -> bool:
         """Whether subgroup `sg`'s part lives in device memory."""

@@ -1,7 +1,7 @@
 """The step: grads in, the norm and scale, each subgroup updated in order, new params back to the model.
 
 `StepEngine` runs one optimizer step in named phases, as OffloadAdamW's face calls them:
-- `stage_grad`: backward's hooks hand in each grad (with overlap="backward" the update starts at the
+- `stage_grads`: backward's hooks hand in each FSDP unit's grads (with overlap="backward" the update starts at the
   first and takes each subgroup as soon as its grads are in);
 - `begin`: grads that no hook took, the FP32 grad path's writes, the global norm and the factor every
   grad is scaled by (None: an fp16 overflow, the step skipped);
@@ -82,21 +82,24 @@ class StepEngine:
 
     # -- grads in ---------------------------------------------------------------------------------
 
-    def stage_grad(self, index: int, grad: torch.Tensor) -> None:
+    def stage_grads(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """One grad each for params `indices` (an FSDP unit's from the hooks, or one handed in)."""
         if self.during_backward:
-            self._stage_grad_during_update(index, grad)
+            self._stage_grads_during_update(indices, grads)
             return
         self.ready_for_grads()
-        self.grads.stage(index, grad)
+        self.grads.stage(indices, grads)
 
-    def stage_hooked_grad(self, index: int, grad: torch.Tensor) -> None:
-        """A grad from the FSDP2 hook that found p.grad empty. Where the param took grads this step, p.grad
-        was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads are dropped."""
-        if self.grads.backwards[index]:
-            self.ready_for_grads()
-            if self.grads.backwards[index]:  # (an update that was in flight cleared the last step's as it ended)
-                self.grads.forget(index)
-        self.stage_grad(index, grad)
+    def stage_hooked_grads(self, indices: list[int], grads: list[torch.Tensor], fresh: list[bool]) -> None:
+        """Grads from the FSDP2 hooks; `fresh[k]`: grad k found p.grad empty. Where such a param took grads
+        this step, p.grad was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads
+        are dropped."""
+        for index, first in zip(indices, fresh):
+            if first and self.grads.backwards[index]:
+                self.ready_for_grads()
+                if self.grads.backwards[index]:  # (an update that was in flight cleared the last step's as it ended)
+                    self.grads.forget(index)
+        self.stage_grads(indices, grads)
 
     def clip(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
         """opt.clip_grad_norm_: the global L2 norm of this step's grads, which the step then clips to
@@ -135,24 +138,32 @@ class StepEngine:
                 "its buffers are still in use: call step() again to finish it before the next backward"
             )
 
-    def _stage_grad_during_update(self, index: int, grad: torch.Tensor) -> None:
+    def _stage_grads_during_update(self, indices: list[int], grads: list[torch.Tensor]) -> None:
         """overlap="backward": the step's first grad starts its update; a subgroup whose grads are all in
         is handed to it at once."""
         if not self.inflight.awaiting_grads:
             self._start_update_in_backward()
-        elif index in self._grads_taken:
+        again = [(i, g) for i, g in zip(indices, grads) if i in self._grads_taken]
+        if again:
+            index, grad = again[0]
             raise RuntimeError(
                 f"param {index} (shape {tuple(grad.shape)}) got a second grad before step(): with "
                 "offload.overlap='backward' a subgroup is updated as soon as its grads are in, so grads cannot "
                 "accumulate over several backwards; call step() after each backward, or use "
                 "offload.overlap='next_forward' for gradient accumulation"
             )
-        self.grads.stage(index, grad)
-        self._grads_taken.add(index)
-        for sg in self.subgroups_of[index]:
-            self._grads_missing[sg] -= 1
-            if self._grads_missing[sg] == 0:
-                self.inflight.grads_in(sg, self.copies.record_current())  # the hook's copies, on FSDP2's stream
+        self.grads.stage(indices, grads)
+        self._grads_taken.update(indices)
+        complete = []
+        for index in indices:
+            for sg in self.subgroups_of[index]:
+                self._grads_missing[sg] -= 1
+                if self._grads_missing[sg] == 0:
+                    complete.append(sg)
+        if complete:
+            after_copies = self.copies.record_current()  # the grads' copies, on FSDP2's stream
+            for sg in complete:
+                self.inflight.grads_in(sg, after_copies)
 
     def _start_update_in_backward(self) -> None:
         self.ready_for_grads()

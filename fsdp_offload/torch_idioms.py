@@ -111,4 +111,4 @@ def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engin
         engine.grads.forget(i)
         if zeroed:
             local = local_data(params[i])
-            engine.stage_grad(i, torch.zeros(local.shape, dtype=local.dtype, device=local.device))
+            engine.stage_grads([i], [torch.zeros(local.shape, dtype=local.dtype, device=local.device)])
