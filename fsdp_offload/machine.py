@@ -171,9 +171,20 @@ SHARED_FILE_SYSTEM_NOTE = ("are on one file system: they share its bandwidth, wh
                            "counts it for each; a second path needs another device")  # fmt: skip
 
 
+QUIET_TRIES = 3  # timings of the CPU rate, at most, while the rest of the node keeps it busy
+
+
 def timed_rate(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate:
-    """The kernel timed here as the node's ranks run it; its detail says where the node was busy meanwhile."""
-    rate, load = timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks))
+    """The kernel timed here as the node's ranks run it. Where the rest of the node took a core or more
+    meanwhile (update_rate.OtherLoad), which slows the kernel, it is timed again, up to QUIET_TRIES times in
+    all, and the reading beside the least load kept (on nvidia-h200-x4, a timing beside 1.8 cores of steal
+    predicted 1.18x the measured update, session 30); the detail says where even that one was busy."""
+    readings = []
+    for _ in range(QUIET_TRIES):  # load only slows the kernel: on a busy node, time again and keep the quietest
+        readings.append(timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks)))
+        if readings[-1][1] is None or not readings[-1][1].busy:
+            break
+    rate, load = min(readings, key=lambda reading: 0.0 if reading[1] is None else reading[1].cores)
     notes = [load.warning() if load is not None else "", unlearned_note(cfg, ranks, threads)]
     return CpuRate(rate, "timed", "; ".join(n for n in notes if n))
 

@@ -118,11 +118,20 @@ class OtherLoad:
         wall = max(wall_s, 1e-9)
         return OtherLoad(max(0.0, busy_s - steal_s - own_s) / wall, steal_s / wall)
 
+    @property
+    def busy(self) -> bool:
+        """Whether the rest of the node took enough to slow the timing (a core or more, either way)."""
+        return self.others_cores >= BUSY_CORES or self.steal_cores >= BUSY_CORES
+
+    @property
+    def cores(self) -> float:
+        return self.others_cores + self.steal_cores
+
     def warning(self) -> str:
         """A sentence for the plan where the node was busy enough to slow the timing ("" where it was not)."""
         busy = [f"other processes took {self.others_cores:.1f} cores" if self.others_cores >= BUSY_CORES else "",
                 f"the hypervisor gave {self.steal_cores:.1f} cores to other guests (steal)" if self.steal_cores >= BUSY_CORES else ""]
-        if not any(busy):
+        if not self.busy:
             return ""
         return (f"while the CPU rate was timed, {' and '.join(b for b in busy if b)}: the rate may read below a quiet "
                 "node's, and the predicted update above it; plan again on a quiet node, or let a run learn its rate "
