@@ -83,8 +83,8 @@ class CopyStream:
         return self._sleeping_event(self.stream)
 
     def record_current(self) -> torch.cuda.Event | None:
-        """As record(), after the work queued so far on the caller's current stream (a grad hook's copies,
-        on FSDP2's post-reduce stream)."""
+        """As record(), after the work queued so far on the caller's current stream (the grad hooks' copies,
+        on FSDP2's post-reduce stream, or on the caller's in step())."""
         return None if self.stream is None else self._sleeping_event(torch.cuda.current_stream(self.stream.device))
 
     def _sleeping_event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -150,7 +150,7 @@ class ModelHooks:
             self._unit_grads.hand_over()
 
     def drop_grads(self) -> None:
-        """Drops the grads the grad hooks still hold (zero_grad())."""
+        """Drops the grads the grad hooks still hold (zero_grad(), close())."""
         if self._unit_grads is not None:
             self._unit_grads.drop()
 
@@ -186,8 +186,10 @@ def install_grad_hooks(params: list[torch.Tensor], units: list[tuple[list[nn.Mod
     The next backward's grad, which FSDP2 adds to the HeldGrad, goes over as not fresh.
 
     FSDP2 runs these on its post-reduce stream, right after the reduction that made the grads, so the
-    optimizer queues its copies there: they wait for nothing else, backward's compute never waits for
-    them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
+    optimizer queues a unit's copies there: they wait for nothing else, backward's compute never waits
+    for them, and the end of backward orders the current stream after them (FSDP2's post-reduce event).
+    (A unit left incomplete goes over on the stream of whoever asks for it: the next unit's hooks, or
+    step() on the caller's stream, ordered after the grads' own.)
     A side stream of our own costs a stream switch, a cross-stream wait and a cross-stream free per
     grad: scripts/bench_hook_stream.py measures the two."""
     index = {id(p): i for i, p in enumerate(params)}

@@ -43,20 +43,21 @@ _CPU_NORM_CHUNK = 1 << 22  # elements a CPU reduction upcasts at a time: bounds 
 
 
 def gpu_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each grad's L2 norm, a 0-dim FP32 tensor on its GPU, all in one multi-tensor kernel (the grad hooks
-    hand an FSDP unit's grads over at once, in the middle of backward). The low-precision elements are
-    upcast in registers and accumulated in FP32 per fixed-size chunk of each grad, and each grad's chunks
-    summed in a fixed order: the same bits for a grad however many others share the launch, far below
-    what the FP32 clip factor shows."""
+    """Each grad's L2 norm, a 0-dim FP32 tensor on its GPU, all in one multi-tensor reduction (a few launches
+    for an FSDP unit's grads, which the hooks hand over at once in the middle of backward, where a launch
+    a grad cost the launching thread). The low-precision elements are upcast in registers and accumulated
+    in FP32 per fixed-size chunk of each grad, and each grad's chunks summed in a fixed order: the same
+    bits for a grad however many others share the launch (the grads dense: one that is not sends the whole
+    list down torch's per-tensor path), a rounding far below what the FP32 clip factor shows."""
     return list(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
 
 def square_sum(flat: torch.Tensor) -> torch.Tensor:
     """Sum of squares of a flat grad as a 0-dim FP64 tensor on its device (inf/nan if any element is,
     and inf on the GPU if one is above 1.8e19, whose square FP32 cannot hold), the same bits every
-    time for the same grad. On the GPU it is the square of `gpu_norms`'. On the CPU, whose reduction
-    accumulates serially, chunks are upcast to FP64 (the copy bounded by the chunk). The norms' squares
-    are summed in FP64."""
+    time for the same grad in the same place (the GPU's vectorised loop depends on its alignment). On
+    the GPU it is the square of `gpu_norms`'. On the CPU, whose reduction accumulates serially, chunks
+    are upcast to FP64 (the copy bounded by the chunk). The norms' squares are summed in FP64."""
     if flat.is_cuda:
         return gpu_norms([flat])[0].double().square()
     norms = [
@@ -69,10 +70,9 @@ def square_sum(flat: torch.Tensor) -> torch.Tensor:
 class SquareSums:
     """Each param's grad's sum of squares (`square_sum`), taken as the grad is staged and summed in
     param order at the step, so the norm depends on no subgroup cut, cache state or timing. On the GPU
-    the hooks write only the grads' FP32 norms into their slots (`gpu_norms`: one kernel for an FSDP
-    unit's grads, in the middle of backward, where the launching thread bounds the step at several
-    ranks, and one more to put them in their slots), and the step squares them all at once in FP64:
-    the bits of `square_sum`."""
+    the hooks write only the grads' FP32 norms into their slots (`gpu_norms`, a few launches for an FSDP
+    unit's grads in the middle of backward, where the launching thread bounds the step at several ranks),
+    and the step squares them all at once in FP64: the bits of `square_sum`."""
 
     def __init__(self, params: int, device: torch.device) -> None:
         self._norms_on_gpu = device.type == "cuda"
@@ -86,7 +86,8 @@ class SquareSums:
         slots = [self._slots[i] for i in indices]
         if self._norms_on_gpu:  # a grad handed in from host memory (stage_grad) is copied up and reduced as the others
             device = self._values.device
-            torch._foreach_copy_(slots, gpu_norms([g if g.device == device else g.to(device) for g in grads]))
+            flats = [g if g.is_contiguous() else g.reshape(-1) for g in grads]  # (dense: see gpu_norms)
+            torch._foreach_copy_(slots, gpu_norms([g if g.device == device else g.to(device) for g in flats]))
         else:
             for slot, grad in zip(slots, grads):
                 slot.copy_(square_sum(grad.reshape(-1)))

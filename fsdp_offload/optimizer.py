@@ -266,7 +266,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Before a clip or step uses the grads: every backward since the last step handed them in (none
         after a step with no zero_grad() between, none left unreduced by FSDP2); a p.grad the model
         cleared since is followed as torch would (torch_idioms.follow_cleared_grads)."""
-        self._hooks.hand_over_grads()
+        if self.engine.pending is None:  # (a retry of a step that stopped part-way steps with the grads it began with)
+            self._hooks.hand_over_grads()
         refuse_backwards_after_step(self._params)
         check_grads_synced(self._sync_units, self.offload.micro_batches)
         if self._sync_units:  # with model=, p.grad stands for the grads the hooks took (else it is the user's)
@@ -287,11 +288,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         waited for, and the next call finishes the same step from the subgroup where it stopped."""
         self._check_open()
         check_params_unswapped(self.param_groups, self._params)
-        self._check_backwards()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_backwards()  # (after the closure's backward: a unit it left incomplete is handed over here)
         if self.engine.inflight is not None and self.engine.inflight.awaiting_grads:
             self.engine.hand_in_last_grads()
         elif step_has_grads(self.engine):
@@ -397,4 +398,3 @@ class OffloadAdamW(torch.optim.Optimizer):
                 f"step {self.engine.step_count} stopped part-way ({len(self.engine.pending)} subgroups left to "
                 "update); call step() again to finish it before saving or loading state"
             )
-

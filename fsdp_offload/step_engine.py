@@ -161,7 +161,7 @@ class StepEngine:
                 if self._grads_missing[sg] == 0:
                     complete.append(sg)
         if complete:
-            after_copies = self.copies.record_current()  # the grads' copies, on FSDP2's stream
+            after_copies = self.copies.record_current()  # after the grads' copies, on the current stream (FSDP2's in a hook)
             for sg in complete:
                 self.inflight.grads_in(sg, after_copies)
 

@@ -10,7 +10,8 @@ the staging buffer.
 
 A unit's grads go over when its last param's grad comes; where some param of the unit takes no grad
 in a backward, when the next unit's first grad comes; and in any case before anything reads the step's
-grads (`hand_over`, which the optimizer calls first in step(), a clip, zero_grad() and stage_grad()).
+grads (`hand_over`: the optimizer calls it in step(), after a closure's backward, in a clip and in
+stage_grad()). zero_grad() and close() drop what is held.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class UnitGrads:
                 self._unit_of[i] = u
         self._hand_over = hand_over
         self._indices: list[int] = []
+        self._held: set[int] = set()  # (the same indices)
         self._grads: list[torch.Tensor] = []
         self._fresh: list[bool] = []
         self._unit = -1
@@ -44,12 +46,13 @@ class UnitGrads:
     def add(self, index: int, grad: torch.Tensor, fresh: bool) -> None:
         """Param `index`'s grad (its local shard) from a hook: held until its unit's grads go over."""
         unit = self._unit_of[index]
-        if self._indices and (unit != self._unit or unit < 0 or index in self._indices):
+        if self._indices and (unit != self._unit or unit < 0 or index in self._held):
             self.hand_over()  # another unit's (or a second backward's grad for a param of a unit left incomplete)
         if not self._indices:
             self._unit = unit
             self._stream = torch.cuda.current_stream(grad.device) if grad.is_cuda else None
         self._indices.append(index)
+        self._held.add(index)
         self._grads.append(grad)
         self._fresh.append(fresh)
         if unit < 0 or len(self._indices) >= self._sizes[unit]:
@@ -57,19 +60,21 @@ class UnitGrads:
 
     def hand_over(self) -> None:
         """Hands the grads held to the optimizer, on the caller's current stream ordered after the one they
-        came on, each kept alive for what that stream queues on it."""
+        came on, each kept alive for what that stream queues on it. Where the optimizer refuses them (a
+        step stopped part-way, the last update's error, a grad of the wrong dtype), they stay held and the
+        error is raised: the next call hands them over again, or raises again."""
         if not self._indices:
             return
         indices, grads, fresh = self._indices, self._grads, self._fresh
-        self._indices, self._grads, self._fresh = [], [], []
         if self._stream is not None:
             current = torch.cuda.current_stream(self._stream.device)
             if current != self._stream:  # step() after backward: FSDP2 made it wait already, unless backward failed
                 current.wait_stream(self._stream)
             for grad in grads:  # freed only after what the current stream queues reading it
                 grad.record_stream(current)
-        self._hand_over(indices, grads, fresh)
+        self._hand_over(indices, grads, fresh)  # (it checks every grad before it takes any)
+        self.drop()
 
     def drop(self) -> None:
-        """Forgets the grads held (the optimizer closed)."""
-        self._indices, self._grads, self._fresh = [], [], []
+        """Forgets the grads held (zero_grad(), close())."""
+        self._indices, self._grads, self._fresh, self._held = [], [], [], set()

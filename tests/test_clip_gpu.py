@@ -1,6 +1,6 @@
 """Clipping on a CUDA FSDP2 model (one NCCL rank): the grad hooks take each grad's sum of squares on
-the GPU (`grads.square_sum`, one FP32-accumulating reduction per grad), which the CPU tests cannot
-reach. The norm a step clips by equals the one computed the same way from the same grads taken
+the GPU (`grads.gpu_norms`, an FSDP unit's grads in one FP32-accumulating multi-tensor reduction),
+which the CPU tests cannot reach. The norm a step clips by equals the one computed the same way from the same grads taken
 without the hooks, bit for bit, and an FP64 norm of them to 1e-6; the overlapped and the synchronous
 step clip the same way, bit for bit."""
 

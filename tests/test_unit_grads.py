@@ -146,3 +146,56 @@ def norms_with_incomplete_units(rank: int, world: int) -> None:
 
 def test_units_left_incomplete_lose_no_grad():
     run_ranks(2, norms_with_incomplete_units)
+
+
+def test_grads_the_optimizer_refuses_stay_held():
+    handed, refuse = [], [True]
+
+    def hand_over(indices, grads, fresh):
+        if refuse[0]:
+            raise RuntimeError("step 3 stopped part-way")
+        handed.append(indices)
+
+    units = UnitGrads([[0, 1, 2]], 3, hand_over)
+    units.add(0, torch.ones(1), True)
+    units.add(1, torch.ones(1), True)
+    try:
+        units.add(2, torch.ones(1), True)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the refusal was not raised")
+    refuse[0] = False
+    units.hand_over()  # asked again (the step after): nothing was lost
+    assert handed == [[0, 1, 2]]
+
+
+def closure_steps(rank: int, world: int) -> None:
+    """step(closure) hands over the closure's grads, a unit left incomplete included (one FSDP unit for the
+    whole net, with a param that takes no grad): the same update as backward() then step()."""
+    params = []
+    for with_closure in (False, True):
+        net = sharded_net(2, per_block=False)
+        opt = OffloadAdamW(net.parameters(), lr=1e-2, model=net, offload=OffloadConfig(subgroup_numel=1 << 10, kernel="torch"))
+        x, y = data(rank, 0)
+
+        def closure() -> torch.Tensor:
+            loss = F.cross_entropy(net(x.bfloat16()).float(), y)
+            loss.backward()
+            return loss
+
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        opt.finish_update()
+        params.append([local_data(p).clone() for p in net.parameters()])
+        opt.close()
+    before = [local_data(p) for p in sharded_net(2, per_block=False).parameters()]
+    assert any(not torch.equal(a.bfloat16(), b) for a, b in zip(before, params[1]))  # the closure's step updated
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+def test_a_step_with_a_closure_takes_the_grads_of_its_backward():
+    run_ranks(2, closure_steps)
