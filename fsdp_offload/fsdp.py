@@ -334,4 +334,8 @@ def check_grads_synced(units: list[list[nn.Module]], micro_batches: int) -> None
             for fsdp_param in group.fsdp_params:
                 unsharded = getattr(fsdp_param, "_unsharded_param", None)
                 if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
-                    raise _sync_off_error(modules[0], "a backward", micro_batches)
+                    raise RuntimeError(
+                        f"{_sync_off_error(modules[0], 'a backward', micro_batches)}. Or a backward raised part-way and "
+                        "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward), "
+                        "then zero_grad() to drop that backward's grads, or step() to use them as torch would"
+                    )

@@ -37,7 +37,8 @@ from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
 from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
-from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy, step_has_grads
+from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy
+from .torch_idioms import hand_over_held_grads, step_has_grads
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -266,8 +267,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """Before a clip or step uses the grads: every backward since the last step handed them in (none
         after a step with no zero_grad() between, none left unreduced by FSDP2); a p.grad the model
         cleared since is followed as torch would (torch_idioms.follow_cleared_grads)."""
-        if self.engine.pending is None:  # (a retry of a step that stopped part-way steps with the grads it began with)
-            self._hooks.hand_over_grads()
+        hand_over_held_grads(self._hooks, self.engine)
         refuse_backwards_after_step(self._params)
         check_grads_synced(self._sync_units, self.offload.micro_batches)
         if self._sync_units:  # with model=, p.grad stands for the grads the hooks took (else it is the user's)

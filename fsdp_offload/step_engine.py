@@ -63,7 +63,7 @@ class StepEngine:
             for sg in sgs:
                 self.grads_expected[sg] += p.requires_grad
         self._grads_missing: list[int] = []
-        self._grads_taken: set[int] = set()  # params whose grad this step's backward handed in
+        self.grads_taken: set[int] = set()  # params whose grad this step's backward handed in (overlap="backward")
         self.steps = [0] * len(params)  # AdamW step count of each param
         self.step_count = 0  # optimizer steps taken: picks the update order
         self.pending: list[int] | None = None  # subgroups left of a step begun and not finished
@@ -143,7 +143,7 @@ class StepEngine:
         is handed to it at once."""
         if not self.inflight.awaiting_grads:
             self._start_update_in_backward()
-        again = [(i, g) for i, g in zip(indices, grads) if i in self._grads_taken]
+        again = [(i, g) for i, g in zip(indices, grads) if i in self.grads_taken]
         if again:
             index, grad = again[0]
             raise RuntimeError(
@@ -153,7 +153,7 @@ class StepEngine:
                 "offload.overlap='next_forward' for gradient accumulation"
             )
         self.grads.stage(indices, grads)
-        self._grads_taken.update(indices)
+        self.grads_taken.update(indices)
         complete = []
         for index in indices:
             for sg in self.subgroups_of[index]:
@@ -171,7 +171,7 @@ class StepEngine:
         self.store.require_loaded()
         self._maybe_grow_gpu_share()
         self._plan(1.0)  # no clipping, bf16: the factor is known before the grads
-        self._grads_missing, self._grads_taken = list(self.grads_expected), set()
+        self._grads_missing, self.grads_taken = list(self.grads_expected), set()
         self._after_backward = self.copies.mark_current()
         self.inflight.start(lambda: self.run(start), before_grads=True)
 

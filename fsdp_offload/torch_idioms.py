@@ -92,20 +92,34 @@ def check_params_unswapped(param_groups: list[dict], params: list[torch.Tensor])
         )
 
 
+def hand_over_held_grads(hooks, engine) -> None:
+    """Before a step or clip reads the grads: those the grad hooks still hold (unit_grads.UnitGrads) go to the
+    step, except where step() now finishes a step that stopped part-way (its update raised, the error raised
+    where it was waited for), which steps with the grads it began with. An update still in flight ends first
+    (its error, if any, raised here); one that began in backward (overlap="backward") is this step's own."""
+    if not (engine.inflight is not None and engine.inflight.awaiting_grads):
+        engine.finish_update()
+        if engine.pending is not None:
+            return
+    hooks.hand_over_grads()
+
+
 def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engine) -> None:
     """model.zero_grad() between backward and step() (or a clip): torch does not step a param whose
     p.grad it set to None, and steps one it zeroed in place with zero grads. The grads the hooks took
     for such params are dropped, and zeros staged for the zeroed ones."""
+    if engine.inflight is not None and engine.inflight.awaiting_grads:  # its update began with them (and may have ended)
+        if any(params[i].grad is None or is_zeroed(params[i].grad) for i in engine.grads_taken):
+            raise RuntimeError(
+                "model.zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
+                "updated subgroups with these grads; call step() first"
+            )
+        return
     if engine.pending is not None:
         return  # a retry of a step that stopped part-way: its grads are the ones it began with
     cleared = [i for i, p in enumerate(params) if backwards[i] and (p.grad is None or is_zeroed(p.grad))]
     if not cleared:
         return
-    if engine.inflight is not None and engine.inflight.awaiting_grads:
-        raise RuntimeError(
-            "model.zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
-            "updated subgroups with these grads; call step() first"
-        )
     for i in cleared:
         zeroed = params[i].grad is not None
         engine.grads.forget(i)

@@ -78,10 +78,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, blocks: int) -> None:
+    def __init__(self, blocks: int, root_unused: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
         self.head = nn.Linear(16, 4)
+        if root_unused:  # the root's unit, reduced last in backward (FSDP2's final callback), never completes
+            self.unused = nn.Parameter(torch.ones(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -89,9 +91,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def sharded_net(blocks: int, per_block: bool) -> nn.Module:
+def sharded_net(blocks: int, per_block: bool, root_unused: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    net = Net(blocks)
+    net = Net(blocks, root_unused)
     if per_block:
         for block in net.blocks:
             fully_shard(block)
@@ -199,3 +201,34 @@ def closure_steps(rank: int, world: int) -> None:
 
 def test_a_step_with_a_closure_takes_the_grads_of_its_backward():
     run_ranks(2, closure_steps)
+
+
+def backward_overlap_steps(rank: int, world: int) -> None:
+    """overlap='backward' updates subgroups as their grads come in backward: a unit left incomplete that is the
+    last to reduce (the root's) goes over at step(), not never; and a model.zero_grad() between that backward
+    and step() is refused, however far the update got."""
+    params = {}
+    for overlap in ("none", "backward"):
+        net = sharded_net(2, per_block=True, root_unused=True)
+        cfg = OffloadConfig(subgroup_numel=1 << 10, kernel="torch", overlap=overlap)
+        opt = OffloadAdamW(net.parameters(), lr=1e-2, model=net, offload=cfg)
+        x, y = data(rank, 0)
+        F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.finish_update()
+        params[overlap] = [local_data(p).clone() for p in net.parameters()]
+        opt.zero_grad()
+        F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+        net.zero_grad()  # torch: the step after it updates nothing
+        try:
+            opt.step()
+        except RuntimeError as e:
+            assert overlap == "backward" and "model.zero_grad() between backward and step()" in str(e), e
+        else:
+            assert overlap == "none", "overlap='backward' stepped after model.zero_grad()"
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(params["none"], params["backward"]))
+
+
+def test_backward_overlap_takes_an_incomplete_unit_and_refuses_a_cleared_grad():
+    run_ranks(2, backward_overlap_steps)
