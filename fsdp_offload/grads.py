@@ -176,7 +176,8 @@ class StepGrads:
             else None
         )
         self.last_norm: float | None = None
-        self.step_max_norm: float | None = None  # this step's clip, set by clip_grad_norm_ (over max_grad_norm)
+        self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
+        self.after_clip = 0  # grads from backwards after clip_grad_norm_ in this step
         self._total: float | None = None  # this step's all-reduced sum of squares, once taken
         self._square_sums: SquareSums | None = None
         self._accumulated: set[int] = set()  # staged twice or more (or before sums were taken): summed at the step
@@ -257,11 +258,25 @@ class StepGrads:
         unscale = 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale  # the scale backward ran with
         return math.sqrt(self._total) * unscale
 
+    def clip_to(self, max_norm: float) -> float:
+        """opt.clip_grad_norm_(max_norm), as torch's: the global norm of the grads as they stand (after any clip
+        called before in this step) and a clip of them to `max_norm`, which the step applies in flight. A
+        second clip multiplies in, as torch's clips the grads the first left."""
+        factor = 1.0 if self.step_clip is None else self.step_clip
+        norm = self.norm() * factor
+        self.step_clip = factor * min(1.0, max_norm / (norm + 1e-6))
+        return norm
+
     def grad_scale(self) -> float | None:
         """The factor applied to every grad in flight (1 / loss scale x clip factor), or None when the
         fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
-        max_norm = self.max_grad_norm if self.step_max_norm is None else self.step_max_norm
-        if max_norm is None and self.loss_scaler is None:
+        if self.after_clip:
+            raise RuntimeError(
+                f"{self.after_clip} grads came after clip_grad_norm_() in this step: torch would have clipped only the "
+                "grads before it and added these unclipped, where OffloadAdamW sums a step's grads and clips the sum. "
+                "Call clip_grad_norm_() once after the step's last backward; opt.zero_grad() drops this step's grads"
+            )
+        if self.max_grad_norm is None and self.step_clip is None and self.loss_scaler is None:
             return 1.0
         norm = self.norm()
         unscale = 1.0
@@ -278,7 +293,9 @@ class StepGrads:
                 "drop these grads and go on with the next batch, or resume from the last checkpoint with a lower lr"
             )
         self.last_norm = norm
-        clip = 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
+        clip = self.step_clip
+        if clip is None:
+            clip = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
         return unscale * clip
 
     def before_update(self, host_subgroups: list[int]) -> list[Transfer]:
@@ -323,7 +340,7 @@ class StepGrads:
         self.sums.clear()
         self.staging.clear()
         self._accumulated.clear()
-        self._total, self.step_max_norm = None, None
+        self._total, self.step_clip, self.after_clip = None, None, 0
         if self._square_sums is not None:
             self._square_sums.clear()
 

@@ -94,6 +94,7 @@ class StepEngine:
         """Grads from the FSDP2 hooks; `fresh[k]`: grad k found p.grad empty. Where such a param took grads
         this step, p.grad was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads
         are dropped."""
+        self.grads.after_clip += len(indices) if self.grads.step_clip is not None else 0
         for index, first in zip(indices, fresh):
             if first and self.grads.backwards[index]:
                 self.ready_for_grads()
@@ -117,10 +118,9 @@ class StepEngine:
         self.stage_param_grads()
         if not any(self.grads.staged):
             raise RuntimeError("clip_grad_norm_() called before any backward: no param has a grad")
-        norm = self.grads.norm()
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"the total norm of the grads is {norm}: clip_grad_norm_(error_if_nonfinite=True)")
-        self.grads.step_max_norm = max_norm
+        if error_if_nonfinite and not math.isfinite(self.grads.norm()):
+            raise RuntimeError(f"the total norm of the grads is {self.grads.norm()}: clip_grad_norm_(error_if_nonfinite=True)")
+        norm = self.grads.clip_to(max_norm)
         return torch.tensor(norm, dtype=torch.float64, device=self.device)  # the value the step clips by
 
     def stage_param_grads(self) -> None:

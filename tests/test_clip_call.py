@@ -135,3 +135,39 @@ def test_clip_call_before_backward_is_an_error():
     with pytest.raises(RuntimeError, match="before any backward"):
         opt.clip_grad_norm_(1.0)
     opt.close()
+
+
+def clipped_twice_or_early(rank: int, world: int) -> None:
+    """Two clips in a step compose as torch's do (each clips the grads the last left: 0.2 then 0.3 is 0.2, and
+    the second returns the clipped grads' norm); a clip before the step's last backward, whose grads torch
+    would add unclipped, is refused at the step rather than clipping the whole sum."""
+    results = []
+    for clips in ((0.2,), (0.2, 0.3)):
+        model = build_model(rank)
+        opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model,
+                           offload=OffloadConfig(subgroup_numel=SG, kernel="torch", micro_batches=2))  # fmt: skip
+        for micro in range(2):
+            loss_of(model, batch(rank, micro)).backward()
+        norms = [float(opt.clip_grad_norm_(c)) for c in clips]
+        opt.step()
+        results.append((norms, optimizer_tensors(opt)))
+        opt.close()
+    (once, state_once), (twice, state_twice) = results
+    assert once[0] > 0.2 and twice[0] == once[0] and math.isclose(twice[1], 0.2, rel_tol=1e-5), (once, twice)
+    assert all(torch.equal(a, b) for a, b in zip(state_once, state_twice))
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG, kernel="torch", micro_batches=2))
+    loss_of(model, batch(rank, 0)).backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    loss_of(model, batch(rank, 1)).backward()
+    with pytest.raises(RuntimeError, match=r"grads came after clip_grad_norm_\(\) in this step"):
+        opt.step()
+    opt.zero_grad()  # drops them: the next step goes on
+    loss_of(model, batch(rank, 2)).backward()
+    opt.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    opt.close()
+
+
+def test_clips_compose_as_torchs_and_one_before_a_backward_is_refused():
+    run_ranks(2, clipped_twice_or_early)
