@@ -24,7 +24,7 @@ from .fsdp import (
     install_forward_waits, install_grad_hooks, install_sync_checks, local_data, mesh_group, reshard_gathered, root_fsdp_module,
     units_holding, weakly,
 )  # fmt: skip
-from .held_grad import consume_held_grads, refuse_backwards_after_step, release_held_grads
+from .held_grad import consume_held_grads, refuse_backwards_after_step
 from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
@@ -246,8 +246,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 "updated subgroups with these grads; call step() first"
             )
         self._hooks.drop_grads()
-        release_held_grads(self._params)
-        super().zero_grad(set_to_none)
+        super().zero_grad(set_to_none)  # (a HeldGrad set to None, or zeroed: the grads it stood for are dropped)
         if self.engine.pending is None and not (inflight is not None and inflight.busy):
             self.grads.clear()  # (an update in flight clears them when it ends)
 

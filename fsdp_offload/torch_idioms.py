@@ -105,9 +105,10 @@ def hand_over_held_grads(hooks, engine) -> None:
 
 
 def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engine) -> None:
-    """model.zero_grad() between backward and step() (or a clip): torch does not step a param whose
-    p.grad it set to None, and steps one it zeroed in place with zero grads. The grads the hooks took
-    for such params are dropped, and zeros staged for the zeroed ones."""
+    """model.zero_grad() between backward and step() (or a clip), or zero_grad(set_to_none=False) before a
+    step in which a param takes no grad: torch does not step a param whose p.grad it set to None, and
+    steps one it zeroed in place with zero grads. The grads the hooks took for such params are dropped,
+    and zeros staged for the zeroed ones."""
     if engine.inflight is not None and engine.inflight.awaiting_grads:  # its update began with them (and may have ended)
         if any(params[i].grad is None or is_zeroed(params[i].grad) for i in engine.grads_taken):
             raise RuntimeError(
@@ -117,12 +118,11 @@ def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engin
         return
     if engine.pending is not None:
         return  # a retry of a step that stopped part-way: its grads are the ones it began with
-    cleared = [i for i, p in enumerate(params) if backwards[i] and (p.grad is None or is_zeroed(p.grad))]
-    if not cleared:
-        return
+    cleared = [i for i, p in enumerate(params) if (backwards[i] and p.grad is None) or is_zeroed(p.grad)]
     for i in cleared:
         zeroed = params[i].grad is not None
-        engine.grads.forget(i)
+        if backwards[i]:
+            engine.grads.forget(i)
         if zeroed:
             local = local_data(params[i])
             engine.stage_grads([i], [torch.zeros(local.shape, dtype=local.dtype, device=local.device)])

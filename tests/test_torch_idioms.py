@@ -155,9 +155,12 @@ def cleared_before_step(rank: int, world: int, tmp: str) -> None:
                            offload=OffloadConfig(kernel="torch", subgroup_numel=SG))  # fmt: skip
         loss_of(model, batch(rank, 0)).backward()
         opt.step()
-        opt.zero_grad()
-        loss = loss_of(model, batch(rank, 1))
-        (loss * 0 if second == "zero grads" else loss).backward()
+        if second.endswith("no backward"):  # torch: every p.grad a zero tensor, and a step with them
+            (opt.zero_grad if second.startswith("opt") else model.zero_grad)(set_to_none=False)
+        else:
+            opt.zero_grad()
+            loss = loss_of(model, batch(rank, 1))
+            (loss * 0 if second == "zero grads" else loss).backward()
         if second == "set to None":
             model.zero_grad()  # torch: these params take no step
         elif second == "zeroed":
@@ -173,6 +176,10 @@ def cleared_before_step(rank: int, world: int, tmp: str) -> None:
     want, want_steps = run("zero grads")
     assert steps == want_steps == 2
     same(zeroed, want, "model.zero_grad(set_to_none=False) between backward and step()")
+    for who in ("opt", "model"):  # zeroed at the last step's end, no grad since: stepped with zeros
+        zeroed, steps = run(f"{who} zeroed, no backward")
+        assert steps == 2, who
+        same(zeroed, want, f"{who}.zero_grad(set_to_none=False), then a step with no backward")
     model = build_model(rank)
     opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
     loss_of(model, batch(rank, 0)).backward()
