@@ -110,9 +110,9 @@ class OffloadConfig:
     grad_path: str = "auto"
     # backward() calls per step() (gradient accumulation). With 1, each grad is staged to host memory as
     # backward makes it; with more, one param's grads are summed in FP32, in micro-batch order, where
-    # grad_accumulation says (the recipes set it from train.micro_batches). Under FSDP2 a backward beyond
-    # it before step() is refused; grads handed to stage_grad() beyond it are summed exactly, in memory
-    # that was not planned (logged once).
+    # grad_accumulation says (the recipes set it from train.micro_batches). A backward beyond it before
+    # step(), or a grad handed to stage_grad() beyond it, is summed exactly all the same, in memory that
+    # was not planned (logged once).
     micro_batches: int = 1
     # Where those FP32 sums live (grad_sums.py): "gpu" (4 bytes a param of GPU memory; nothing leaves the
     # GPU until step()), "host" (6 bytes a param of host memory; each later grad is added by a worker

@@ -272,9 +272,10 @@ class StepGrads:
         fp16 grads overflowed and the step must be skipped. Agreed across ranks."""
         if self.after_clip:
             raise RuntimeError(
-                f"{self.after_clip} grads came after clip_grad_norm_() in this step: torch would have clipped only the "
-                "grads before it and added these unclipped, where OffloadAdamW sums a step's grads and clips the sum. "
-                "Call clip_grad_norm_() once after the step's last backward; opt.zero_grad() drops this step's grads"
+                f"{self.after_clip} grads came after clip_grad_norm_() in this step (a backward after it, or after a "
+                "model.zero_grad() that dropped the grads it clipped): torch would have clipped only the grads before "
+                "it, where OffloadAdamW sums a step's grads and clips the sum. Call clip_grad_norm_() once after the "
+                "step's last backward; opt.zero_grad() drops this step's grads and its clip"
             )
         if self.max_grad_norm is None and self.step_clip is None and self.loss_scaler is None:
             return 1.0

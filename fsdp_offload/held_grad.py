@@ -8,8 +8,7 @@ and clip nothing, silently (after the last micro-batch, or after fewer backwards
 offload.micro_batches). A grad written in place would be lost the same way.
 
 Two operations are taken rather than refused: adding a grad to it in place, which is what FSDP2 does
-with the next backward's grad while `p.grad` is set, and zeroing it (`zero_`, and the optimizer's
-`_foreach_zero_`). The added grad goes to the
+with the next backward's grad while `p.grad` is set, and zeroing it. The added grad goes to the
 optimizer (`take`), which sums it in FP32 as it sums every micro-batch. A `p.grad` cleared between
 backwards (model.zero_grad(): None, or zeroed with set_to_none=False) makes the next backward's grad
 come in fresh (`restart`), and the optimizer drops the earlier ones, as torch does; a zeroed one that
@@ -34,7 +33,6 @@ from torch.distributed.tensor import DTensor
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 _ZERO_IN_PLACE = torch.ops.aten.zero_.default
-_FOREACH_ZERO = torch.ops.aten._foreach_zero_.default  # torch's Optimizer.zero_grad(set_to_none=False)
 
 
 class GradHold:
@@ -79,16 +77,9 @@ class HeldGrad(torch.Tensor):
         if func is _ADD_IN_PLACE and args[0] is held and _takeable(args[1], held, kwargs):
             held.hold.add(args[1])  # the next backward's grad (FSDP2 adds it to p.grad): summed by the optimizer
             return held
-        if func is _ZERO_IN_PLACE and args[0] is held:  # model.zero_grad(set_to_none=False): the next grad starts afresh
+        if func is _ZERO_IN_PLACE and args[0] is held:  # zero_grad(set_to_none=False), the model's or the optimizer's
             held.hold.cleared, held.hold.refused = True, False
             return held
-        if func is _FOREACH_ZERO:  # optimizer.zero_grad(set_to_none=False), the same for each
-            for t in args[0]:
-                if isinstance(t, HeldGrad):
-                    t.hold.cleared, t.hold.refused = True, False
-                else:
-                    t.zero_()
-            return None
         when = "the step has used" if held.hold.consumed else "OffloadAdamW took"
         raise RuntimeError(
             f"{func.__name__} on a param's grad: {when} this step's grads during backward (summed in FP32 "

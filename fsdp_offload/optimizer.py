@@ -298,6 +298,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.engine.step()
         else:
             self._no_grad_steps.skip()
+            self.grads.clear()  # (a clip taken on grads dropped since goes with them)
         if has_step_post_hooks(self):  # they read params as torch leaves them: updated
             self.engine.finish_update()
         consume_held_grads(self._params)  # a backward before the next zero_grad() would sum into them: refused

@@ -94,6 +94,8 @@ class StepEngine:
         """Grads from the FSDP2 hooks; `fresh[k]`: grad k found p.grad empty. Where such a param took grads
         this step, p.grad was cleared since (model.zero_grad(), p.grad = None): as torch, its earlier grads
         are dropped."""
+        if not self.during_backward:
+            self.ready_for_grads()  # (an update in flight clears its step's clip as it ends: before it is read here)
         self.grads.after_clip += len(indices) if self.grads.step_clip is not None else 0
         for index, first in zip(indices, fresh):
             if first and self.grads.backwards[index]:

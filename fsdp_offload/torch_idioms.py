@@ -113,16 +113,21 @@ def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engin
         if any(params[i].grad is None or is_zeroed(params[i].grad) for i in engine.grads_taken):
             raise RuntimeError(
                 "model.zero_grad() between backward and step(): with offload.overlap='backward' backward has already "
-                "updated subgroups with these grads; call step() first"
+                "updated subgroups with these grads, so no step can drop them: close() this optimizer and resume from "
+                "the last checkpoint; offload.overlap='next_forward' follows model.zero_grad() as torch does"
             )
+        step_with_zeros(params, [i for i, p in enumerate(params) if i not in engine.grads_taken and is_zeroed(p.grad)], engine)
         return
     if engine.pending is not None:
         return  # a retry of a step that stopped part-way: its grads are the ones it began with
     cleared = [i for i, p in enumerate(params) if (backwards[i] and p.grad is None) or is_zeroed(p.grad)]
     for i in cleared:
-        zeroed = params[i].grad is not None
         if backwards[i]:
             engine.grads.forget(i)
-        if zeroed:
-            local = local_data(params[i])
-            engine.stage_grads([i], [torch.zeros(local.shape, dtype=local.dtype, device=local.device)])
+    step_with_zeros(params, [i for i in cleared if params[i].grad is not None], engine)
+
+
+def step_with_zeros(params: list[torch.Tensor], indices: list[int], engine) -> None:
+    """Zero grads for params `indices`, whose p.grad was zeroed in place: torch steps them with zeros."""
+    if indices:
+        engine.stage_grads(indices, [torch.zeros_like(local_data(params[i])) for i in indices])

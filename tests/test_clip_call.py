@@ -166,6 +166,14 @@ def clipped_twice_or_early(rank: int, world: int) -> None:
     loss_of(model, batch(rank, 2)).backward()
     opt.clip_grad_norm_(MAX_NORM)
     opt.step()
+    opt.zero_grad()
+    loss_of(model, batch(rank, 3)).backward()
+    tight = float(opt.clip_grad_norm_(1e-3))
+    model.zero_grad()  # the batch skipped: its grads, and the clip taken on them, go
+    opt.step()  # nothing to step
+    loss_of(model, batch(rank, 3)).backward()
+    assert float(opt.clip_grad_norm_(MAX_NORM)) == tight  # the same grads' own norm, not one the dropped clip left
+    opt.step()
     opt.close()
 
 

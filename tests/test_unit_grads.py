@@ -232,3 +232,47 @@ def backward_overlap_steps(rank: int, world: int) -> None:
 
 def test_backward_overlap_takes_an_incomplete_unit_and_refuses_a_cleared_grad():
     run_ranks(2, backward_overlap_steps)
+
+
+class TwoPaths(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+        self.use_b = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+
+def zeroed_then_unused(rank: int, world: int) -> None:
+    """After zero_grad(set_to_none=False), a layer the next forward skips keeps a zeroed p.grad, and torch steps
+    it with zeros (its weight decays): so does every overlap, 'backward' (whose update begins in backward) too."""
+    results = {}
+    for overlap in ("none", "next_forward", "backward"):
+        torch.manual_seed(0)
+        net = TwoPaths()
+        for layer in (net.a, net.b):
+            fully_shard(layer)
+        fully_shard(net)
+        opt = OffloadAdamW(net.parameters(), lr=1e-2, weight_decay=0.5, model=net,
+                           offload=OffloadConfig(subgroup_numel=1 << 10, kernel="torch", overlap=overlap))  # fmt: skip
+        for step in range(2):
+            net.use_b = step == 0
+            x, y = data(rank, step)
+            F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+            opt.step()
+            if step == 0:
+                opt.finish_update()
+                after_first = [local_data(p).clone() for p in net.b.parameters()]
+            opt.zero_grad(set_to_none=False)
+        opt.finish_update()
+        assert opt.engine.steps == [2, 2, 2, 2], (overlap, opt.engine.steps)
+        assert not all(torch.equal(a, local_data(p)) for a, p in zip(after_first, net.b.parameters())), overlap
+        results[overlap] = [local_data(p).clone() for p in net.parameters()]
+        opt.close()
+    for overlap in ("next_forward", "backward"):
+        assert all(torch.equal(a, b) for a, b in zip(results["none"], results[overlap])), overlap
+
+
+def test_a_zeroed_grad_with_no_new_grad_steps_with_zeros_in_every_overlap():
+    run_ranks(2, zeroed_then_unused)
