@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .cache import aligned_host_buffer
 from .config import OffloadConfig
-from .fsdp import CopyStream
+from .fsdp import CopyStream, local_data
 from .grad_sums import GradSums
 from .loss_scale import DynamicLossScaler
 from .staging import LowpStaging
@@ -178,6 +178,7 @@ class StepGrads:
         self.last_norm: float | None = None
         self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
         self.after_clip = 0  # grads from backwards after clip_grad_norm_ in this step
+        self._param_grads_seen: dict[int, tuple[int, int]] = {}  # p.grads staged this step (no hook): (id, version)
         self._total: float | None = None  # this step's all-reduced sum of squares, once taken
         self._square_sums: SquareSums | None = None
         self._accumulated: set[int] = set()  # staged twice or more (or before sums were taken): summed at the step
@@ -224,9 +225,13 @@ class StepGrads:
             if self._square_sums is not None:
                 self._square_sums.take(firsts, first_grads)
 
-    def stage_param_grads(self, local: list[torch.Tensor | None], copies: CopyStream) -> None:
-        """Stages the .grad (`local[i]`, its local data) of params that no hook has handed over."""
-        taken = [i for i, g in enumerate(local) if g is not None and not self.staged[i]]
+    def stage_param_grads(self, grads: list[torch.Tensor | None], copies: CopyStream) -> None:
+        """Stages the .grad (`grads[i]`) of params that no hook has handed over. One staged before (by a clip)
+        and written since (a backward after the clip adds to it) counts as a grad after the clip, which
+        the step refuses: the staged copy would silently leave the backward out."""
+        seen = [None if g is None else (id(g), g._version) for g in grads]
+        self.after_clip += sum(i in self._param_grads_seen and self._param_grads_seen[i] != v for i, v in enumerate(seen))
+        taken = [i for i, g in enumerate(grads) if g is not None and not self.staged[i]]
         if taken and self.micro_batches > 1:
             raise RuntimeError(
                 f"params {taken[:5]} hold grads in p.grad, which autograd summed over the micro-batches in their dtype "
@@ -234,8 +239,9 @@ class StepGrads:
                 "FSDP2 model, whose hooks hand each grad in), or hand each micro-batch's grads to opt.stage_grad()"
             )
         with copies.after_current():
-            self.stage(taken, [local[i] for i in taken])
+            self.stage(taken, [local_data(grads[i]) for i in taken])
         copies.wait_host()
+        self._param_grads_seen.update((i, seen[i]) for i in taken)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
@@ -324,6 +330,7 @@ class StepGrads:
         self.sums.summed[index] = False
         self.backwards[index] = 0
         self._accumulated.discard(index)
+        self._param_grads_seen.pop(index, None)
         self._total = None
 
     def plan_cpu_updates(self, order: list[int]) -> None:
@@ -342,6 +349,7 @@ class StepGrads:
         self.staging.clear()
         self._accumulated.clear()
         self._total, self.step_clip, self.after_clip = None, None, 0
+        self._param_grads_seen.clear()
         if self._square_sums is not None:
             self._square_sums.clear()
 

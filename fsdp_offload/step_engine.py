@@ -127,7 +127,7 @@ class StepEngine:
 
     def stage_param_grads(self) -> None:
         """Stages the `.grad` of params that no hook handed over (params without model=)."""
-        grads = [None if p.grad is None or is_held(p.grad) else local_data(p.grad) for p in self.params]
+        grads = [None if p.grad is None or is_held(p.grad) else p.grad for p in self.params]
         self.grads.stage_param_grads(grads, self.copies)
 
     def ready_for_grads(self) -> None:

@@ -179,3 +179,22 @@ def clipped_twice_or_early(rank: int, world: int) -> None:
 
 def test_clips_compose_as_torchs_and_one_before_a_backward_is_refused():
     run_ranks(2, clipped_twice_or_early)
+
+
+def test_a_backward_after_a_clip_without_model_is_refused():
+    """Without model=, a clip stages p.grad; a backward after it adds to p.grad, which torch would step with (the
+    clipped part and the new one unclipped): the step refuses, where it would silently leave the backward out."""
+    lin = torch.nn.Linear(8, 2)
+    opt = OffloadAdamW(lin.parameters(), offload=OffloadConfig(kernel="torch"))
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    lin(x).float().pow(2).sum().backward()
+    opt.clip_grad_norm_(1.0)
+    lin(x).float().pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"grads came after clip_grad_norm_\(\)"):
+        opt.step()
+    opt.zero_grad()
+    lin(x).float().pow(2).sum().backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()  # a clip after the last backward: stepped
+    assert opt.step_count == 1
+    opt.close()
