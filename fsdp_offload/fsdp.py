@@ -149,6 +149,11 @@ class ModelHooks:
         if self._unit_grads is not None:
             self._unit_grads.hand_over()
 
+    @property
+    def holding_grads(self) -> bool:
+        """Whether the grad hooks hold grads not yet handed over."""
+        return self._unit_grads is not None and self._unit_grads.holding
+
     def drop_grads(self) -> None:
         """Drops the grads the grad hooks still hold (zero_grad(), close())."""
         if self._unit_grads is not None:

@@ -100,6 +100,12 @@ def hand_over_held_grads(hooks, engine) -> None:
     if not (engine.inflight is not None and engine.inflight.awaiting_grads):
         engine.finish_update()
         if engine.pending is not None:
+            if hooks.holding_grads:  # a backward since, for the step after: a retry would consume them unstepped
+                raise RuntimeError(
+                    f"step {engine.step_count} stopped part-way ({len(engine.pending)} subgroups left to update) and a "
+                    "backward since holds grads for the step after it: opt.zero_grad() drops them, then step() "
+                    f"finishes step {engine.step_count}; run that batch again after it"
+                )
             return
     hooks.hand_over_grads()
 

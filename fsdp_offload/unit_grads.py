@@ -58,6 +58,10 @@ class UnitGrads:
         if unit < 0 or len(self._indices) >= self._sizes[unit]:
             self.hand_over()
 
+    @property
+    def holding(self) -> bool:
+        return bool(self._indices)
+
     def hand_over(self) -> None:
         """Hands the grads held to the optimizer, on the caller's current stream ordered after the one they
         came on, each kept alive for what that stream queues on it. Where the optimizer refuses them (a

@@ -276,3 +276,47 @@ def zeroed_then_unused(rank: int, world: int) -> None:
 
 def test_a_zeroed_grad_with_no_new_grad_steps_with_zeros_in_every_overlap():
     run_ranks(2, zeroed_then_unused)
+
+
+def retry_with_grads_held(rank: int, world: int) -> None:
+    """A step whose update raised part-way (overlap='none': in step() itself), then a backward for the next batch
+    whose unit stays incomplete, so its grads stay held: step() refuses to retry over them, naming zero_grad(),
+    where the retry would mark them consumed and the next zero_grad() drop them, unstepped and unsaid."""
+    net = sharded_net(2, per_block=False)
+    opt = OffloadAdamW(net.parameters(), lr=1e-2, model=net,
+                       offload=OffloadConfig(subgroup_numel=1 << 10, kernel="torch", overlap="none"))  # fmt: skip
+    update, failed = opt.engine.update_subgroup, []
+
+    def flaky(sg: int, state: torch.Tensor, scale: float) -> None:
+        if not failed and sg == opt.engine.forward[-1]:
+            failed.append(sg)
+            raise OSError("injected I/O error")
+        update(sg, state, scale)
+
+    opt.engine.update_subgroup = flaky
+    x, y = data(rank, 0)
+    F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+    try:
+        opt.step()
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the injected error did not surface")
+    F.cross_entropy(net(x.bfloat16()).float(), y).backward()  # the next batch, before the step is finished
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "stopped part-way" in str(e) and "opt.zero_grad() drops them" in str(e), e
+    else:
+        raise AssertionError("a retry consumed the next batch's grads")
+    opt.zero_grad()
+    opt.step()  # finishes the step that stopped
+    assert opt.step_count == 1
+    F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+    opt.step()
+    assert opt.step_count == 2
+    opt.close()
+
+
+def test_a_retry_refuses_over_grads_held_for_the_next_step():
+    run_ranks(1, retry_with_grads_held)
