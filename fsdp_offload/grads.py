@@ -19,6 +19,7 @@ once:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -178,7 +179,7 @@ class StepGrads:
         self.last_norm: float | None = None
         self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
         self.after_clip = 0  # grads from backwards after clip_grad_norm_ in this step
-        self._param_grads_seen: dict[int, tuple[int, int]] = {}  # p.grads staged this step (no hook): (id, version)
+        self._param_grads_seen: dict[int, tuple[weakref.ref, int]] = {}  # p.grads staged this step (no hook), and version
         self._total: float | None = None  # this step's all-reduced sum of squares, once taken
         self._square_sums: SquareSums | None = None
         self._accumulated: set[int] = set()  # staged twice or more (or before sums were taken): summed at the step
@@ -227,11 +228,13 @@ class StepGrads:
 
     def stage_param_grads(self, grads: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`grads[i]`) of params that no hook has handed over. One staged before (by a clip)
-        and written since (a backward after the clip adds to it) counts as a grad after the clip, which
-        the step refuses: the staged copy would silently leave the backward out."""
-        seen = [None if g is None else (id(g), g._version) for g in grads]
-        self.after_clip += sum(i in self._param_grads_seen and self._param_grads_seen[i] != v for i, v in enumerate(seen))
+        and written, replaced or cleared since (a backward after the clip adds to it), or a param's first
+        after a clip, counts as a grad after the clip, which the step refuses: the staged copy would silently
+        leave the backward out."""
+        changed = [i for i, (ref, version) in self._param_grads_seen.items()
+                   if grads[i] is None or ref() is not grads[i] or grads[i]._version != version]  # fmt: skip
         taken = [i for i, g in enumerate(grads) if g is not None and not self.staged[i]]
+        self.after_clip += len(changed) + (len(taken) if self.step_clip is not None else 0)  # (a first grad too)
         if taken and self.micro_batches > 1:
             raise RuntimeError(
                 f"params {taken[:5]} hold grads in p.grad, which autograd summed over the micro-batches in their dtype "
@@ -241,7 +244,7 @@ class StepGrads:
         with copies.after_current():
             self.stage(taken, [local_data(grads[i]) for i in taken])
         copies.wait_host()
-        self._param_grads_seen.update((i, seen[i]) for i in taken)
+        self._param_grads_seen.update((i, (weakref.ref(grads[i]), grads[i]._version)) for i in taken + changed if grads[i] is not None)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale

@@ -118,9 +118,15 @@ def is_held(grad: torch.Tensor | None) -> bool:
 
 
 def is_zeroed(grad: torch.Tensor | None) -> bool:
-    """A HeldGrad zeroed in place (model.zero_grad(set_to_none=False)) since its last grad."""
+    """A HeldGrad zeroed in place (zero_grad(set_to_none=False)) since its last grad."""
     held = _held(grad)
     return held is not None and held.hold.cleared
+
+
+def zeros_taken(grad: torch.Tensor) -> None:
+    """The zeros a zeroed HeldGrad stands for went to the step as its param's grad: it holds them now, as it
+    holds a grad that came after a zeroing (GradHold.add)."""
+    _held(grad).hold.cleared = False
 
 
 def refuse_backwards_after_step(params: list[torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 from .fsdp import local_data
-from .held_grad import is_zeroed
+from .held_grad import is_zeroed, zeros_taken
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,9 @@ def follow_cleared_grads(params: list[torch.Tensor], backwards: list[int], engin
 
 
 def step_with_zeros(params: list[torch.Tensor], indices: list[int], engine) -> None:
-    """Zero grads for params `indices`, whose p.grad was zeroed in place: torch steps them with zeros."""
+    """Zero grads for params `indices`, whose p.grad was zeroed in place: torch steps them with zeros. Taken
+    once: a step() called again (after one that raised) finds them staged, not zeroed."""
     if indices:
         engine.stage_grads(indices, [torch.zeros_like(local_data(params[i])) for i in indices])
+        for i in indices:
+            zeros_taken(params[i].grad)

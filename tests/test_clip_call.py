@@ -197,4 +197,15 @@ def test_a_backward_after_a_clip_without_model_is_refused():
     opt.clip_grad_norm_(1.0)
     opt.step()  # a clip after the last backward: stepped
     assert opt.step_count == 1
+    for after_clip in ("the grads dropped", "a param's first grad"):
+        opt.zero_grad()
+        lin(x).float().pow(2).sum().backward()
+        if after_clip == "a param's first grad":
+            lin.bias.grad = None
+        opt.clip_grad_norm_(1.0)
+        if after_clip == "the grads dropped":
+            lin.zero_grad()  # torch steps nothing: the clipped grads are gone
+        lin(x).float().pow(2).sum().backward()
+        with pytest.raises(RuntimeError, match=r"grads came after clip_grad_norm_\(\)"):
+            opt.step()
     opt.close()

@@ -320,3 +320,37 @@ def retry_with_grads_held(rank: int, world: int) -> None:
 
 def test_a_retry_refuses_over_grads_held_for_the_next_step():
     run_ranks(1, retry_with_grads_held)
+
+
+def zeros_then_retry(rank: int, world: int) -> None:
+    """overlap='backward': a step() refused after zeros went in for a zeroed p.grad (here an lr changed since
+    backward) goes on when called again; the zeros are not taken for a model.zero_grad() after backward."""
+    torch.manual_seed(0)
+    net = TwoPaths()
+    for layer in (net.a, net.b):
+        fully_shard(layer)
+    fully_shard(net)
+    opt = OffloadAdamW(net.parameters(), lr=1e-2, model=net,
+                       offload=OffloadConfig(subgroup_numel=1 << 10, kernel="torch", overlap="backward"))  # fmt: skip
+    x, y = data(rank, 0)
+    F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    net.use_b = False
+    F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+    opt.param_groups[0]["lr"] = 2e-2
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "lr changed" in str(e), e
+    else:
+        raise AssertionError("the changed lr was not refused")
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    opt.finish_update()
+    assert opt.engine.steps == [2, 2, 2, 2]
+    opt.close()
+
+
+def test_a_step_called_again_after_zeros_went_in_goes_on():
+    run_ranks(1, zeros_then_retry)
