@@ -244,7 +244,11 @@ class StepGrads:
         with copies.after_current():
             self.stage(taken, [local_data(grads[i]) for i in taken])
         copies.wait_host()
-        self._param_grads_seen.update((i, (weakref.ref(grads[i]), grads[i]._version)) for i in taken + changed if grads[i] is not None)
+        for i in taken + changed:  # each change counted once
+            if grads[i] is None:
+                self._param_grads_seen.pop(i)
+            else:
+                self._param_grads_seen[i] = (weakref.ref(grads[i]), grads[i]._version)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
