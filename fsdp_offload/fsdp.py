@@ -3,11 +3,11 @@
 A post-accumulate-grad hook on each sharded param takes its bf16 grad shard; once an FSDP unit's are
 all in, the optimizer copies them into its staging buffer (page-locked host memory; GPU memory for
 GPU-resident subgroups and with `grad_path="gpu_bf16"`) on the stream FSDP2 runs the hooks on (its
-post-reduce stream) and frees the GPU grads. After the step, the new bf16 params go back on a side stream of the optimizer's
-(`CopyStream`). With the update overlapped, a forward pre-hook on each FSDP unit, ahead of FSDP's own,
-waits for the subgroups that hold that unit's params before FSDP all-gathers them; with a synchronous
-step, the root's next all-gather waits on one event (`set_post_optim_event`). On CPU (gloo) the copies
-are plain synchronous ones.
+post-reduce stream) and frees the GPU grads. After the step, the new bf16 params go back on a side
+stream of the optimizer's (`CopyStream`). With the update overlapped, a forward pre-hook on each FSDP
+unit, ahead of FSDP's own, waits for the subgroups that hold that unit's params before FSDP
+all-gathers them; with a synchronous step, the root's next all-gather waits on one event
+(`set_post_optim_event`). On CPU (gloo) the copies are plain synchronous ones.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ def timed_rate(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate:
     all, and the reading beside the least load kept (on nvidia-h200-x4, a timing beside 1.8 cores of steal
     predicted 1.18x the measured update, session 30); the detail says where even that one was busy."""
     readings = []
-    for _ in range(QUIET_TRIES):  # load only slows the kernel: on a busy node, time again and keep the quietest
+    for _ in range(QUIET_TRIES):
         readings.append(timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks)))
         if readings[-1][1] is None or not readings[-1][1].busy:
             break
