@@ -24,7 +24,7 @@ import torch
 
 from .cache import aligned_host_buffer, host_buffer, unpin
 from .host_windows import HostWindows, windows_bytes
-from .staging import LowpStaging
+from .staging import LowpStaging, copy_in_runs, runs
 from .subgroups import Segment, SubgroupLayout
 
 log = logging.getLogger(__name__)
@@ -137,9 +137,11 @@ class GradSums:
         """Whether param `index`'s next grad goes into the sums (else into the staging buffer)."""
         return self.first_grad_starts_sum or self.staging.staged[index]
 
-    def add(self, index: int, grad: torch.Tensor) -> None:
-        """Adds param `index`'s grad (flat, its local shard, on any device) to its sum; the first add of a
-        step starts the sum from the grad ("gpu") or from the grad already staged ("host")."""
+    def add(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """Adds each param's grad (its local shard, on any device) to its sum; the first add of a step
+        starts the sum from the grad ("gpu") or from the grad already staged ("host"). Sums that live where
+        the grads do take one copy or add a run of grads end to end in both (`staging.runs`); the others
+        go through the landing buffer to the worker a param at a time."""
         if self._pieces is None:
             log.warning(
                 "a second backward came before step() with offload.micro_batches=1: the grads are summed in FP32 "
@@ -147,23 +149,31 @@ class GradSums:
                 _gib(sum(4 * sg.padded for sg in self.layout.subgroups)),
             )
             self._allocate()
-        flat = grad.reshape(-1)
-        starts = not self.summed[index]
-        for sums, sg, seg, landing in self._pieces[index]:
-            src = flat[seg.in_param]
-            if landing is None:  # the sums are where the grad is: add in stream order
-                if starts:
-                    sums.copy_(src if self.first_grad_starts_sum else self._staged(sg, seg))
-                if not (starts and self.first_grad_starts_sum):
-                    sums.add_(src.to(sums.device))
-                continue
-            self._wait_taken(index)  # the landing buffer still holds the last grad the worker has to add
-            landing.copy_(src, non_blocking=src.is_cuda)
-            landed = _event_after_current(src)
-            staged = self._staged(sg, seg) if starts else None
-            self._taken[index] = self._worker.submit(_fold, sums, landing, staged, landed, self._scratch)
-        self.summed[index] = True
-        self.staging.staged[index] = True
+        starts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, first values) copied first
+        adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, grads) added after
+        for index, grad in zip(indices, grads):
+            flat = grad.reshape(-1)
+            starting = not self.summed[index]
+            for sums, sg, seg, landing in self._pieces[index]:
+                src = flat[seg.in_param]
+                if landing is None:  # the sums are where the grad is: add in stream order
+                    if starting and self.first_grad_starts_sum:
+                        _append(starts, sums, src)
+                        continue
+                    if starting:
+                        _append(starts, sums, self._staged(sg, seg))
+                    _append(adds, sums, src)
+                    continue
+                self._wait_taken(index)  # the landing buffer still holds the last grad the worker has to add
+                landing.copy_(src, non_blocking=src.is_cuda)
+                landed = _event_after_current(src)
+                staged = self._staged(sg, seg) if starting else None
+                self._taken[index] = self._worker.submit(_fold, sums, landing, staged, landed, self._scratch)
+            self.summed[index] = True
+            self.staging.staged[index] = True
+        copy_in_runs(*starts)  # (a param's start before its add: no param starts twice in one call)
+        for sums, src in runs(*adds):
+            sums.add_(src.to(sums.device))
 
     def _staged(self, sg: int, seg: Segment) -> torch.Tensor:
         """The grad staged for segment `seg` of subgroup `sg` (its param's first grad of the step)."""
@@ -233,6 +243,11 @@ class GradSums:
             if self._pin and raw.numel():
                 unpin(raw)
         self._raw = []
+
+
+def _append(pairs: tuple[list[torch.Tensor], list[torch.Tensor]], dst: torch.Tensor, src: torch.Tensor) -> None:
+    pairs[0].append(dst)
+    pairs[1].append(src)
 
 
 def _event_after_current(src: torch.Tensor) -> torch.cuda.Event | None:

@@ -213,14 +213,17 @@ class StepGrads:
                     f"{tuple(self._local_shapes[index])}"
                 )
         self._total = None  # a norm taken before these grads is stale
-        firsts, first_grads = [], []
+        firsts, first_grads, summed, summed_grads = [], [], [], []
         for index, grad in zip(indices, grads):
             self.backwards[index] += 1
             if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
-                self.sums.add(index, grad)
+                summed.append(index)
+                summed_grads.append(grad)
             else:
                 firsts.append(index)
                 first_grads.append(grad)
+        if summed:
+            self.sums.add(summed, summed_grads)
         if firsts:
             self.staging.stage(firsts, first_grads)
             if self._square_sums is not None:

@@ -13,6 +13,8 @@ params go back up from it.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from .cache import host_buffer, unpin
@@ -46,9 +48,10 @@ def _continues(t: torch.Tensor, run: torch.Tensor, run_numel: int) -> bool:
     return (t if t._base is None else t._base) is root and t.data_ptr() == run.data_ptr() + run_numel * run.element_size()
 
 
-def copy_in_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """`dsts[k].copy_(srcs[k])` for each k (1-D, contiguous, of one dtype each side), one copy a run of
-    pairs that continue each other in both: on the GPU each copy is a launch the backward's thread pays."""
+def runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The pairs (`dsts[k]`, `srcs[k]`) (1-D, contiguous, of one dtype each side), those that continue each
+    other in both sides merged into one pair: on the GPU each op on a pair is a launch the backward's
+    thread pays, and an elementwise op gives each element the same bits merged or not."""
     k = 0
     while k < len(dsts):
         dst, src = dsts[k], srcs[k]
@@ -58,8 +61,14 @@ def copy_in_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
             end += 1
         if end > k + 1:
             dst, src = dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))
-        dst.copy_(src, non_blocking=src.is_cuda)
+        yield dst, src
         k = end
+
+
+def copy_in_runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """`dsts[k].copy_(srcs[k])` for each k, one copy a run (see `runs`)."""
+    for dst, src in runs(dsts, srcs):
+        dst.copy_(src, non_blocking=src.is_cuda)
 
 
 class LowpStaging:

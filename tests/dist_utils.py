@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import math
 import multiprocessing
@@ -77,7 +78,13 @@ def run_ranks(world_size: int, fn: Callable, *args) -> None:
         mp.start_processes(_entry, args=(world_size, rendezvous, fn, args), nprocs=world_size, start_method="forkserver")
 
 
+# A GPU test's child runs for seconds; one that hangs (a stream wait never met, a thread that keeps it
+# from exiting) prints every thread's stack and exits, failing its test, instead of holding the suite.
+GPU_CHILD_HANG_S = 150
+
+
 def _gpu_entry(rank: int, rendezvous: str, fn: Callable, args: tuple) -> None:
+    faulthandler.dump_traceback_later(GPU_CHILD_HANG_S, exit=True)  # left armed through the exit
     os.environ.update(RANK="0", WORLD_SIZE="1")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=rendezvous, rank=0, world_size=1)

@@ -1,6 +1,7 @@
 """Gradient accumulation on the GPU machine: sums kept on the GPU ("gpu") and on the host ("host") give
-torch AdamW on the FP32 sums bit for bit (state off the GPU, torch kernel), and the same bits as each
-other where some state lives on the GPU (Triton kernel)."""
+torch AdamW on the FP32 sums bit for bit (state off the GPU, torch kernel), handed over a param at a
+time or a micro-batch's grads together (as the hooks hand over an FSDP unit's: views of one buffer, summed
+one add a run), and the same bits as each other where some state lives on the GPU (Triton kernel)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,24 @@ def micro_grads(step: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def train(mode: str, gpu_fraction: float, tmp_path) -> tuple[OffloadAdamW, list[torch.nn.Parameter]]:
+def as_views_of_one_buffer(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    views, lo = [], 0
+    for g in grads:
+        views.append(flat[lo : lo + g.numel()].view(g.shape))
+        lo += g.numel()
+    return views
+
+
+def hand_over(opt: OffloadAdamW, grads: list[torch.Tensor], together: bool) -> None:
+    if together:
+        opt.engine.stage_grads(list(range(len(grads))), as_views_of_one_buffer(grads))
+        return
+    for i, g in enumerate(grads):
+        opt.stage_grad(i, g)
+
+
+def train(mode: str, gpu_fraction: float, tmp_path, together: bool = False) -> tuple[OffloadAdamW, list[torch.nn.Parameter]]:
     params = [torch.nn.Parameter(t.cuda()) for t in make_params()]
     cfg = OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=MICRO, grad_accumulation=mode,
                         gpu_fraction=gpu_fraction, max_grad_norm=MAX_NORM, tiers=[f"posix:{tmp_path}"],
@@ -35,17 +53,17 @@ def train(mode: str, gpu_fraction: float, tmp_path) -> tuple[OffloadAdamW, list[
     assert opt.grad_accumulation == mode
     for step in range(STEPS):
         for grads in micro_grads(step):
-            for i, g in enumerate(grads):
-                opt.stage_grad(i, g)
+            hand_over(opt, grads, together)
         opt.step()
         opt.zero_grad()
     return opt, params
 
 
 @needs_cuda
+@pytest.mark.parametrize("together", [False, True], ids=["one_at_a_time", "together"])
 @pytest.mark.parametrize("mode", ["gpu", "host"])
-def test_sums_equal_torch_adamw_on_fp32_sums(mode, tmp_path):
-    opt, _ = train(mode, 0.0, tmp_path)
+def test_sums_equal_torch_adamw_on_fp32_sums(mode, together, tmp_path):
+    opt, _ = train(mode, 0.0, tmp_path, together)
     masters = [torch.nn.Parameter(t.clone()) for t in make_params()]
     ref = torch.optim.AdamW(masters, lr=LR, foreach=False)
     for step in range(STEPS):
@@ -77,3 +95,20 @@ def test_gpu_and_host_sums_agree_with_state_on_the_gpu(tmp_path):
         assert torch.equal(gp[i], hp[i]), f"param {i}: the model's params differ"
         for key in ("master_param", "exp_avg", "exp_avg_sq"):
             assert torch.equal(gs[i][key], hs[i][key]), f"param {i}: {key} differs"
+
+
+@needs_cuda
+def test_grads_handed_over_together_are_summed_in_fewer_adds(tmp_path):
+    opt, _ = train("gpu", 0.0, tmp_path)
+    first, second = micro_grads(0)[:2]
+    hand_over(opt, first, True)  # the first grads start the sums (copies)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        hand_over(opt, second, True)
+    adds = sum(e.count for e in prof.key_averages() if e.key == "aten::add_")
+    # the params lie end to end in the grads' buffer and in the sums (subgroups without padding between
+    # them): one add for the lot, not one a param
+    assert adds == 1, (adds, len(first))
+    for i in range(len(first)):
+        want = first[i].float().reshape(-1) + second[i].float().reshape(-1)
+        assert torch.equal(opt.grads.sums.param_sum(i).cuda(), want), f"param {i}'s sum differs"
+    opt.close()
