@@ -1,0 +1,16 @@
+# Session 31, call 3 ($1: HEAD, $2: kind). Call 2's bench_hook_cost at 8 micro-batches never finished at 97f0f76 (twice,
+# 100 s each) while f25923f's did: each run under a watchdog that dumps every thread's stack at 60 s.
+# (As run: the first line's check found fsdp_offload from the repo root, so setup was skipped and the package was not
+# installed; the two HEAD runs, under the watchdog's runpy, could not import it. Call 4 reran them with PYTHONPATH.)
+set -u
+python3 -c "import fsdp_offload" 2>/dev/null || source .carry/dev_setup.sh
+export FSDP_OFFLOAD_COMMIT=$1; KIND=$2; export PYTHONUNBUFFERED=1
+R=$OUT/r; mkdir -p $R
+pack() { (cd $OUT && tar czf results.tgz --exclude='*.lock' r); }; trap pack EXIT
+OLD=$PWD/.carry/oldf259
+W="python3 .carry/s31_watch.py scripts/bench_hook_cost.py --device cuda --device-kind $KIND --steps 3"
+WATCH_S=60 timeout 90 $W --micro-batches 8 --out $R > $R/new_mb8.log 2>&1; echo "new mb8 rc=$?"; grep -v Warn $R/new_mb8.log | tail -40
+pack
+PYTHONPATH=$OLD FSDP_OFFLOAD_COMMIT=f25923f WATCH_S=60 timeout 90 $W --micro-batches 8 --out $R > $R/old_mb8.log 2>&1; echo "old mb8 rc=$?"; tail -2 $R/old_mb8.log
+pack
+WATCH_S=60 timeout 90 $W --micro-batches 2 --out $R > $R/new_mb2.log 2>&1; echo "new mb2 rc=$?"; tail -2 $R/new_mb2.log
