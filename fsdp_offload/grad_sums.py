@@ -4,8 +4,9 @@ With one backward per step, each grad goes straight into the low-precision stagi
 kernel upcasts it in flight. With several, one param's grads are summed in FP32 in micro-batch order,
 as torch sums FP32 grads: each add is one IEEE rounding of the upcast grad onto the sum, so the GPU and
 the CPU give the same bits. Where the sums live (`offload.grad_accumulation`, resolved once):
-- "gpu": an FP32 buffer on the params' GPU, laid out by subgroup. Backward's hook adds each grad to it
-  on FSDP2's post-reduce stream and frees the grad; nothing crosses PCIe during backward. At the
+- "gpu": an FP32 buffer on the params' GPU, laid out by subgroup. Backward's hooks add an FSDP unit's
+  grads to it on FSDP2's post-reduce stream, one add a run of grads that lie end to end in both the
+  reduce output and the sums, and free the grads; nothing crosses PCIe during backward. At the
   step a CPU-updated subgroup's sums come down through one of two page-locked FP32 windows while the
   subgroup before it is updated (4 bytes a param, once a step); a GPU-resident subgroup's kernel
   reads them in place.
@@ -149,6 +150,8 @@ class GradSums:
                 _gib(sum(4 * sg.padded for sg in self.layout.subgroups)),
             )
             self._allocate()
+        for index in indices:  # the worker's error, if any, before anything is taken: a refused unit is handed over again
+            self._wait_taken(index)
         starts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, first values) copied first
         adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, grads) added after
         for index, grad in zip(indices, grads):
@@ -164,7 +167,7 @@ class GradSums:
                         _append(starts, sums, self._staged(sg, seg))
                     _append(adds, sums, src)
                     continue
-                self._wait_taken(index)  # the landing buffer still holds the last grad the worker has to add
+                self._wait_taken(index)  # (a param twice in one call: the worker still has the first in the landing buffer)
                 landing.copy_(src, non_blocking=src.is_cuda)
                 landed = _event_after_current(src)
                 staged = self._staged(sg, seg) if starting else None

@@ -215,7 +215,6 @@ class StepGrads:
         self._total = None  # a norm taken before these grads is stale
         firsts, first_grads, summed, summed_grads = [], [], [], []
         for index, grad in zip(indices, grads):
-            self.backwards[index] += 1
             if self.sums.takes(index):  # a later micro-batch's grad (or every grad, with sums on the GPU)
                 summed.append(index)
                 summed_grads.append(grad)
@@ -228,6 +227,8 @@ class StepGrads:
             self.staging.stage(firsts, first_grads)
             if self._square_sums is not None:
                 self._square_sums.take(firsts, first_grads)
+        for index in indices:  # (counted once taken: sums.add may refuse them, and then they are handed over again)
+            self.backwards[index] += 1
 
     def stage_param_grads(self, grads: list[torch.Tensor | None], copies: CopyStream) -> None:
         """Stages the .grad (`grads[i]`) of params that no hook has handed over. One staged before (by a clip)

@@ -43,20 +43,22 @@ def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, host_s
 
 
 def _continues(t: torch.Tensor, run: torch.Tensor, run_numel: int) -> bool:
-    """Whether `t` starts where a run of `run_numel` elements from `run` ends, in the same allocation."""
+    """Whether `t`, contiguous, starts where a run of `run_numel` elements from `run` ends, in the same allocation."""
     root = run if run._base is None else run._base
-    return (t if t._base is None else t._base) is root and t.data_ptr() == run.data_ptr() + run_numel * run.element_size()
+    return (t.is_contiguous() and (t if t._base is None else t._base) is root
+            and t.data_ptr() == run.data_ptr() + run_numel * run.element_size())  # fmt: skip
 
 
 def runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The pairs (`dsts[k]`, `srcs[k]`) (1-D, contiguous, of one dtype each side), those that continue each
+    """The pairs (`dsts[k]`, `srcs[k]`) (1-D, of one dtype each side), contiguous ones that continue each
     other in both sides merged into one pair: on the GPU each op on a pair is a launch the backward's
     thread pays, and an elementwise op gives each element the same bits merged or not."""
     k = 0
     while k < len(dsts):
         dst, src = dsts[k], srcs[k]
         n, end = dst.numel(), k + 1
-        while end < len(dsts) and _continues(dsts[end], dst, n) and _continues(srcs[end], src, n):
+        merges = dst.is_contiguous() and src.is_contiguous()  # (a strided view starting at a run's end is no part of it)
+        while merges and end < len(dsts) and _continues(dsts[end], dst, n) and _continues(srcs[end], src, n):
             n += dsts[end].numel()
             end += 1
         if end > k + 1:

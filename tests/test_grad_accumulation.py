@@ -151,3 +151,34 @@ def test_a_cleared_grad_is_dropped_as_torch_drops_it(tmp_path):
     from dist_utils import run_ranks
 
     run_ranks(2, cleared_between_backwards, str(tmp_path))
+
+
+def test_a_unit_refused_for_the_workers_error_is_summed_once_when_handed_over_again(monkeypatch):
+    """Host sums: a subgroup updated where its grads are (summed in place) beside one whose later grads the
+    worker adds. The worker's error surfaces at the next hand-over, before anything of it is taken, so the
+    unit handed over again (as UnitGrads does) is summed once, from the staged first grad."""
+    import fsdp_offload.grad_sums as grad_sums
+    from fsdp_offload.staging import LowpStaging
+    from fsdp_offload.subgroups import SubgroupLayout
+
+    layout, in_place = SubgroupLayout([4096, 100], 4096), frozenset({0})
+    staging = LowpStaging(layout, torch.bfloat16, False, on_device=in_place, device=torch.device("cpu"))
+    sums = grad_sums.GradSums(layout, staging, "host", torch.device("cpu"), in_place, planned=True)
+    grads = [torch.randn(4196).bfloat16() for _ in range(3)]
+    staging.stage([0, 1], [grads[0][:4096], grads[0][4096:]])
+    def failing_fold(*args) -> None:
+        raise RuntimeError("the worker failed")
+
+    fold = grad_sums._fold
+    monkeypatch.setattr(grad_sums, "_fold", failing_fold)
+    sums.add([1], [grads[1][4096:]])
+    monkeypatch.setattr(grad_sums, "_fold", fold)
+    unit = [grads[2][:4096], grads[2][4096:]]  # a view each of one buffer, as the hooks hand them over
+    with pytest.raises(RuntimeError, match="the worker failed"):
+        sums.add([0, 1], unit)
+    assert sums.summed == [False, True]  # param 0 untouched
+    sums.add([0, 1], unit)
+    sums.drain()
+    assert torch.equal(sums.param_sum(0), grads[0][:4096].float() + grads[2][:4096].float())
+    sums.close()
+    staging.close()

@@ -43,6 +43,13 @@ def test_a_gap_or_another_allocation_starts_a_new_copy():
     assert torch.equal(dst, torch.cat([src[0:20], src[25:35], other]))
 
 
+def test_a_strided_piece_is_not_merged_into_the_run_it_starts_after():
+    src, dst = torch.arange(72.0).view(9, 8), torch.zeros(16)
+    strided = src[1:, 0]  # starts where src[0] ends, a stride of 8
+    copy_in_runs([dst[:8], dst[8:]], [src[0], strided])
+    assert torch.equal(dst, torch.cat([src[0], strided]))
+
+
 def test_a_unit_goes_over_when_its_last_grad_comes():
     handed = []
     units = UnitGrads([[0, 1, 2], [3, 4]], 5, lambda i, g, f: handed.append((i, f)))
