@@ -317,16 +317,20 @@ def _sync_off_error(module: nn.Module, when: str, micro_batches: int) -> Runtime
 def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> list:
     """Forward pre-hooks on the units that hold the optimizer's params that refuse a training forward
     while FSDP2's gradient sync is off (`set_requires_gradient_sync(False)`, which accelerate's
-    `accumulate()` and `no_sync` call): FSDP2 would then sum the micro-batches' unsharded grads in the
-    params' low precision and reduce-scatter once, where the optimizer sums every backward's grads in
-    FP32, as torch AdamW's FP32 grads are. (`check_grads_synced` catches the sync turned off after the
-    forward, at the step.)"""
+    `accumulate()` and `no_sync` call), or while a unit still holds grads that a backward with the sync
+    off left (the sync turned off around backward alone): FSDP2 would sum the micro-batches' unsharded
+    grads in the params' low precision and reduce-scatter once, where the optimizer sums every backward's
+    grads in FP32, as torch AdamW's FP32 grads are. (`check_grads_synced` catches the sync turned off
+    after the last forward, at the step.)"""
     for modules in units:
         _param_groups(modules[0])
 
     def check(module: nn.Module, _args: tuple) -> None:
-        if torch.is_grad_enabled() and any(not g.reduce_grads for g in _param_groups(module)):
+        if not torch.is_grad_enabled():
+            return
+        if any(not g.reduce_grads for g in _param_groups(module)):
             raise _sync_off_error(module, "a forward", micro_batches)
+        _check_unit_synced(module, micro_batches)
 
     return [m.register_forward_pre_hook(check, prepend=True) for modules in units for m in modules]  # before FSDP2 gathers
 
@@ -335,12 +339,16 @@ def check_grads_synced(units: list[list[nn.Module]], micro_batches: int) -> None
     """Raises where a backward left grads unreduced in a unit (its sync turned off after the forward):
     the optimizer never got them, and FSDP2 would add the next backward's to them in low precision."""
     for modules in units:
-        for group in _param_groups(modules[0]):
-            for fsdp_param in group.fsdp_params:
-                unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
-                    raise RuntimeError(
-                        f"{_sync_off_error(modules[0], 'a backward', micro_batches)}. Or a backward raised part-way and "
-                        "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward), "
-                        "then zero_grad() to drop that backward's grads, or step() to use them as torch would"
-                    )
+        _check_unit_synced(modules[0], micro_batches)
+
+
+def _check_unit_synced(module: nn.Module, micro_batches: int) -> None:
+    for group in _param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                raise RuntimeError(
+                    f"{_sync_off_error(module, 'a backward', micro_batches)}. Or a backward raised part-way and "
+                    "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward), "
+                    "then zero_grad() to drop that backward's grads, or step() to use them as torch would"
+                )

@@ -25,6 +25,7 @@ import torch
 
 from .cache import aligned_host_buffer, host_buffer, unpin
 from .host_windows import HostWindows, windows_bytes
+from .node import says_once
 from .staging import LowpStaging, copy_in_runs, runs
 from .subgroups import Segment, SubgroupLayout
 
@@ -143,12 +144,13 @@ class GradSums:
         starts the sum from the grad ("gpu") or from the grad already staged ("host"). Sums that live where
         the grads do take one copy or add a run of grads end to end in both (`staging.runs`); the others
         go through the landing buffer to the worker a param at a time."""
-        if self._pieces is None:
+        if self._pieces is None and says_once():
             log.warning(
                 "a second backward came before step() with offload.micro_batches=1: the grads are summed in FP32 "
                 "from now on, in %s more memory than planned; set offload.micro_batches to the backward calls per step",
                 _gib(sum(4 * sg.padded for sg in self.layout.subgroups)),
             )
+        if self._pieces is None:
             self._allocate()
         for index in indices:  # the worker's error, if any, before anything is taken: a refused unit is handed over again
             self._wait_taken(index)

@@ -176,6 +176,8 @@ class StepGrads:
             if self.dtype == torch.float16
             else None
         )
+        self._scales_taken = 0  # steps that took the grad scale (fp16: each divides by the loss scale)
+        self._loss_scaled_for = -1  # _scales_taken when scale_loss last ran: its step is the next to take it
         self.last_norm: float | None = None
         self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
         self.after_clip = 0  # grads from backwards after clip_grad_norm_ in this step
@@ -255,7 +257,19 @@ class StepGrads:
                 self._param_grads_seen[i] = (weakref.ref(grads[i]), grads[i]._version)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._loss_scaled_for = self._scales_taken
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def _check_loss_scaled(self) -> None:
+        """fp16: the step divides every grad by the loss scale, so grads of a loss that scale_loss did not
+        scale are refused (zero grads, as torch's state-dict API steps with to build the state, are let be)."""
+        if self.loss_scaler is not None and self._loss_scaled_for != self._scales_taken and self._total != 0:
+            raise RuntimeError(
+                "param_dtype float16: this step's grads come from a loss that opt.scale_loss() did not scale, and "
+                f"the step divides every grad by the loss scale (now {self.loss_scaler.scale:g}): call "
+                "opt.scale_loss(loss).backward() for each micro-batch (OffloadAdamW scales fp16 losses itself; "
+                "torch.amp.GradScaler does not apply); zero_grad() drops these grads"
+            )
 
     def norm(self) -> float:
         """The global L2 norm of this step's grads, unscaled (inf/nan if any grad is): one all-reduce
@@ -272,6 +286,7 @@ class StepGrads:
             if self._group is not None:
                 dist.all_reduce(sq, group=self._group)  # inf/nan spreads through the sum
             self._total = float(sq.item())
+        self._check_loss_scaled()
         unscale = 1.0 if self.loss_scaler is None else 1.0 / self.loss_scaler.scale  # the scale backward ran with
         return math.sqrt(self._total) * unscale
 
@@ -297,6 +312,7 @@ class StepGrads:
         if self.max_grad_norm is None and self.step_clip is None and self.loss_scaler is None:
             return 1.0
         norm = self.norm()
+        self._scales_taken += 1
         unscale = 1.0
         if self.loss_scaler is not None:
             unscale = 1.0 / self.loss_scaler.scale

@@ -118,3 +118,8 @@ def launch_time() -> str:
         except (OSError, ValueError, IndexError, StopIteration):
             pass
     return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started))
+
+
+def says_once() -> bool:
+    """Whether this rank says what every rank would (rank 0, or the only process)."""
+    return not dist.is_initialized() or dist.get_rank() == 0

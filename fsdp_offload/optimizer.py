@@ -29,16 +29,16 @@ from .kernels import get_adamw_kernel, triton_kernel, warm_up_gpu_kernel
 from .levels import MemoryPlan, build_levels
 from .metrics import StepMetrics
 from .model_state_dicts import install_model_state_dict_hooks
+from .node import says_once
 from .optimizer_args import (
-    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, says_once, warn_uncast_at_first_forward,
+    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
 )  # fmt: skip
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
 from .state_dicts import OptimizerStates
 from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
-from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, has_step_post_hooks, refuse_copy
-from .torch_idioms import hand_over_held_grads, step_has_grads
+from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, hand_over_held_grads, has_step_post_hooks, refuse_copy, step_has_grads  # noqa: E501
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)

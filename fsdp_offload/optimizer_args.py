@@ -8,9 +8,9 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .fsdp import local_data
+from .node import says_once
 from .torch_idioms import refuse_accelerate_fsdp2
 
 log = logging.getLogger(__name__)
@@ -148,11 +148,6 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
 def mp_policy(modules: list[torch.nn.Module]) -> object | None:
     """The MixedPrecisionPolicy of an FSDP unit (FSDP2's private state; None where it has none)."""
     return getattr(modules[0]._get_fsdp_state(), "_mp_policy", None)
-
-
-def says_once() -> bool:
-    """Whether this rank says what every rank would (rank 0, or the only process)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def warn_uncast_at_first_forward(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],

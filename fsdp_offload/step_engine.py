@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable
 
 import torch
@@ -58,10 +58,8 @@ class StepEngine:
         self.rate_learner = rate_learner  # keeps the CPU kernel's rate for the planner (with offload.bandwidth_profile)
         self.subgroups_of = [sorted({sg for sg, _ in segs}) for segs in layout.param_segments]
         # overlap="backward": per subgroup, how many of its params that take grads have yet to hand them in
-        self.grads_expected = [0] * len(layout)
-        for p, sgs in zip(params, self.subgroups_of):
-            for sg in sgs:
-                self.grads_expected[sg] += p.requires_grad
+        expected = Counter(sg for p, sgs in zip(params, self.subgroups_of) if p.requires_grad for sg in sgs)
+        self.grads_expected = [expected[sg] for sg in range(len(layout))]
         self._grads_missing: list[int] = []
         self.grads_taken: set[int] = set()  # params whose grad this step's backward handed in (overlap="backward")
         self.steps = [0] * len(params)  # AdamW step count of each param
@@ -148,11 +146,12 @@ class StepEngine:
         again = [(i, g) for i, g in zip(indices, grads) if i in self.grads_taken]
         if again:
             index, grad = again[0]
+            chosen = " (what offload.overlap='auto' chose for offload.micro_batches=1)" if self.cfg.overlap == "auto" else ""
             raise RuntimeError(
                 f"param {index} (shape {tuple(grad.shape)}) got a second grad before step(): with "
-                "offload.overlap='backward' a subgroup is updated as soon as its grads are in, so grads cannot "
-                "accumulate over several backwards; call step() after each backward, or use "
-                "offload.overlap='next_forward' for gradient accumulation"
+                f"offload.overlap='backward'{chosen} a subgroup is updated as soon as its grads are in, so grads cannot "
+                "accumulate over several backwards; set offload.micro_batches to the backward calls a step (or "
+                "offload.overlap='next_forward'), or call step() after each backward"
             )
         self.grads.stage(indices, grads)
         self.grads_taken.update(indices)

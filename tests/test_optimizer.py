@@ -120,11 +120,29 @@ def test_fp16_grads(tmp_path):
     opt = OffloadAdamW([mine], lr=1e-3, offload=cfg)
     for s in range(5):
         g = grads_for(s, torch.float16)[2]
+        opt.scale_loss(torch.ones(()))  # (the grads stand for a loss scaled by the scale, 1.0 here)
         mine.grad, ref.grad = g, g.float()
         opt.step()
         ref_opt.step()
     assert mine.dtype == torch.float16
     assert torch.equal(opt.state_dict()["state"][0]["master_param"], ref.data)
+    opt.close()
+
+
+def test_fp16_grads_of_a_loss_not_scaled_are_refused_where_not_all_zero():
+    """The step divides fp16 grads by the loss scale: grads of a plain loss.backward() would be divided silently."""
+    mine = torch.nn.Parameter(make_params()[2].clone())
+    opt = OffloadAdamW([mine], lr=1e-3, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, param_dtype="float16"))
+    mine.grad = torch.zeros_like(mine)  # as torch's state-dict API steps to build the state: let be
+    opt.step()
+    mine.grad = grads_for(0, torch.float16)[2]
+    with pytest.raises(RuntimeError, match=r"did not scale.*loss scale \(now 65536\).*opt\.scale_loss\(loss\)\.backward\(\)"):
+        opt.step()
+    opt.zero_grad()
+    opt.scale_loss(torch.ones(()))  # the next step's loss scaled: its grads are taken
+    mine.grad = grads_for(1, torch.float16)[2]
+    opt.step()
+    assert opt.last_grad_norm is not None
     opt.close()
 
 

@@ -204,6 +204,19 @@ def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(RuntimeError, match=r"a backward with FSDP2's gradient sync off"):
         opt.step()
     opt.close()
+    # the sync off around one micro-batch's backward alone, on again before the next forward: that forward
+    # refuses, before the next backward's reduce-scatter could carry the low-precision sum into the optimizer
+    model = build_model(rank)
+    opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2))
+    loss = loss_of(model, batch(rank, 0))
+    model.set_requires_gradient_sync(False)
+    loss.backward()
+    model.set_requires_gradient_sync(True)
+    with torch.no_grad():
+        loss_of(model, batch(rank, 1))  # an eval forward takes no grads: let be
+    with pytest.raises(RuntimeError, match=r"a backward with FSDP2's gradient sync off.*reset_iter_state"):
+        loss_of(model, batch(rank, 1))
+    opt.close()
 
 
 def unit_left_to_another_optimizer(rank: int, world: int, tmp: str) -> None:
