@@ -18,7 +18,7 @@ from .models import LlamaArgs
 # What else a run keeps in its dir, by name (train.py's plan and TensorBoard dir, Hydra's record and
 # log): a metrics file of one of these names would take it over, and a fresh run moves it aside as rows.
 RUN_DIR_NAMES = {"placement.json": "plan", "tensorboard": "TensorBoard dir", ".hydra": "Hydra record",
-                 "train.log": "log"}  # fmt: skip
+                 "train.log": "log", ".lock": "lock (one run writes the dir at a time)"}  # fmt: skip
 
 
 @dataclass

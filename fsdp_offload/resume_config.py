@@ -4,7 +4,8 @@ The model, the optimizer's state, the data position and the RNG come from the ch
 hyperparameters are this run's, from the resumed step itself: loading puts the checkpoint's lr,
 weight decay and betas in the optimizer and its base lr in the scheduler, so a changed value would
 otherwise be ignored (weight decay, betas) or start a step late (the lr schedule), silently. The
-checkpoint records the values it was trained with, so any change is said once, naming it.
+checkpoint records the values it was trained with (and the micro-batches a step), so any change is
+said once, naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 log = logging.getLogger("train")
 
-HYPER_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "steps", "weight_decay", "betas")  # of TrainConfig
+HYPER_KEYS = ("lr", "min_lr_ratio", "warmup_steps", "steps", "weight_decay", "betas", "micro_batches")  # of TrainConfig
 
 
 def train_hyper(tcfg: Any) -> dict[str, Any]:

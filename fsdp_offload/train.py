@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm import tqdm
 
 from .checkpoint import (
-    check_checkpoint, hold_checkpoint_dir, load_checkpoint, release_checkpoint_dir, resume_point, save_checkpoint,
+    check_checkpoint, hold_run_dirs, load_checkpoint, release_run_dirs, resume_point, save_checkpoint,
 )  # fmt: skip
 from .config import register_recipe_resolvers
 from .data import TokenBatches
@@ -73,7 +73,7 @@ def run(cfg: DictConfig) -> list[dict]:
     try:
         return _run(cfg)
     finally:
-        release_checkpoint_dir()
+        release_run_dirs()
         stop_watchdog()
         if owned and dist.is_initialized():
             dist.destroy_process_group()
@@ -97,7 +97,8 @@ def _run(cfg: DictConfig) -> list[dict]:
                "subgroup_numel": recipe.config.subgroup_numel}  # fmt: skip
     # which checkpoint first: a resume that cannot be honoured is refused before the dir (and its lock) is made
     resume_from, resume_line = resume_point(ckcfg)
-    hold_checkpoint_dir(ckcfg.dir)  # one run writes a checkpoint dir at a time (no other can write one meanwhile)
+    out_dir = run_dir(tcfg.out_dir)
+    hold_run_dirs({"checkpoint.dir": ckcfg.dir, "train.out_dir": out_dir})  # one run writes each at a time
     start_watchdog(tcfg.watchdog_s)
     if resume_from:
         first_step = check_checkpoint(resume_from, run_key)
@@ -184,7 +185,6 @@ def _run(cfg: DictConfig) -> list[dict]:
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
 
-    out_dir = run_dir(tcfg.out_dir)
     if rank == 0:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))
         # what the step keeps on its device and, for this optimizer, what the planner said and what was built

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fsdp_offload.checkpoint import (
-    MANIFEST, CheckpointDirBusy, CheckpointDirLock, FileOps, check_checkpoint, load_checkpoint, save_checkpoint,
+    MANIFEST, RunDirBusy, RunDirLock, FileOps, check_checkpoint, load_checkpoint, save_checkpoint,
 )  # fmt: skip
 from fsdp_offload.dcp_reader import read_dcp_metadata
 
@@ -196,8 +196,8 @@ def test_files_and_dirs_are_fsynced_before_the_rename_that_commits_them(tmp_path
 
 HOLD = """
 import sys, time
-from fsdp_offload.checkpoint import CheckpointDirLock
-CheckpointDirLock(sys.argv[1]).acquire()
+from fsdp_offload.checkpoint import RunDirLock
+RunDirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)
 """
@@ -208,13 +208,13 @@ def test_one_writer_per_checkpoint_dir_and_a_dead_holder_is_taken_over(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(CheckpointDirBusy, match=rf"checkpoint.dir={tmp_path} is being written by another run \(host "
-                           rf"\S+, pid {holder.pid}, since .*\): one run writes a checkpoint dir at a time"):  # fmt: skip
-            CheckpointDirLock(str(tmp_path)).acquire()
+        with pytest.raises(RunDirBusy, match=rf"checkpoint.dir={tmp_path} is being written by another run \(host "
+                           rf"\S+, pid {holder.pid}, since .*\): one run writes a dir at a time"):  # fmt: skip
+            RunDirLock(str(tmp_path)).acquire()
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    with CheckpointDirLock(str(tmp_path)):  # the dead holder's lock is gone with it
-        with pytest.raises(CheckpointDirBusy, match=rf"pid {os.getpid()}"):
-            CheckpointDirLock(str(tmp_path)).acquire()
-    CheckpointDirLock(str(tmp_path)).acquire().release()
+    with RunDirLock(str(tmp_path)):  # the dead holder's lock is gone with it
+        with pytest.raises(RunDirBusy, match=rf"pid {os.getpid()}"):
+            RunDirLock(str(tmp_path)).acquire()
+    RunDirLock(str(tmp_path)).acquire().release()

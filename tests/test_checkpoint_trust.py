@@ -18,6 +18,7 @@ import re
 import shutil
 import zlib
 from datetime import timedelta
+from typing import Callable
 
 import pytest
 import torch
@@ -228,6 +229,8 @@ def test_latest_checkpoint_is_never_one_being_written_or_removed(tmp_path):
     (tmp_path / "step_00000011.old").mkdir()
     assert latest_checkpoint(str(tmp_path)) == good
     assert resume_point(CheckpointConfig(dir=str(tmp_path)))[0] == good
+    save(tmp_path, 3, weight=1.0)  # the next save (its run holds the dir): every step's leftover goes
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000003"]
 
 
 class FullDisk(FileOps):
@@ -291,3 +294,42 @@ def test_only_reading_the_checkpoint_is_called_damaged(tmp_path):
     assert not reading_failed(OSError(28, "No space left on device", "/nvme/tier/file"), ck)
     assert not reading_failed(OSError(5, "Input/output error", f"{ck}0/model/__0_0.distcp"), ck)  # a sibling, not inside
     assert not reading_failed(KeyError("optimizer.rank0.subgroup_000000"), ck)
+
+
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_damaged_part_is_named_as_damaged_before_any_config_is_compared(tmp_path):
+    """A run.json edited to another model, a missing .metadata, a manifest of wrong types or naming a file
+    outside the checkpoint: each is named as a damaged checkpoint, with the older one to resume instead, not as
+    a config to change."""
+    older = re.escape(save(tmp_path, 2, 1.0))
+
+    def refused(edit, problem: str) -> None:
+        ck = save(tmp_path, 4, 1.0)
+        edit(ck)
+        with pytest.raises(JobError, match=rf"step_00000004 cannot be read \({problem}.*resume with checkpoint.resume={older}$"):
+            check_checkpoint(ck, {"world_size": 1})
+        shutil.rmtree(ck)
+
+    def run_json_of_another_world(ck: str) -> None:
+        note = json.loads(open(os.path.join(ck, "run.json")).read())
+        with open(os.path.join(ck, "run.json"), "w") as f:
+            json.dump({**note, "world_size": 2}, f)
+
+    def manifest_with(**changes) -> Callable[[str], None]:
+        def edit(ck: str) -> None:
+            manifest = json.loads(open(os.path.join(ck, "manifest.json")).read())
+            for key, change in changes.items():
+                manifest[key] = change(manifest[key])
+            with open(os.path.join(ck, "manifest.json"), "w") as f:
+                json.dump(manifest, f)
+
+        return edit
+
+    refused(run_json_of_another_world, "run.json differs from the one the manifest names")
+    refused(lambda ck: os.remove(os.path.join(ck, "optimizer", ".metadata")), "no optimizer/.metadata: written by an older")
+    crc_text = lambda entries: {**entries, "model": {k: "x" for k in entries["model"]}}  # noqa: E731
+    refused(manifest_with(entries=crc_text), r"manifest.json cannot be read \(ValueError: invalid literal")
+    refused(manifest_with(entries=lambda entries: {**entries, "model": list(entries["model"])}), r"manifest.json cannot be read \(TypeError")
+    outside = lambda parts: {**parts, "../../outside": {"step": 4, "bytes": 1}}  # noqa: E731
+    refused(manifest_with(parts=outside), r"manifest.json cannot be read \(ValueError: part '../../outside' lies outside")

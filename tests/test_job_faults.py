@@ -69,8 +69,8 @@ def test_a_host_budget_above_the_machine_is_said(tmp_path):
 
 HOLD = """
 import sys, time
-from fsdp_offload.checkpoint import CheckpointDirLock
-CheckpointDirLock(sys.argv[1]).acquire()
+from fsdp_offload.checkpoint import RunDirLock
+RunDirLock(sys.argv[1], sys.argv[2]).acquire()
 print("held", flush=True)
 time.sleep(600)
 """
@@ -79,7 +79,7 @@ time.sleep(600)
 @pytest.mark.bad_input
 def test_a_second_run_on_one_checkpoint_dir_is_refused_at_start_naming_the_first(tmp_path):
     ck = tmp_path / "ck"
-    first = subprocess.Popen([sys.executable, "-c", HOLD, str(ck)], stdout=subprocess.PIPE, text=True)
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(ck), "checkpoint.dir"], stdout=subprocess.PIPE, text=True)
     try:
         assert first.stdout.readline().strip() == "held"
         out = train(tmp_path / "run", f"checkpoint.dir={ck}", ranks=2, check=False)
@@ -92,6 +92,24 @@ def test_a_second_run_on_one_checkpoint_dir_is_refused_at_start_naming_the_first
     # the holder is dead: its lock goes with it, and the next run writes the dir
     train(tmp_path / "run2", f"checkpoint.dir={ck}", "train.steps=2")
     assert os.path.isdir(ck / "step_00000002")
+
+
+@pytest.mark.bad_input
+def test_a_second_run_on_one_out_dir_is_refused_before_it_moves_the_first_runs_rows(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text('{"step": 0}\n')  # the live run's rows
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(out_dir), "train.out_dir"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "held"
+        out = train(tmp_path / "run", f"train.out_dir={out_dir}", f"checkpoint.dir={tmp_path / 'ck'}", ranks=2, check=False)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert out.returncode != 0 and len(errors(out)) == 1, out.stderr[-3000:]
+    assert f"train.out_dir={out_dir} is being written by another run (host " in errors(out)[0], errors(out)[0]
+    assert sorted(os.listdir(out_dir)) == [".lock", "metrics.jsonl"]  # its rows left where they were
+    assert not (tmp_path / "ck").exists() or not [d for d in os.listdir(tmp_path / "ck") if d.startswith("step_")]
 
 
 @pytest.mark.bad_input

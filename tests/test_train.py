@@ -223,6 +223,9 @@ def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(t
     decay = train(tmp_path / "decay", "train.steps=8", "train.warmup_steps=2", "train.weight_decay=0.0",
                   f"checkpoint.dir={tmp_path}/ck_whole", f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
     assert "train.weight_decay 0.1 -> 0.0" in decay.stdout + decay.stderr
+    micro = train(tmp_path / "micro", "train.steps=5", "train.warmup_steps=2", "train.micro_batches=2", "offload.host_budget_gb=0.01",
+                  f"checkpoint.dir={tmp_path}/ck_whole", f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
+    assert "train.micro_batches 1 -> 2" in micro.stdout + micro.stderr
     loss = {r["step"]: r["loss"] for r in rows(tmp_path / "decay" / "metrics.jsonl")}
     assert loss[4] == {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[4]  # same params going in
     assert loss[5] != {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[5]  # step 4 decayed them less

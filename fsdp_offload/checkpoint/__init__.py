@@ -10,13 +10,14 @@ A checkpoint is a directory `step_<k>` of two torch.distributed.checkpoint check
   manifest.json  written last: every part with its step and digest, every entry's CRC32 (manifest.py)
 It is written under `step_<k>.tmp`, fsynced file by file and dir by dir, and renamed once every rank
 has finished (files.py), so a run killed while saving leaves the previous checkpoint as the latest; a
-checkpoint being replaced or pruned is renamed `step_<k>.old` before it is removed. A run that writes
-checkpoints holds `<dir>/.lock` (dir_lock.py). DCP's .metadata is read through a restricted unpickler
-(dcp_reader.py), entries as tensors and plain values only (optimizer_state.WeightsOnlyLoadPlanner).
+checkpoint being replaced or pruned is renamed `step_<k>.old` before it is removed. A run holds
+`<dir>/.lock` of its checkpoint dir and of its output dir (dir_lock.py). DCP's .metadata is read
+through a restricted unpickler (dcp_reader.py), entries as tensors and plain values only
+(optimizer_state.WeightsOnlyLoadPlanner).
 """
 
 from .config import CheckpointConfig
-from .dir_lock import CheckpointDirBusy, CheckpointDirLock, hold_checkpoint_dir, release_checkpoint_dir
+from .dir_lock import RunDirBusy, RunDirLock, hold_run_dirs, release_run_dirs
 from .files import FileOps
 from .manifest import MANIFEST
 from .run import (
@@ -25,7 +26,6 @@ from .run import (
 )  # fmt: skip
 
 __all__ = [
-    "CheckpointConfig", "CheckpointDirBusy", "CheckpointDirLock", "FileOps", "MANIFEST", "RUN_FILE", "check_checkpoint",
-    "hold_checkpoint_dir", "is_checkpoint", "latest_checkpoint", "load_checkpoint", "release_checkpoint_dir", "resume_point",
-    "save_checkpoint",
+    "CheckpointConfig", "FileOps", "MANIFEST", "RUN_FILE", "RunDirBusy", "RunDirLock", "check_checkpoint", "hold_run_dirs",
+    "is_checkpoint", "latest_checkpoint", "load_checkpoint", "release_run_dirs", "resume_point", "save_checkpoint",
 ]  # fmt: skip

@@ -1,7 +1,8 @@
-"""One writer per checkpoint dir: the run that writes checkpoints into `checkpoint.dir` holds an
-flock on `<dir>/.lock` for its whole life. A second run is refused at start, naming the holder (host,
-pid, start time, written into the file); the kernel drops the lock of a process that dies, so a
-crashed run's lock is taken over by the next run with no stale-lock cleanup."""
+"""One writer per run dir: a training run holds an flock on `<dir>/.lock` of its `checkpoint.dir` and of
+its `train.out_dir` (its metrics rows, plan and TensorBoard dir) for its whole life. A second run given
+either is refused at start, naming the holder (host, pid, start time, written into the file), before it
+moves or writes anything there; the kernel drops the lock of a process that dies, so a crashed run's lock
+is taken over by the next run with no stale-lock cleanup."""
 
 from __future__ import annotations
 
@@ -16,23 +17,24 @@ import torch.distributed as dist
 from ..job_errors import JobError
 
 LOCK_FILE = ".lock"
-_held: list["CheckpointDirLock"] = []  # the run's lock (train.py holds one dir at a time)
+_held: list["RunDirLock"] = []  # the run's locks (train.py's)
 
 
-class CheckpointDirBusy(JobError):
-    """Another live process holds the checkpoint dir's lock."""
+class RunDirBusy(JobError):
+    """Another live process holds the run dir's lock."""
 
 
-class CheckpointDirLock:
-    """The lock of one checkpoint dir, held from `acquire()` to `release()` (or the process's end)."""
+class RunDirLock:
+    """The lock of one dir a run writes (`option` names it), held from `acquire()` to `release()` (or the
+    process's end)."""
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
+    def __init__(self, directory: str, option: str = "checkpoint.dir") -> None:
+        self.directory, self.option = directory, option
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd: int | None = None
 
-    def acquire(self) -> "CheckpointDirLock":
-        """Takes the lock or raises CheckpointDirBusy naming its holder; never waits."""
+    def acquire(self) -> "RunDirLock":
+        """Takes the lock or raises RunDirBusy naming its holder; never waits."""
         os.makedirs(self.directory, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
@@ -40,9 +42,9 @@ class CheckpointDirLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise CheckpointDirBusy(
-                f"checkpoint.dir={self.directory} is being written by another run ({holder}; lock {self.path}): one run "
-                "writes a checkpoint dir at a time; wait for that run to end, or give this one another checkpoint.dir"
+            raise RunDirBusy(
+                f"{self.option}={self.directory} is being written by another run ({holder}; lock {self.path}): one run "
+                f"writes a dir at a time; wait for that run to end, or give this one another {self.option}"
             ) from None
         except BaseException:
             os.close(fd)
@@ -58,7 +60,7 @@ class CheckpointDirLock:
             fd, self._fd = self._fd, None
             os.close(fd)  # closing drops the flock
 
-    def __enter__(self) -> "CheckpointDirLock":
+    def __enter__(self) -> "RunDirLock":
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
@@ -74,28 +76,35 @@ def _holder(fd: int) -> str:
         return "its holder did not say who it is"
 
 
-def hold_checkpoint_dir(directory: str | None) -> None:
-    """Rank 0 takes the lock of `directory` for the run (nothing without a checkpoint dir); every rank
-    fails when it cannot, rank 0 saying why. Released by `release_checkpoint_dir`."""
-    error = None
-    if directory and (not dist.is_initialized() or dist.get_rank() == 0):
-        try:
-            _held.append(CheckpointDirLock(directory).acquire())
-        except CheckpointDirBusy as exc:
-            error = exc
-        except OSError as exc:
-            error = JobError(f"checkpoint.dir={directory}: cannot take its lock {os.path.join(directory, LOCK_FILE)} ({exc.strerror}): "
-                             "make the dir writable, or give another checkpoint.dir")  # fmt: skip
-    if directory and dist.is_initialized() and dist.get_world_size() > 1:
+def hold_run_dirs(dirs: dict[str, str | None]) -> None:
+    """Rank 0 takes the lock of each dir of `dirs` (option name -> dir; None: none), one dir named twice
+    once; every rank fails when it cannot, rank 0 saying why. Released by `release_run_dirs`."""
+    error, taken = None, set()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for option, directory in dirs.items():
+            if directory is None or os.path.realpath(directory) in taken:
+                continue
+            try:
+                _held.append(RunDirLock(directory, option).acquire())
+                taken.add(os.path.realpath(directory))
+            except RunDirBusy as exc:
+                error = exc
+            except OSError as exc:
+                error = JobError(f"{option}={directory}: cannot take its lock {os.path.join(directory, LOCK_FILE)} ({exc.strerror}): "
+                                 f"make the dir writable, or give another {option}")  # fmt: skip
+            if error is not None:
+                break
+    if dist.is_initialized() and dist.get_world_size() > 1:
         refused = [error is not None]
         dist.broadcast_object_list(refused, src=0)
         if refused[0] and error is None:
-            raise JobError(f"checkpoint.dir={directory} cannot be locked for this run: rank 0 says why")
+            raise JobError(f"{', '.join(f'{k}={v}' for k, v in dirs.items() if v)}: cannot be locked for this run: rank 0 says why")
     if error is not None:
+        release_run_dirs()
         raise error
 
 
-def release_checkpoint_dir() -> None:
-    """Drops the lock `hold_checkpoint_dir` took (if any)."""
+def release_run_dirs() -> None:
+    """Drops the locks `hold_run_dirs` took (if any)."""
     while _held:
         _held.pop().release()

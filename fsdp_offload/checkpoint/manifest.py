@@ -83,10 +83,15 @@ def check_manifest(directory: str, step: int) -> tuple[dict[str, dict[str, int]]
     try:
         with open(path, "rb") as f:
             manifest = json.loads(f.read())
-        parts, entries, saved_step = manifest["parts"], manifest["entries"], int(manifest["step"])
-        self_checked = {part: set(manifest["self_checked"][part]) for part in PARTS}
-        if manifest.get("format") != _FORMAT or not isinstance(parts, dict) or not isinstance(entries, dict):
+        if manifest.get("format") != _FORMAT:
             raise ValueError(f"format {manifest.get('format')!r}, {_FORMAT} expected")
+        parts, saved_step = _mapping(manifest, "parts"), int(manifest["step"])
+        entries = _mapping(manifest, "entries")
+        digests = {part: {str(k): int(v) for k, v in _mapping(entries, part, {}).items()} for part in PARTS}
+        self_checked = {part: set(manifest["self_checked"][part]) for part in PARTS}
+        outside = [name for name in parts if os.path.isabs(name) or os.path.normpath(name).startswith("..")]
+        if outside:
+            raise ValueError(f"part {outside[0]!r} lies outside the checkpoint")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointFileError(path, f"cannot be read ({type(exc).__name__}: {exc})") from None
     if saved_step != step:
@@ -106,4 +111,12 @@ def check_manifest(directory: str, step: int) -> tuple[dict[str, dict[str, int]]
         unlisted = sorted(f"{part}/{name}" for name in ends if f"{part}/{name}" not in parts)
         if unlisted:
             raise CheckpointFileError(os.path.join(directory, unlisted[0]), "is not in the manifest")
-    return {part: {str(k): int(v) for k, v in entries.get(part, {}).items()} for part in PARTS}, self_checked
+    return digests, self_checked
+
+
+def _mapping(within: dict, key: str, default: dict | None = None) -> dict:
+    """`within[key]`, which must be a JSON object (KeyError where missing and no `default`)."""
+    value = within[key] if default is None else within.get(key, default)
+    if not isinstance(value, dict):
+        raise TypeError(f"{key!r} is a {type(value).__name__}, an object expected")
+    return value

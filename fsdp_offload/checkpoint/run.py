@@ -40,6 +40,7 @@ RUN_FILE = "run.json"
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_\d+$")  # a checkpoint, never a .tmp one being written
 _OLD_DIR = re.compile(r"^step_\d+\.old$")  # one being removed
+_TMP_DIR = re.compile(r"^step_\d+\.tmp$")  # one being written
 
 
 def _rank() -> int:
@@ -184,8 +185,9 @@ def save_checkpoint(
 
     def start() -> None:
         os.makedirs(directory, exist_ok=True)
-        # the leftovers of a run killed while saving: a half-written step, half-removed old ones
-        for leftover in [tmp] + [os.path.join(directory, d) for d in os.listdir(directory) if _OLD_DIR.match(d)]:
+        # the leftovers of a run killed while saving (this run holds the dir's lock: no other writes it): half-written
+        # steps, of any step, and half-removed old ones
+        for leftover in [os.path.join(directory, d) for d in os.listdir(directory) if _TMP_DIR.match(d) or _OLD_DIR.match(d)]:
             shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(tmp, mode=0o700)
 
@@ -251,12 +253,15 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
     when a part of it is missing, damaged or from another checkpoint; returns its step."""
     for part in PARTS:
         if not os.path.isfile(os.path.join(path, part, ".metadata")):
-            raise JobError(
-                f"checkpoint {path} has no {part}/.metadata: it was written by an older fsdp-offload (before "
-                "checkpoints went through DCP as model/ and optimizer/) or copied in part; point checkpoint.dir "
-                "elsewhere to start afresh"
-            )
+            raise JobError(_unreadable(path, f"no {part}/.metadata: written by an older fsdp-offload (before checkpoints went "
+                                             "through DCP as model/ and optimizer/), copied in part, or damaged"))  # fmt: skip
     saved = _run_note(path)
+    for part in PARTS:  # read here (never unpickling code), so that a garbled one is named
+        try:
+            read_dcp_metadata(os.path.join(path, part, ".metadata"))
+        except CheckpointFileError as exc:
+            raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
+    _manifest_digests(path, int(saved["step"]))  # whole before compared: a damaged run.json is named as damaged
     shown = lambda d, k: repr(d[k]) if k in d else "nothing"  # noqa: E731
     for key, value in run.items():
         have = saved.get(key)
@@ -272,12 +277,6 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
             have, value = shown(saved, key), repr(value)
         raise JobError(f"checkpoint {path} was written with {key}={have}, this run has {key}={value}: resume with the "
                        f"same {key}, or point checkpoint.dir elsewhere to start afresh")  # fmt: skip
-    for part in PARTS:  # read here (never unpickling code), so that a garbled one is named
-        try:
-            read_dcp_metadata(os.path.join(path, part, ".metadata"))
-        except CheckpointFileError as exc:
-            raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
-    _manifest_digests(path, int(saved["step"]))
     return int(saved["step"])
 
 
