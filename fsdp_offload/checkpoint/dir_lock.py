@@ -14,7 +14,7 @@ import time
 
 import torch.distributed as dist
 
-from ..job_errors import JobError
+from ..job_errors import JobError, os_error_line
 
 LOCK_FILE = ".lock"
 _held: list["RunDirLock"] = []  # the run's locks (train.py's)
@@ -39,6 +39,9 @@ class RunDirLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            note = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            os.pwrite(fd, json.dumps(note).encode(), 0)  # (a full disk fails here: the lock goes with the fd)
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
@@ -49,9 +52,6 @@ class RunDirLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        note = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.pwrite(fd, json.dumps(note).encode(), 0)
         self._fd = fd
         return self
 
@@ -89,9 +89,9 @@ def hold_run_dirs(dirs: dict[str, str | None]) -> None:
                 taken.add(os.path.realpath(directory))
             except RunDirBusy as exc:
                 error = exc
-            except OSError as exc:
-                error = JobError(f"{option}={directory}: cannot take its lock {os.path.join(directory, LOCK_FILE)} ({exc.strerror}): "
-                                 f"make the dir writable, or give another {option}")  # fmt: skip
+            except OSError as exc:  # (the path, the option and the fix, as any write there names them)
+                error = JobError(os_error_line(exc if exc.filename else OSError(exc.errno, exc.strerror, os.path.join(directory, LOCK_FILE)),
+                                               {option: directory}))  # fmt: skip
             if error is not None:
                 break
     if dist.is_initialized() and dist.get_world_size() > 1:
