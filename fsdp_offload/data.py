@@ -17,6 +17,7 @@ are UTF-8 bytes and byte 0 (NUL, absent from text) separates documents.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -139,9 +140,11 @@ class TokenBatches(Iterator[torch.Tensor]):
             table_rng = np.random.default_rng([cfg.seed, 0])
             self._successors = table_rng.integers(0, vocab_size, (vocab_size, SYNTHETIC_BRANCHING))
             self.num_tokens = 0
+            self.fingerprint = None
         else:
             self._tokens = self._open(cfg, vocab_size, world_size)
             self.num_tokens = len(self._tokens)
+            self.fingerprint = _fingerprint(Path(cfg.path))
             self.num_windows = self.num_tokens // self.window
             self._epoch = -1
             self._order = np.empty(0, dtype=np.int64)
@@ -244,6 +247,7 @@ class TokenBatches(Iterator[torch.Tensor]):
             "seed": self.cfg.seed,
             "seq_len": self.cfg.seq_len,
             "num_tokens": self.num_tokens,
+            "fingerprint": self.fingerprint,
         }
 
     @job_wide
@@ -256,10 +260,26 @@ class TokenBatches(Iterator[torch.Tensor]):
                     f"checkpoint was taken with {key}={state[key]} but {where} is now {mine}; "
                     "resume with the same data settings (the stream would differ)"
                 )
+        if state.get("fingerprint", self.fingerprint) != self.fingerprint:  # (a checkpoint from before it: not kept)
+            raise ValueError(
+                f"data.path={self.cfg.path} holds other tokens than the checkpoint was trained on (the same length, "
+                "other bytes at its start or end); resume with the token file it was trained on"
+            )
         position = state["position"]
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"checkpoint's data position {position!r} is not a whole number >= 0: the checkpoint is damaged; resume from an older one")
         self.position = position
+
+
+def _fingerprint(path: Path) -> str:
+    """A digest of the token file's first and last MiB: another file of the same length differs there
+    (reading all of a large file at every start would not pay)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return digest.hexdigest()
 
 
 def _check_ids(tokens: np.ndarray, offset: int, vocab_size: int, path: Path) -> None:

@@ -220,6 +220,16 @@ def test_resume_with_other_data_settings_fails():
         TokenBatches(DataConfig(seq_len=32), 256).load_state_dict(state)
 
 
+def test_resume_on_another_token_file_of_the_same_length_fails(tmp_path):
+    cfg, vocab = counting_file(tmp_path, 200)
+    state = TokenBatches(cfg, vocab).state_dict()
+    write_token_file(Path(cfg.path), (np.arange(200) + 1) % 200, vocab_size=200, tokenizer="counting", eos_id=0)
+    with pytest.raises(ValueError, match=r"data.path=.* holds other tokens than the checkpoint was trained on"):
+        TokenBatches(cfg, vocab).load_state_dict(state)
+    del state["fingerprint"]  # a checkpoint from before the fingerprint: resumed as before
+    TokenBatches(cfg, vocab).load_state_dict(state)
+
+
 # ---- scripts/prepare_data.py ------------------------------------------------------------------
 
 
