@@ -172,7 +172,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         startup["gpu_peak_startup_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
 
-    start_step = 0
+    start_step, hyper = 0, train_hyper(tcfg, dcfg.micro_batch, recipe.config.max_grad_norm)
     if resume_from:
         t0 = time.perf_counter()
         rank_state = load_checkpoint(resume_from, model, optimizer)
@@ -181,7 +181,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         batches.load_state_dict(rank_state["data"])
         base_lrs = list(scheduler.base_lrs)  # this run's, before the checkpoint's replace them
         scheduler.load_state_dict(rank_state["scheduler"])
-        follow_config(optimizer, scheduler, base_lrs, tcfg, rank_state.get("hyper"), rank)
+        follow_config(optimizer, scheduler, base_lrs, tcfg, hyper, rank_state.get("hyper"), rank)
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
 
@@ -255,7 +255,7 @@ def _run(cfg: DictConfig) -> list[dict]:
             bar.update(1)
             if save:
                 rank_state = {"step": step + 1, "data": batches.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                              "hyper": train_hyper(tcfg)}  # fmt: skip
+                              "hyper": hyper}  # fmt: skip
                 t0 = time.perf_counter()
                 path = save_checkpoint(ckcfg.dir, step + 1, model, optimizer, run_key, rank_state, keep=ckcfg.keep,
                                        io_threads=ckcfg.io_threads)

@@ -225,7 +225,11 @@ def test_a_run_resumed_with_a_longer_schedule_follows_it_from_the_resumed_step(t
     assert "train.weight_decay 0.1 -> 0.0" in decay.stdout + decay.stderr
     micro = train(tmp_path / "micro", "train.steps=5", "train.warmup_steps=2", "train.micro_batches=2", "offload.host_budget_gb=0.01",
                   f"checkpoint.dir={tmp_path}/ck_whole", f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
-    assert "train.micro_batches 1 -> 2" in micro.stdout + micro.stderr
+    said = [line for line in (micro.stdout + micro.stderr).splitlines() if "other hyperparameters than the checkpoint's" in line]
+    assert len(said) == 1 and "train.micro_batches 1 -> 2" in said[0], said  # (its clip and micro-batch size: as saved)
+    clip = train(tmp_path / "clip", "train.steps=5", "train.warmup_steps=2", "offload.max_grad_norm=0.5", "data.micro_batch=4",
+                 f"checkpoint.dir={tmp_path}/ck_whole", f"checkpoint.resume={tmp_path}/ck_whole/step_00000004")  # fmt: skip
+    assert "offload.max_grad_norm 1.0 -> 0.5" in clip.stdout + clip.stderr and "data.micro_batch 2 -> 4" in clip.stdout + clip.stderr
     loss = {r["step"]: r["loss"] for r in rows(tmp_path / "decay" / "metrics.jsonl")}
     assert loss[4] == {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[4]  # same params going in
     assert loss[5] != {r["step"]: r["loss"] for r in rows(tmp_path / "again" / "metrics.jsonl")}[5]  # step 4 decayed them less
