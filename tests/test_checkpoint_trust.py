@@ -346,3 +346,25 @@ def test_a_damaged_part_is_named_as_damaged_before_any_config_is_compared(tmp_pa
     refused(manifest_with(entries=lambda entries: {**entries, "model": list(entries["model"])}), r"manifest.json cannot be read \(TypeError")
     outside = lambda parts: {**parts, "../../outside": {"step": 4, "bytes": 1}}  # noqa: E731
     refused(manifest_with(parts=outside), r"manifest.json cannot be read \(ValueError: part '../../outside' lies outside")
+
+
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_checkpoint_whose_trainer_state_is_of_another_step_than_its_run_file_is_refused(tmp_path, monkeypatch):
+    """Written whole, manifest and all (as a crafted one would be): resumed, it would train steps it claims done."""
+    import hydra
+
+    import fsdp_offload.checkpoint.run as checkpoint_run
+    from fsdp_offload.train import run
+
+    def train(steps: int) -> None:
+        with hydra.initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+            run(hydra.compose("train", overrides=[f"train.steps={steps}", "train.progress=false", f"train.out_dir={tmp_path}/out",
+                                                  f"checkpoint.dir={tmp_path}/ck"]))  # fmt: skip
+
+    pack = checkpoint_run._pack
+    monkeypatch.setattr(checkpoint_run, "_pack", lambda state: pack({**state, "step": 1}))
+    train(2)
+    monkeypatch.setattr(checkpoint_run, "_pack", pack)
+    with pytest.raises(JobError, match=r"step_00000002: its trainer state is of step 1, its run.json of step 2"):
+        train(4)
