@@ -233,19 +233,6 @@ def test_latest_checkpoint_is_never_one_being_written_or_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000003"]
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_step_whose_save_again_was_killed_between_its_renames_is_resumed_and_put_back(tmp_path):
-    save(tmp_path, 2, weight=1.0)
-    four = save(tmp_path, 4, weight=4.0)
-    os.replace(four, four + ".old")  # killed after moving step 4's copy aside, before its new one was renamed in
-    (tmp_path / "step_00000004.tmp").mkdir()
-    path, line = resume_point(CheckpointConfig(dir=str(tmp_path)))
-    assert path == four + ".old" and "killed while it saved that step again" in line, line
-    assert saved_weight(path) == 4.0 and check_checkpoint(path, {"world_size": 1}) == 4
-    save(tmp_path, 5, weight=5.0)  # the first save puts it back, and clears the half-written one
-    assert sorted(os.listdir(tmp_path)) == ["step_00000004", "step_00000005"] and saved_weight(four) == 4.0
-
-
 class FullDisk(FileOps):
     """Writes fail as on a full file system."""
 

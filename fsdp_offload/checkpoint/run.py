@@ -116,9 +116,6 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
             )
         return cfg.resume, f"resuming from {cfg.resume}"
     latest = latest_checkpoint(cfg.dir)
-    if latest is not None and latest.endswith(".old"):
-        return latest, (f"resuming from {latest}: a run was killed while it saved that step again, before its new copy was "
-                        "in place; this run's first save puts this one back")  # fmt: skip
     if latest is not None:
         return latest, f"resuming from {latest}"
     if cfg.resume == "required":
@@ -128,26 +125,13 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
 
 
 def latest_checkpoint(directory: str | None) -> str | None:
-    """The newest checkpoint under `directory` (never a half-written .tmp one, nor one being removed, but
-    for the last copy of a step whose save again was killed: `_interrupted_resave`).
+    """The newest checkpoint under `directory` (never a half-written .tmp one, nor one being removed).
     One that lacks a part (copied in part, an older layout) is still the newest: check_checkpoint
     refuses it, saying what is missing, rather than a run going on from an older one or from scratch."""
     if not directory or not os.path.isdir(directory):
         return None
     done = _step_dirs(directory)
-    interrupted = _interrupted_resave(directory)
-    return interrupted or (done[-1] if done else None)
-
-
-def _interrupted_resave(directory: str) -> str | None:
-    """A `step_<k>.old` newer than every step_* dir, whole: the last copy of a step that a run was saving
-    again when it was killed between moving the copy aside and renaming its new one into place (a pruned
-    checkpoint is always older than the one just written)."""
-    done = _step_dirs(directory)
-    newest = os.path.basename(done[-1]) if done else ""
-    old = sorted(d for d in os.listdir(directory) if _OLD_DIR.match(d) and d[: -len(".old")] > newest)
-    path = os.path.join(directory, old[-1]) if old else None
-    return path if path and is_checkpoint(path) else None
+    return done[-1] if done else None
 
 
 def _step_dirs(directory: str) -> list[str]:
@@ -201,9 +185,6 @@ def save_checkpoint(
 
     def start() -> None:
         os.makedirs(directory, exist_ok=True)
-        interrupted = _interrupted_resave(directory)
-        if interrupted is not None:  # back in place, as the latest (a run may have resumed from it)
-            os.replace(interrupted, interrupted[: -len(".old")])
         # the leftovers of a run killed while saving (this run holds the dir's lock: no other writes it): half-written
         # steps, of any step, and half-removed old ones
         for leftover in [os.path.join(directory, d) for d in os.listdir(directory) if _TMP_DIR.match(d) or _OLD_DIR.match(d)]:
