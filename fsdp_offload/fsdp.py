@@ -139,10 +139,12 @@ class ModelHooks:
         self._params = params
         self._handles: list = []
         self._unit_grads: UnitGrads | None = None
+        self._sync_units: list[list[nn.Module]] = []
 
-    def add(self, handles: list, unit_grads: UnitGrads | None = None) -> None:
+    def add(self, handles: list, unit_grads: UnitGrads | None = None, sync_units: list[list[nn.Module]] | None = None) -> None:
         self._handles += handles
         self._unit_grads = unit_grads or self._unit_grads
+        self._sync_units = sync_units or self._sync_units
 
     def hand_over_grads(self) -> None:
         """Hands the optimizer the grads the grad hooks still hold: before anything reads the step's grads."""
@@ -155,9 +157,10 @@ class ModelHooks:
         return self._unit_grads is not None and self._unit_grads.holding
 
     def drop_grads(self) -> None:
-        """Drops the grads the grad hooks still hold (zero_grad(), close())."""
+        """Drops the grads the grad hooks still hold, and those FSDP2 left unreduced (zero_grad(), close())."""
         if self._unit_grads is not None:
             self._unit_grads.drop()
+        drop_unreduced_grads(self._sync_units)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -326,8 +329,8 @@ def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> lis
         _param_groups(modules[0])
 
     def check(module: nn.Module, _args: tuple) -> None:
-        if not torch.is_grad_enabled():
-            return
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return  # an eval forward; or activation checkpointing's recompute in backward, the unit's later grads in
         if any(not g.reduce_grads for g in _param_groups(module)):
             raise _sync_off_error(module, "a forward", micro_batches)
         _check_unit_synced(module, micro_batches)
@@ -349,6 +352,19 @@ def _check_unit_synced(module: nn.Module, micro_batches: int) -> None:
             if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
                 raise RuntimeError(
                     f"{_sync_off_error(module, 'a backward', micro_batches)}. Or a backward raised part-way and "
-                    "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward), "
-                    "then zero_grad() to drop that backward's grads, or step() to use them as torch would"
+                    "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward). "
+                    "opt.zero_grad() drops the grads such a backward left, and this step's"
                 )
+
+
+def drop_unreduced_grads(units: list[list[nn.Module]]) -> None:
+    """Drops the grads FSDP2 left unreduced in `units` (a backward with the sync off, or one that raised
+    part-way), which FSDP2 would add to the next backward's: the optimizer's zero_grad() drops them with
+    the step's (the model's own zero_grad() sees only the sharded params)."""
+    for modules in units:
+        for group in _param_groups(modules[0]):
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None

@@ -178,6 +178,7 @@ class StepGrads:
         )
         self._scales_taken = 0  # steps that took the grad scale (fp16: each divides by the loss scale)
         self._loss_scaled_for = -1  # _scales_taken when scale_loss last ran: its step is the next to take it
+        self._loss_scale_checked = False  # this step's grads passed _check_loss_scaled (a retried step's too)
         self.last_norm: float | None = None
         self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
         self.after_clip = 0  # grads from backwards after clip_grad_norm_ in this step
@@ -263,13 +264,16 @@ class StepGrads:
     def _check_loss_scaled(self) -> None:
         """fp16: the step divides every grad by the loss scale, so grads of a loss that scale_loss did not
         scale are refused (zero grads, as torch's state-dict API steps with to build the state, are let be)."""
-        if self.loss_scaler is not None and self._loss_scaled_for != self._scales_taken and self._total != 0:
+        if self._loss_scale_checked or self.loss_scaler is None:
+            return
+        if self._loss_scaled_for != self._scales_taken and self._total != 0:
             raise RuntimeError(
                 "param_dtype float16: this step's grads come from a loss that opt.scale_loss() did not scale, and "
                 f"the step divides every grad by the loss scale (now {self.loss_scaler.scale:g}): call "
                 "opt.scale_loss(loss).backward() for each micro-batch (OffloadAdamW scales fp16 losses itself; "
                 "torch.amp.GradScaler does not apply); zero_grad() drops these grads"
             )
+        self._loss_scale_checked = True
 
     def norm(self) -> float:
         """The global L2 norm of this step's grads, unscaled (inf/nan if any grad is): one all-reduce
@@ -375,7 +379,7 @@ class StepGrads:
         self.sums.clear()
         self.staging.clear()
         self._accumulated.clear()
-        self._total, self.step_clip, self.after_clip = None, None, 0
+        self._total, self.step_clip, self.after_clip, self._loss_scale_checked = None, None, 0, False
         self._param_grads_seen.clear()
         if self._square_sums is not None:
             self._square_sums.clear()

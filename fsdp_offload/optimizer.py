@@ -170,7 +170,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             setattr(model, CAST_MARK, True)
             # the params must not keep the optimizer alive: the hooks call it weakly
             self._hooks.add(*install_grad_hooks(self._params, units, weakly(self._hooked_grads), cfg.micro_batches))
-            self._hooks.add(install_sync_checks(self._sync_units, cfg.micro_batches))
+            self._hooks.add(install_sync_checks(self._sync_units, cfg.micro_batches), sync_units=self._sync_units)
             self._hooks.add(warn_uncast_at_first_forward(model, units, self._params, self.param_dtype))
             self._hooks.add(install_model_state_dict_hooks(model, self._params, self.engine.finish_update, self._states))
             if inflight is not None:

@@ -184,9 +184,9 @@ def _run(cfg: DictConfig) -> list[dict]:
         follow_config(optimizer, scheduler, base_lrs, tcfg, hyper, rank_state.get("hyper"), rank)
         set_rng_state(rank_state["rng"])
         start_step = rank_state["step"]
-        if start_step != first_step:  # (both digested by the manifest: a checkpoint made up of two)
-            raise JobError(f"checkpoint {resume_from}: its trainer state is of step {start_step}, its run.json of step "
-                           f"{first_step}; resume from another checkpoint")  # fmt: skip
+        raise_on_every_rank(None if start_step == first_step else  # (both digested by the manifest: made up of two)
+                            f"checkpoint {resume_from}: its trainer state is of step {start_step}, its run.json of step "
+                            f"{first_step}; resume from another checkpoint", group)  # fmt: skip
 
     if rank == 0:
         log.info("start-up: %s", ", ".join(f"{k} {v:.2f}" for k, v in startup.items()))

@@ -141,6 +141,10 @@ def test_fp16_grads_of_a_loss_not_scaled_are_refused_where_not_all_zero():
     opt.zero_grad()
     opt.scale_loss(torch.ones(()))  # the next step's loss scaled: its grads are taken
     mine.grad = grads_for(1, torch.float16)[2]
+    opt.param_groups[0]["amsgrad"] = True  # refused once the norm is taken: the retry takes the same grads
+    with pytest.raises(ValueError, match="amsgrad"):
+        opt.step()
+    del opt.param_groups[0]["amsgrad"]
     opt.step()
     assert opt.last_grad_norm is not None
     opt.close()

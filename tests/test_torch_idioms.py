@@ -216,6 +216,41 @@ def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
         loss_of(model, batch(rank, 1))  # an eval forward takes no grads: let be
     with pytest.raises(RuntimeError, match=r"a backward with FSDP2's gradient sync off.*reset_iter_state"):
         loss_of(model, batch(rank, 1))
+    opt.zero_grad()  # drops what that backward left (the model's zero_grad sees the sharded params alone): trains on
+    loss_of(model, batch(rank, 1)).backward()
+    opt.step()
+    opt.close()
+
+
+class BiasLast(torch.nn.Module):
+    """A block whose last op saves no tensor: its bias takes its grad before checkpointing's recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.bias = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x)) + self.bias
+
+
+def recompute_with_a_grad_in(rank: int, world: int, tmp: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BiasLast(), BiasLast())
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2))
+    for micro in range(2):
+        h = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + micro)).bfloat16()
+        for block in model:
+            h = checkpoint(block, h, use_reentrant=False)
+        h.float().sum().backward()  # the recompute's forward runs with the unit's bias grad in: no sync was off
+    opt.step()
+    opt.finish_update()
+    assert opt.engine.step_count == 1
     opt.close()
 
 
@@ -286,6 +321,10 @@ def test_grads_the_model_clears_between_backward_and_step_are_followed_as_torch_
 
 def test_fsdp2_gradient_sync_off_is_refused_naming_the_optimizers_own_accumulation(tmp_path):
     run_ranks(2, no_sync_accumulation, str(tmp_path))
+
+
+def test_activation_checkpointings_recompute_with_some_of_the_units_grads_in_is_let_be(tmp_path):
+    run_ranks(2, recompute_with_a_grad_in, str(tmp_path))
 
 
 def test_a_trainable_fp32_unit_left_to_another_optimizer_is_named_at_the_first_forward(tmp_path):
