@@ -176,8 +176,7 @@ class StepGrads:
             if self.dtype == torch.float16
             else None
         )
-        self._scales_taken = 0  # steps that took the grad scale (fp16: each divides by the loss scale)
-        self._loss_scaled_for = -1  # _scales_taken when scale_loss last ran: its step is the next to take it
+        self._losses_scaled = 0  # scale_loss calls since the last step took the grad scale (fp16: it divides by it)
         self._loss_scale_checked = False  # this step's grads passed _check_loss_scaled (a retried step's too)
         self.last_norm: float | None = None
         self.step_clip: float | None = None  # this step's clip factor from clip_grad_norm_ (over max_grad_norm)
@@ -258,7 +257,7 @@ class StepGrads:
                 self._param_grads_seen[i] = (weakref.ref(grads[i]), grads[i]._version)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        self._loss_scaled_for = self._scales_taken
+        self._losses_scaled += 1
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
     def _check_loss_scaled(self) -> None:
@@ -266,9 +265,11 @@ class StepGrads:
         scale are refused (zero grads, as torch's state-dict API steps with to build the state, are let be)."""
         if self._loss_scale_checked or self.loss_scaler is None:
             return
-        if self._loss_scaled_for != self._scales_taken and self._total != 0:
+        backwards = max(self.backwards, default=0)  # (one scaled loss a backward: a micro-batch's own)
+        if self._losses_scaled < backwards and self._total != 0:
             raise RuntimeError(
-                "param_dtype float16: this step's grads come from a loss that opt.scale_loss() did not scale, and "
+                f"param_dtype float16: this step's grads come from {backwards} backwards and opt.scale_loss() scaled "
+                f"{self._losses_scaled} losses: grads of a loss it did not scale would be wrong, as "
                 f"the step divides every grad by the loss scale (now {self.loss_scaler.scale:g}): call "
                 "opt.scale_loss(loss).backward() for each micro-batch (OffloadAdamW scales fp16 losses itself; "
                 "torch.amp.GradScaler does not apply); zero_grad() drops these grads"
@@ -316,7 +317,7 @@ class StepGrads:
         if self.max_grad_norm is None and self.step_clip is None and self.loss_scaler is None:
             return 1.0
         norm = self.norm()
-        self._scales_taken += 1
+        self._losses_scaled = 0  # (the next step's count from here: step() has taken this one's grads)
         unscale = 1.0
         if self.loss_scaler is not None:
             unscale = 1.0 / self.loss_scaler.scale

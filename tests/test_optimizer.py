@@ -147,6 +147,12 @@ def test_fp16_grads_of_a_loss_not_scaled_are_refused_where_not_all_zero():
     del opt.param_groups[0]["amsgrad"]
     opt.step()
     assert opt.last_grad_norm is not None
+    opt.zero_grad()
+    opt.scale_loss(torch.ones(()))  # two micro-batches, one of them scaled
+    for g in grads_for(2, torch.float16)[2], grads_for(3, torch.float16)[2]:
+        opt.stage_grad(0, g)
+    with pytest.raises(RuntimeError, match=r"come from 2 backwards and opt\.scale_loss\(\) scaled 1 losses"):
+        opt.step()
     opt.close()
 
 
