@@ -178,7 +178,10 @@ def _run(cfg: DictConfig) -> list[dict]:
         rank_state = load_checkpoint(resume_from, model, optimizer)
         if rank == 0:
             log.info("resumed from %s in %.1f s", resume_from, time.perf_counter() - t0)
-        batches.load_state_dict(rank_state["data"])
+        try:
+            batches.load_state_dict(rank_state["data"])
+        except JobError as exc:  # (said by the data, which does not know which checkpoint)
+            raise JobError(f"checkpoint {resume_from}: {exc}") from None
         base_lrs = list(scheduler.base_lrs)  # this run's, before the checkpoint's replace them
         scheduler.load_state_dict(rank_state["scheduler"])
         follow_config(optimizer, scheduler, base_lrs, tcfg, hyper, rank_state.get("hyper"), rank)

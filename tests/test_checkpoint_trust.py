@@ -355,3 +355,20 @@ def test_a_checkpoint_whose_trainer_state_is_of_another_step_than_its_run_file_i
     monkeypatch.setattr(checkpoint_run, "_pack", pack)
     with pytest.raises(JobError, match=r"step_00000002: its trainer state is of step 1, its run.json of step 2"):
         train(4)
+
+
+@pytest.mark.bad_input
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_resume_on_other_data_names_the_checkpoint(tmp_path):
+    import hydra
+
+    from fsdp_offload.train import run
+
+    def train(*overrides: str) -> None:
+        with hydra.initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+            run(hydra.compose("train", overrides=["train.progress=false", f"train.out_dir={tmp_path}/out",
+                                                  f"checkpoint.dir={tmp_path}/ck", *overrides]))  # fmt: skip
+
+    train("train.steps=2")
+    with pytest.raises(JobError, match=r"^checkpoint \S+step_00000002: checkpoint was taken with seed=0 but data.seed is now 1"):
+        train("train.steps=4", "data.seed=1")
