@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +78,42 @@ def run_process(cmd: list[str], env: dict, log_path: str, timeout: float) -> tup
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, usage.ru_maxrss / 2**20, time.perf_counter() - start, timed_out
+
+
+class DirPeak:
+    """The most bytes the files under a directory held at once, sampled each second while in the
+    `with` block: the RAM a run's files on a tmpfs (the shm path) took, which no RSS shows."""
+
+    def __init__(self, path: str | None):
+        self.path, self.peak_bytes = path, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> DirPeak:
+        if self.path:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.path:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while True:
+            self.peak_bytes = max(self.peak_bytes, allocated_bytes(self.path))
+            if self._stop.wait(1.0):
+                return
+
+
+def allocated_bytes(path: str) -> int:
+    """Bytes allocated to the files under `path` (st_blocks, so sparse holes are not counted)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # a file renamed or removed while we walk
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+    return total
 
 
 def failure_reason(log_path: str) -> str:
@@ -177,7 +214,8 @@ def run_system(system: System, args: argparse.Namespace, run_root: str, work: Wo
     timeout = args.system_timeout_s if deadline is None else min(args.system_timeout_s, deadline - time.perf_counter())
     print(f"== {system.name}: {system.what} (log {log_path})", flush=True)
     try:
-        code, host_peak, wall, timed_out = run_process(cmd, system_env(system), log_path, timeout)
+        with DirPeak(shm_dir) as shm:
+            code, host_peak, wall, timed_out = run_process(cmd, system_env(system), log_path, timeout)
     finally:
         for d in (sys_dir, shm_dir):
             if d:
@@ -202,6 +240,9 @@ def run_system(system: System, args: argparse.Namespace, run_root: str, work: Wo
         return out
     out = summarize(system, ranks, args, sys_dir, raw_io, work, host_peak, base)
     out["init_s"] = out.get("init_s", wall - sum(r["step_s"] for r in rows))
+    if shm_dir:  # the node's host memory is its ranks' RSS plus what they kept on the tmpfs
+        out["shm_peak_gib"] = shm.peak_bytes / GIB
+        out["host_peak_with_shm_gib"] = out["host_peak_gib"] + out["shm_peak_gib"]
     if system.disk:  # it ran: the disk as it left it
         out = with_raw_after(out, measure_disk(args))
     print(f"   {system.name}: iteration {out['iteration_s']:.3f} s (forward {out['forward_s']:.3f}, backward "

@@ -18,6 +18,7 @@ RATIOS = {
     "ratio_disk_grads_on_gpu_vs_zero_infinity": ("zero_infinity", "disk_grads_on_gpu"),
     "ratio_vs_zero_offload": ("zero_offload", "host"),
     "ratio_multipath_vs_zero_infinity": ("zero_infinity", "multipath"),
+    "ratio_multipath_gpu0_vs_zero_infinity": ("zero_infinity", "multipath_gpu0"),
     "ratio_host_gpu0_vs_fsdp_cpu_offload_clip": ("fsdp_cpu_offload_clip", "host_gpu0"),
     "ratio_host_gpu0_vs_zero_offload": ("zero_offload", "host_gpu0"),
     "ratio_disk_gpu0_vs_zero_infinity": ("zero_infinity", "disk_gpu0"),
@@ -262,6 +263,9 @@ def print_table(runs: dict, ratio_values: dict, basis: dict, ratio_each: dict) -
             print(f"{'':<22}     I/O: effective {fmt(r['effective_io_gbps'], '.2f')} GB/s, raw disk before/after "
                   f"{fmt(r.get('raw_mixed_io_gbps'), '.2f')}/{fmt(r.get('raw_mixed_io_after_gbps'), '.2f')} GB/s, "
                   f"physical limit {fmt(r.get('physical_limit_s'))} s")  # fmt: skip
+        if "shm_peak_gib" in r:
+            print(f"{'':<22}     shm path: {fmt(r['shm_peak_gib'], '.1f')} GiB at most, host peak with it "
+                  f"{fmt(r['host_peak_with_shm_gib'], '.1f')} GiB")  # fmt: skip
         if "iteration_s_rounds" in r:
             print(f"{'':<22}     rounds: {', '.join(fmt(x) for x in r['iteration_s_rounds'])} (the row is round {r['round']})")
     compute = next((r["compute_limit_from"] for r in runs.values() if "compute_limit_from" in r), None)

@@ -80,6 +80,9 @@ SYSTEMS = {
         System("zero_offload", "DeepSpeed ZeRO-3, offload_optimizer cpu, DeepSpeedCPUAdam", "deepspeed", offload="cpu"),
         System("multipath", "this product, scripts/train.py offload=multipath (tier dir + shm dir, host budget)", "train.py",
                offload="multipath", disk=True),  # fmt: skip
+        System("multipath_gpu0", "this product, offload=multipath, no state on the GPU (offload.gpu_fraction=0): every byte "
+               "of state streams through the tier dir and the shm dir", "train.py", offload="multipath", disk=True,
+               overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
     )
 }
 

@@ -70,9 +70,11 @@ def check_row(run: dict, steps: int, ranks: int, gpu_only: dict | None) -> None:
 
 
 def test_tiny_model_on_cpu_reports_every_system(tmp_path):
-    systems = ("host", "disk", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")  # gpu_only: see the next test
+    systems = ("host", "disk", "multipath_gpu0", "fsdp_cpu_offload_clip", "zero_infinity", "zero_offload")  # gpu_only: see the next test
+    (tmp_path / "shm").mkdir()
     result, stdout = bench(
         tmp_path, "--steps", "3", "--systems", ",".join(systems), "--raw-io-gib", "0.0625", "--raw-io-samples", "1",
+        "--shm-dir", str(tmp_path / "shm"),
         # a host cache of a few 16Ki-param subgroups, so the tiny model's state really streams through the disk
         "--host-budget-gb", "0.0018", "--train-override", "++offload.subgroup_numel=16384",
     )  # fmt: skip
@@ -93,6 +95,11 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     assert disk["raw_mixed_io_after_gbps"] == disk["raw_io_after"]["mixed_gbps"] > 0  # measured again after it ran
     assert disk["physical_limit_after_s"] == disk["disk_bytes_per_step"] / (disk["raw_mixed_io_after_gbps"] * 1e9)
     assert runs["host"]["physical_limit_s"] is None  # nothing of it goes through the disk
+    multipath = runs["multipath_gpu0"]  # its state on the tier dir and the shm dir: the RAM the second one held is counted
+    check_row(multipath, steps=3, ranks=1, gpu_only=None)
+    assert multipath["shm_peak_gib"] > 0 and multipath["physical_limit_note"]
+    assert multipath["host_peak_with_shm_gib"] == multipath["host_peak_gib"] + multipath["shm_peak_gib"]
+    assert "shm path:" in stdout and "shm_peak_gib" not in disk
 
     fsdp = runs["fsdp_cpu_offload_clip"]
     if "error" in fsdp:  # CPUOffloadPolicy refused on CPU/gloo: the reason must be there
@@ -111,7 +118,7 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     assert result["ratio_vs_zero_infinity"] is None and "zero_infinity failed" in result["ratios_basis"]["ratio_vs_zero_infinity"]
     assert result["ratio_vs_fsdp_cpu_offload"] is None  # neither side was selected
     assert (tmp_path / "logs").is_dir() and all(Path(r["log"]).is_file() for r in runs.values())
-    assert not list((tmp_path / "tier").iterdir())  # every system's tier files are gone
+    assert not list((tmp_path / "tier").iterdir()) and not list((tmp_path / "shm").iterdir())  # every system's tier files are gone
     table = stdout[stdout.index("\nsystem ") :]  # the table comes last
     assert all(word in table.splitlines()[1] for word in ("mb", "iteration", "tokens/s", "share gpu_only", "x compute", "host GiB"))
 
