@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import json
 import os
 import resource
+import signal
 import socket
 import sys
 import time
@@ -162,6 +164,8 @@ class DeepSpeedPeer:
 def run_worker(args: argparse.Namespace) -> None:
     system = SYSTEMS[args.worker]
     max_grad_norm = args.max_grad_norm if system.clip else None
+    # a worker stopped at the parent's timeout (torchrun passes the SIGTERM on) says where it was
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     if system.runner == "deepspeed":
         try:  # first: without DeepSpeed nothing else matters
             import deepspeed
@@ -199,6 +203,8 @@ def run_worker(args: argparse.Namespace) -> None:
     data = DataConfig(kind="synthetic", seq_len=args.seq, micro_batch=args.batch, seed=args.seed)
     batches = TokenBatches(data, margs.vocab_size, rank=rank, world_size=world)  # train.py's stream, rank by rank
     info["init_s"] = time.perf_counter() - start
+    if rank == 0:
+        print(f"{system.name}: set up in {info['init_s']:.1f} s", flush=True)
     with open(worker_rows_path(args.rows, rank), "a") as log:
         log.write(json.dumps({"info": info}) + "\n")
         log.flush()
