@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import tempfile
 from dataclasses import dataclass, field
 
+from .job_errors import JobError
 from .kernels import KERNEL_NAMES
 from .order import UPDATE_ORDERS
 from .storage import TierSpec
@@ -330,8 +331,8 @@ class HostBudget:
         if not self.auto:
             return nbytes, self.option
         name = f"offload.host_budget_gb=auto ({readable_size(nbytes) if nbytes > 0 else 'nothing'} per rank{how})"
-        if nbytes <= 0:
-            raise ValueError(
+        if nbytes <= 0:  # (the least any rank got: the same on every rank, said once)
+            raise JobError(
                 f"{name}: no host memory is left for the optimizer; lower offload.host_headroom_gb or give "
                 "offload.host_budget_gb in GiB"
             )

@@ -16,6 +16,7 @@ import torch
 from .calibrate import TierSpeed
 from .config import OffloadConfig, is_number, is_whole
 from .gpu_share import needs_gpu
+from .job_errors import JobError
 from .learned_rate import CpuRate, learned_rate_for, unlearned_note
 from .memory import available_host_bytes
 from .threads import cpu_threads_per_rank
@@ -96,21 +97,21 @@ def tier_room_subgroups(machine: MachineConfig, specs: list, ranks: int, slot_by
 
 
 def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: str) -> int | None:
-    """GPU memory per rank of a run on `device_type` (None: it trains on the CPU); raises ValueError for
-    options that need a GPU the run does not have, as the optimizer would."""
+    """GPU memory per rank of a run on `device_type` (None: it trains on the CPU); raises a JobError (every
+    rank alike) for options that need a GPU the run does not have, as the optimizer would."""
     gpu = machine.gpu_gib
     if gpu is None:
         gpu = torch.cuda.mem_get_info()[1] / GIB if device_type == "cuda" and torch.cuda.is_available() else 0.0
     if device_type == "cuda" and gpu == 0:
-        raise ValueError("train.device=cuda, but the machine planned for has no GPU: state its memory "
+        raise JobError("train.device=cuda, but the machine planned for has no GPU: state its memory "
                          "(machine.gpu_gib=80), or plan for train.device=cpu")  # fmt: skip
     if device_type == "cuda":
         return int(gpu * GIB)
     if needs_gpu(cfg.gpu_fraction):
-        raise ValueError(f"offload.gpu_fraction={cfg.gpu_fraction} keeps state on the GPU, but the planned run trains "
+        raise JobError(f"offload.gpu_fraction={cfg.gpu_fraction} keeps state on the GPU, but the planned run trains "
                          "on the CPU: use 0, or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
     if cfg.grad_path == "gpu_bf16":
-        raise ValueError("offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the planned run trains on the "
+        raise JobError("offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the planned run trains on the "
                          "CPU: use offload.grad_path='host_bf16', or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
     return None
 

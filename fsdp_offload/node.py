@@ -52,9 +52,10 @@ def node_ranks(group: dist.ProcessGroup | None = None) -> int:
 
 
 def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """The ranks on this node (as node_ranks counts them) and this rank's place among them, 0 first: with
-    `group` (a collective) its place among the node's ranks of `group`, whichever way the launcher numbered
-    them (srun --distribution=cyclic spreads a node's ranks apart); without one, $LOCAL_RANK, else 0."""
+    """The ranks on this node (as node_ranks counts them; with a `group` of part of the job, no fewer than
+    the job's there) and this rank's place among them, 0 first: with `group` (a collective) its place
+    among the node's ranks of `group`, whichever way the launcher numbered them (srun
+    --distribution=cyclic spreads a node's ranks apart); without one, $LOCAL_RANK, else 0."""
     global _job_node_ranks, _job_node_place
     if group is None:
         if dist.is_initialized() and dist.get_world_size() == 1:
@@ -63,7 +64,10 @@ def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     peers = node_peers(group)
     if dist.get_world_size(group) == dist.get_world_size():
         _job_node_ranks, _job_node_place = len(peers), (dist.get_world_size(), peers.index(dist.get_rank(group)))
-    return len(peers), peers.index(dist.get_rank(group))
+        return len(peers), peers.index(dist.get_rank(group))
+    # a group of part of the job (a pipeline stage's, a replica's): the node's other ranks share its memory too
+    job_here = _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(len(peers), job_here), peers.index(dist.get_rank(group))
 
 
 def first_on_node() -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from .grads import TierFP32Grads
 from .job_errors import JobError
 from .levels import MemoryPlan
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes, tier_room_subgroups
-from .models import MODEL_PRESETS, LlamaArgs, Transformer, num_params
+from .models import LlamaArgs, Transformer, num_params
 from .placement import planned_split
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
@@ -186,13 +187,13 @@ def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine:
 
 def _plan_rank(
     args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, grad_path: str,
-    gpu_bytes: int | None, host_budget: int | None,
+    world_size: int, gpu_bytes: int | None, host_budget: int | None,
     budget_name: str, speeds: list[TierSpeed] | None, placement_speeds: list[TierSpeed] | None, cpu_rate: float | None,
     seq_len: int, micro_batch: int, costs: UpdateCosts,
 ) -> RankPlan:  # fmt: skip
     """One rank's plan with the low-precision grads at `grad_path` (resolved)."""
     itemsize = 2  # bf16 and fp16 alike
-    layout = SubgroupLayout(shapes.local_numels(machine.world_size, rank), cfg.subgroup_numel)
+    layout = SubgroupLayout(shapes.local_numels(world_size, rank), cfg.subgroup_numel)
     local = sum(layout.numels)
     startup = local * itemsize + 4 * shapes.largest_module
     train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
@@ -291,14 +292,19 @@ def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierS
 
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
               device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None,
-              host_budget: tuple[int | None, str] | None = None, costs: UpdateCosts | None = None) -> Plan:  # fmt: skip
+              host_budget: tuple[int | None, str] | None = None, costs: UpdateCosts | None = None,
+              node_ranks: Sequence[int] | None = None, world_size: int | None = None) -> Plan:  # fmt: skip
     """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the host
     (budget or memory), and each file system's free space (shared by the node's ranks and by the tiers on
     it). Raises PlanError naming the level that is short, ValueError for options the target cannot run.
     `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
     predicted), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
     plan_speeds gets them once for every rank's placement. `args` checkpoint and reshard or not ('auto':
-    step_memory.plan_step_memory)."""
+    step_memory.plan_step_memory). `node_ranks`: the node's ranks in the job of `world_size` ranks, each
+    planned for its own shard (None: the first node's of machine.world_size; nodes may hold unlike counts)."""
+    world, node = world_size or machine.world_size, list(range(machine.ranks_per_node) if node_ranks is None else node_ranks)
+    if len(node) != machine.ranks_per_node or not all(0 <= r < world for r in node):
+        raise ValueError(f"node_ranks={node} must be machine.ranks_per_node={machine.ranks_per_node} ranks of the job's {world}")
     for name in ("activation_checkpointing", "reshard_after_forward"):
         if getattr(args, name) == "auto":  # planned every way there
             raise ValueError(f"model.{name}='auto' is planned by fsdp_offload.step_memory.plan_step_memory")
@@ -320,11 +326,11 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
         n = machine.ranks_per_node
         rank_speeds = [TierSpeed(s.read_bps / n, s.write_bps / n, s.latency_s) for s in speeds]
     shapes = ModelShapes.of(args)
-    ranks = [plan_rank(args, shapes, cfg, machine, r, gpu_bytes=gpu_bytes, host_budget=host_budget,
+    ranks = [plan_rank(args, shapes, cfg, machine, r, world_size=world, gpu_bytes=gpu_bytes, host_budget=host_budget,
                        budget_name=budget_name, speeds=rank_speeds, placement_speeds=speeds, cpu_rate=cpu_rate,
                        seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
-             for r in range(machine.ranks_per_node)]  # fmt: skip
-    plan = Plan(model_name, num_params(args), machine.world_size, ranks, None if cpu_rate is None else cpu_rate / 1e6,
+             for r in node]  # fmt: skip
+    plan = Plan(model_name, num_params(args), world, ranks, None if cpu_rate is None else cpu_rate / 1e6,
                 gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing,
                 reshard_after_forward=args.reshard_after_forward)  # fmt: skip
     check_fit(plan, cfg, machine)
@@ -391,8 +397,3 @@ def frugal_step_fix(plan: Plan | LlamaArgs) -> str:
                                                 ("reshard_after_forward", plan.reshard_after_forward)) if not frugal]  # fmt: skip
     return f"set {' and '.join(kept)} to auto" if kept else ""
 
-
-def preset_name(args: LlamaArgs) -> str:
-    """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
-    shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
-    return next((k for k, v in MODEL_PRESETS.items() if shape(v) == shape(args)), "model")

@@ -41,8 +41,8 @@ from .config import OffloadConfig
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
-from .models import MODEL_PRESETS, num_params
-from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds, preset_name
+from .models import MODEL_PRESETS, num_params, preset_name
+from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds
 from .recipe import read_config
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size

@@ -91,15 +91,27 @@ def same_on_every_rank(choice: int, group: dist.ProcessGroup | None, device: tor
     return int(both[0]) == -int(both[1])
 
 
+def raise_if_short(short: PlanError | None) -> None:
+    """plan_step_memory's `settle` for one process: its own PlanError raised."""
+    if short is not None:
+        raise short
+
+
 def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float,
-                     agree: Callable[[int], bool] = lambda choice: True) -> tuple[Plan, LlamaArgs]:  # fmt: skip
+                     agree: Callable[[int], bool] = lambda choice: True,
+                     settle: Callable[[PlanError | None], None] = raise_if_short) -> tuple[Plan, LlamaArgs]:  # fmt: skip
     """The plan `make` gives for `args` with its `auto`s resolved (see the module's note), and those
     args; `agree(choice)` says whether the job's ranks all made this one (train.py: same_on_every_rank),
     else they take the frugal step. The plan says why (`step_memory_why`). Where even the frugal step
-    does not fit, its PlanError is raised."""
+    does not fit, its PlanError goes to `settle` (None where it fits), first: train.py raises one rank's
+    on every rank, since a node's own free space or memory may leave the others' plans fitting."""
     choices = options(args)
     frugal_args = choices[-1]
-    frugal = make(frugal_args)
+    try:
+        frugal, short = make(frugal_args), None
+    except PlanError as exc:
+        short = exc
+    settle(short)
     if len(choices) == 1:
         frugal.step_memory_why = stated_why(args)
         return frugal, frugal_args

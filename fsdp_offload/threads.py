@@ -6,16 +6,18 @@ CPU update on one core; the recipes and benchmarks give each rank its share of t
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-from .node import node_ranks
+from .node import cgroup_dirs, node_ranks
 
 
 def physical_cores() -> int:
-    """Physical cores this process may run on (hyperthread siblings count once): OpenMP threads on
-    sibling hyperthreads slow the CPU update down rather than up."""
+    """Physical cores this process may run on (hyperthread siblings count once), and no more than its
+    cgroups' CPU quota grants (a container's `cpus: 8` on a 128-core host, a Slurm job's): OpenMP
+    threads on sibling hyperthreads, or beyond the quota, slow the CPU update down rather than up."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     cores = set()
     for cpu in cpus:
@@ -24,7 +26,29 @@ def physical_cores() -> int:
                 cores.add(f.read().strip())
         except OSError:
             cores.add(str(cpu))
-    return max(1, len(cores))
+    quota = cpu_quota()
+    return max(1, min(len(cores), math.ceil(quota) if quota is not None else len(cores)))
+
+
+def cpu_quota() -> float | None:
+    """The CPUs' worth of time this process's cgroups grant it a period, the least over its cgroup and
+    its ancestors (cgroup v2 cpu.max, v1 cpu.cfs_quota_us over cpu.cfs_period_us); None: no quota."""
+    least = None
+    for d in cgroup_dirs("cpu"):
+        try:
+            with open(os.path.join(d, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+        except (OSError, ValueError):
+            try:
+                with open(os.path.join(d, "cpu.cfs_quota_us")) as f, open(os.path.join(d, "cpu.cfs_period_us")) as g:
+                    quota, period = f.read().strip(), g.read().strip()
+            except OSError:
+                continue
+        if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
+            continue  # no quota here (or a file we cannot read as one)
+        cpus = int(quota) / int(period)
+        least = cpus if least is None else min(least, cpus)
+    return least
 
 
 def cpu_threads_per_rank(threads: int | None, local_ranks: int | None = None) -> int:

@@ -35,13 +35,13 @@ from .checkpoint import (
 from .config import register_recipe_resolvers
 from .data import TokenBatches
 from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
-from .models import compile_blocks, num_params
-from .node import node_ranks
+from .models import compile_blocks, num_params, preset_name
+from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
 from .memory import available_host_bytes, resolve_host_budget
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
-from .node_plan import make_plan, preset_name
+from .node_plan import make_plan
 from .command_errors import refuse_bad_overrides
 from .plan import plan_summary
 from .resume_config import follow_config, train_hyper
@@ -53,6 +53,7 @@ from .run_rows import (
 from .step_memory import describe, fsdp_step_bytes, fsdp_step_memory, plan_step_memory, same_on_every_rank, step_overflow
 from .storage import TierError
 from .storage.chunked import tier_root_problem
+from .storage.private_files import remove_dead_files
 from .storage.lock import lock_root_problem
 from .train_step import profiled, run_step
 from .threads import cpu_threads_per_rank, use_cpu_threads
@@ -122,6 +123,8 @@ def _run(cfg: DictConfig) -> list[dict]:
             problems.append(lock_root_problem(ocfg.tier_lock_dir))
         problems.append(profile_problem(ocfg.bandwidth_profile))
         raise_on_every_rank(next((p for p in problems if p), None), group)
+        for spec in ocfg.tier_specs:  # before the plan counts their free space
+            remove_dead_files(spec.dir, str(spec))
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
         # takes from here on (the CUDA context, the model's build) is the headroom's share.
@@ -131,13 +134,17 @@ def _run(cfg: DictConfig) -> list[dict]:
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
         learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
+        # this node's ranks, each planned for its own shard of the job's (another node's may be smaller)
+        node = node_peers(group) if group is not None else [0]
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
         costs = None if learned is None else learned_walk(learned)  # (nothing timed here: it would slow the start)
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
-                                         costs=costs)  # fmt: skip
-        plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree)
-        mine, step_memory_why = plan.ranks[rank % len(plan.ranks)], plan.step_memory_why
+                                         costs=costs, node_ranks=node, world_size=world)  # fmt: skip
+        # a plan short on one node alone (its free space, its memory) is said once, by every rank
+        settle = lambda short: raise_on_every_rank(None if short is None else str(short), group)  # noqa: E731
+        plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree, settle)
+        mine, step_memory_why = plan.ranks[node.index(rank)], plan.step_memory_why
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
             if step_overflow(plan):

@@ -104,6 +104,31 @@ def test_cores_are_divided_among_the_node_s_ranks_counted_by_node_ranks(monkeypa
     assert threads.cpu_threads_per_rank(3) == 3
 
 
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_cores_are_no_more_than_the_cgroups_cpu_quota(tmp_path, monkeypatch, version):
+    """A container's or a Slurm job's CPU quota (not its affinity) bounds the threads: the least over the
+    process's cgroup and its ancestors, rounded up to whole CPUs; no quota leaves the cores."""
+    if version == 2:
+        files = {"job/cpu.max": "50000 100000\n", "job/step/cpu.max": "max 100000\n"}
+    else:  # under v1 the cpu hierarchy: the root's -1 is no quota
+        files = {"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n",
+                 "job/cpu.cfs_quota_us": "150000\n", "job/cpu.cfs_period_us": "100000\n"}  # fmt: skip
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n" if version == 2 else "4:cpu,cpuacct:/job/step\n0::/\n")
+    root = tmp_path / "sys"
+    for name, text in files.items():
+        path = (root if version == 2 else root / "cpu") / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    (root / "cpu" / "job" / "step" if version == 1 else root / "job" / "step").mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(node, "PROC_CGROUP", str(proc))
+    monkeypatch.setattr(node, "CGROUP_ROOT", str(root))
+    assert threads.cpu_quota() == (0.5 if version == 2 else 1.5)
+    assert threads.physical_cores() == 1 if version == 2 else threads.physical_cores() <= 2  # half a CPU's time: one thread
+    monkeypatch.setattr(node, "PROC_CGROUP", str(tmp_path / "none"))
+    assert threads.cpu_quota() is None and threads.physical_cores() >= 1
+
+
 def test_a_host_budget_above_the_available_memory_is_said_naming_both(monkeypatch, caplog):
     """A stated budget the node's ranks could fill beyond what the machine holds now is warned of in a loop
     of one's own (not refused: on a machine whose memory grows as it is used, it can be right), naming

@@ -176,6 +176,12 @@ MODEL_PRESETS: dict[str, LlamaArgs] = {
 }
 
 
+def preset_name(args: LlamaArgs) -> str:
+    """The preset of `args`' shape (recipes may change checkpointing or the sequence length), else 'model'."""
+    shape = lambda a: (a.dim, a.n_layers, a.n_heads, a.kv_heads, a.vocab_size, a.ffn_dim, a.tie_embeddings)  # noqa: E731
+    return next((k for k, v in MODEL_PRESETS.items() if shape(v) == shape(args)), "model")
+
+
 # ----------------------------------------------------------------------------------------------
 # Modules
 # ----------------------------------------------------------------------------------------------

@@ -177,6 +177,25 @@ def remove_stale_files(directory: str, tag: str, dir_fd: int | None = None) -> l
     return removed
 
 
+def remove_dead_files(root: str, spec: str) -> list[str]:
+    """remove_stale_files for tier dir `root` (tier `spec`), where this user's dir is there: what killed
+    processes of this host left, removed before a plan counts the file system's free space (a run
+    killed mid-step would otherwise have the next one refused for the space its files hold)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(private_dir(root)).st_mode):
+            return []
+    except OSError:
+        return []  # none yet: nothing left there
+    try:
+        fd = open_private_dir(root, spec)  # (checked ours, never through a symlink)
+    except (TierError, OSError):
+        return []  # the tier's own open says what is wrong there
+    try:
+        return remove_stale_files(private_dir(root), tier_file_tag("rank0"), fd)
+    finally:
+        os.close(fd)
+
+
 def process_alive(pid: int) -> bool:
     """Whether process `pid` of this host runs (another user's counts as running)."""
     try:
