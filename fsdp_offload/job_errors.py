@@ -67,6 +67,11 @@ _FIXES = {
     errno.ENOENT: "it vanished while the run wrote it: check what else removes files there, or point {option} elsewhere",
     errno.EIO: "the device reported an I/O error: check it (dmesg), or point {option} elsewhere",
 }
+# a file system that takes no flock (Lustre mounted without flock, NFS without lockd): a run dir's lock,
+# which keeps a second run from writing there at once, cannot be held
+_NO_FLOCK = ("its file system takes no flock (Lustre without -o flock, NFS without lockd), which keeps a second run out of "
+             "the dir: mount it with flock, or point {option} at a dir on a file system that has it")  # fmt: skip
+_FIXES.update({errno.ENOLCK: _NO_FLOCK, errno.ENOSYS: _NO_FLOCK, errno.EOPNOTSUPP: _NO_FLOCK})
 
 
 def os_error_line(exc: OSError, options: dict[str, str | None]) -> str:

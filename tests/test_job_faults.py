@@ -139,12 +139,31 @@ def test_a_full_run_dir_is_one_line_naming_train_out_dir(tmp_path, small_tmpfs):
         (errno.EROFS, "the file system is read-only: point checkpoint.dir at a writable one"),
         (errno.EACCES, f"uid {os.getuid()} may not write there: fix the dir's mode or owner, or point checkpoint.dir elsewhere"),
         (errno.ELOOP, "a symlink is in the way, and files are never written through links: remove it or point checkpoint.dir elsewhere"),
+        (errno.ENOLCK, "its file system takes no flock (Lustre without -o flock, NFS without lockd), which keeps a second run out "
+                       "of the dir: mount it with flock, or point checkpoint.dir at a dir on a file system that has it"),
     ],
 )
 def test_an_os_error_names_the_path_the_option_and_the_fix(tmp_path, code, fix):
     path = tmp_path / "ck" / "step_00000002.tmp" / "run.json"
     line = os_error_line(OSError(code, os.strerror(code), str(path)), {"train.out_dir": "/elsewhere", "checkpoint.dir": str(tmp_path / "ck")})
     assert line == f"checkpoint.dir={tmp_path / 'ck'}: cannot write {path} ({os.strerror(code)}): {fix}"
+
+
+@pytest.mark.bad_input
+def test_a_run_dir_whose_file_system_takes_no_flock_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    """Lustre mounted without flock answers ENOSYS: the run cannot keep a second one out, and says so."""
+    import fcntl
+
+    from fsdp_offload.checkpoint.dir_lock import hold_run_dirs
+    from fsdp_offload.job_errors import JobError
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    ck = tmp_path / "ck"
+    with pytest.raises(JobError, match=rf"^checkpoint.dir={ck}: cannot write {ck}/.lock \(.*\): its file system takes no flock"):
+        hold_run_dirs({"checkpoint.dir": str(ck), "train.out_dir": None})
 
 
 @pytest.mark.bad_input
