@@ -6,6 +6,7 @@ learns back to the profile (whenever one is set, however the starting speeds wer
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -14,9 +15,11 @@ from .bandwidth import TierSpeed
 from .bandwidth_profile import BandwidthProfile
 from .calibrate import seed_speeds
 from .config import OffloadConfig
+from .job_errors import JobError
 from .node import node_peers
-from .storage import TierError
 from .units import GIB
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("given", "profile", "measured", "unneeded")
 
@@ -68,24 +71,26 @@ def placement_request_bytes(cfg: OffloadConfig) -> int:
 def _node_speeds(cfg: OffloadConfig, group: dist.ProcessGroup | None) -> list[TierSpeed]:
     """_read_or_measure once a node: by the first rank of each node of `group`, which hands them to the
     node's other ranks (a collective), so that a node measures its tiers once, not once per rank;
-    without a group, by this process."""
+    without a group, by this process. A node whose measurement fails ends every rank of `group` alike
+    (a JobError that rank 0 says once, naming that node), none left waiting for the failed ones."""
     first = None if group is None else node_peers(group)[0]
-    if first is not None and dist.get_rank(group) != first:
-        everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, None, group=group)
-        kind, value = everyone[first]
-        if kind == "error":
-            raise TierError(f"measuring offload.tiers on this node (rank {dist.get_global_rank(group, first)}) failed: {value}")
-        return value
-    try:
-        speeds = _read_or_measure(cfg)
-    except Exception as exc:  # the node's other ranks wait for this rank: tell them, then raise
-        if first is not None:
-            dist.all_gather_object([None] * dist.get_world_size(group), ("error", f"{type(exc).__name__}: {exc}"), group=group)
-        raise
-    if first is not None:
-        dist.all_gather_object([None] * dist.get_world_size(group), ("speeds", speeds), group=group)
-    return speeds
+    if first is None:
+        return _read_or_measure(cfg)
+    mine: tuple[str, object] | None = None
+    if dist.get_rank(group) == first:
+        try:
+            mine = ("speeds", _read_or_measure(cfg))
+        except Exception as exc:  # noqa: BLE001 - any failure is this node's, said for the job
+            log.debug("measuring offload.tiers failed", exc_info=True)
+            mine = ("error", f"{type(exc).__name__}: {exc}")
+    everyone: list[tuple[str, object] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [r for r, entry in enumerate(everyone) if entry is not None and entry[0] == "error"]
+    if failed:
+        others = f" (and on the nodes of ranks {', '.join(str(dist.get_global_rank(group, r)) for r in failed[1:])})" if failed[1:] else ""
+        raise JobError(f"measuring offload.tiers on the node of rank {dist.get_global_rank(group, failed[0])} failed: "
+                           f"{everyone[failed[0]][1]}{others}")  # fmt: skip
+    return everyone[first][1]
 
 
 def _read_or_measure(cfg: OffloadConfig) -> list[TierSpeed]:
