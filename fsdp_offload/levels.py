@@ -87,8 +87,7 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
-        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, local,
-                         group is None or place == 0)  # fmt: skip
+        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, local, place == 0)  # the node's first says it
         windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
         def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
