@@ -370,10 +370,10 @@ def _tmpdir() -> str:
 
 def register_recipe_resolvers() -> None:
     """The recipes' own resolvers: `${tmpdir:}`, the node's scratch dir for this user (see _tmpdir), and
-    `${launch_time:}`, the job's start as Hydra's run dir names it (node.launch_time)."""
+    `${run_stamp:}`, the job's start and launcher as Hydra's run dir names it (node.run_stamp)."""
     from omegaconf import OmegaConf
 
-    from .node import launch_time
+    from .node import run_stamp
 
     OmegaConf.register_new_resolver("tmpdir", _tmpdir, replace=True)
-    OmegaConf.register_new_resolver("launch_time", launch_time, replace=True, use_cache=True)  # one dir a process
+    OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)  # one dir a process

@@ -145,3 +145,12 @@ def a_peer_stopped(exc: BaseException) -> bool:
     """Whether `exc` is a collective that failed because another rank of the job ended (gloo's closed
     connection, NCCL's aborted communicator): that rank's own error says why."""
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE)
+
+
+_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+
+
+def a_collective_timed_out(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that waited past train.collective_timeout_s (gloo's "Timed out
+    waiting ...ms", NCCL's watchdog) for a rank that neither answered nor ended."""
+    return isinstance(exc, RuntimeError) and not a_peer_stopped(exc) and any(s in str(exc) for s in _TIMED_OUT)

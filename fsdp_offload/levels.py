@@ -162,12 +162,13 @@ def build_levels(
         for part in reversed(made):  # pinned pages before the memory can be reused; tier files deleted
             part.close()
         raise
-    if cfg.micro_batches > 1:
+    says = place == 0  # the node's first rank says what it built (the others' differ by their shard alone)
+    if says and cfg.micro_batches > 1:
         log.info("offload.grad_accumulation=%r: the grads of %d micro-batches are summed in FP32 on the %s",
                  cfg.grad_accumulation, cfg.micro_batches, "GPU" if accumulation == "gpu" else "host")  # fmt: skip
-    if cfg.host_budget.auto:
+    if says and cfg.host_budget.auto:
         log.info("%s: %d of %d subgroups off the GPU kept in host memory", memory.budget_name, cache.num_slots, streamed)
-    if cfg.grad_path == "auto" and grads_on_gpu:
+    if says and cfg.grad_path == "auto" and grads_on_gpu:
         log.info("offload.grad_path='auto': the grads wait for their update in GPU memory, leaving their host memory "
                  "to the cache (it would spill subgroups to the tiers otherwise)")  # fmt: skip
     return Levels(staging, sums, grads, store, accumulation, memory.grad_path, share.later, learner)

@@ -99,29 +99,31 @@ def job_id(group: dist.ProcessGroup | None) -> str:
     it started them, which they share without a collective; a new one outside torchrun."""
     if group is None:
         run = os.environ.get("TORCHELASTIC_RUN_ID")
-        return f"{run}-{launch_time()}" if run else uuid.uuid4().hex
+        return f"{run}-{run_stamp()}" if run else uuid.uuid4().hex
     mine = [uuid.uuid4().hex]
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(mine, src=dist.get_global_rank(group, 0), group=group)
     return mine[0]
 
 
-def launch_time() -> str:
-    """Hydra's run dir under outputs/, `<date>/<time>` (`${launch_time:}` in the recipes): under torchrun the
-    time its agent on this node started, the parent of every rank of the job here, so the ranks share one
-    dir where each one's own clock would give a rank that started a second later a dir of its own (its
-    .hydra/ and log apart); elsewhere, or without Linux's /proc, the time now, as Hydra's default."""
-    started = time.time()
+def run_stamp() -> str:
+    """Hydra's run dir under outputs/, `<date>/<time>-<pid>` (`${run_stamp:}` in the recipes): under torchrun
+    the time its agent on this node started and the agent's pid, the parent of every rank of the job here,
+    so the ranks share one dir where each one's own clock would give a rank that started a second later a
+    dir of its own (its .hydra/ and log apart); elsewhere, or without Linux's /proc, the time now and this
+    process's pid. The pid keeps two jobs started in one second apart (a refused one would rewrite the
+    other's .hydra/config.yaml)."""
+    started, pid = time.time(), os.getpid()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker that torchrun's agent started
         try:
             with open(f"/proc/{os.getppid()}/stat") as f:
                 ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in clock ticks after boot
             with open("/proc/stat") as f:
                 boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-            started = boot + ticks / os.sysconf("SC_CLK_TCK")
+            started, pid = boot + ticks / os.sysconf("SC_CLK_TCK"), os.getppid()
         except (OSError, ValueError, IndexError, StopIteration):
             pass
-    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started))
+    return time.strftime("%Y-%m-%d/%H-%M-%S", time.localtime(started)) + f"-{pid}"
 
 
 def says_once() -> bool:

@@ -34,7 +34,7 @@ from .checkpoint import (
 )  # fmt: skip
 from .config import register_recipe_resolvers
 from .data import TokenBatches
-from .job_errors import LET_RANK0_SAY_S, JobError, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
+from .job_errors import LET_RANK0_SAY_S, JobError, a_collective_timed_out, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
 from .models import compile_blocks, num_params, preset_name
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
@@ -311,6 +311,13 @@ def run_from_hydra(cfg: DictConfig) -> None:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as exc:  # a collective broken by another rank's end: that rank says why
+        if a_collective_timed_out(exc):  # said by each rank that waited: the one that did not answer is not among them
+            first = str(exc).strip().splitlines()[0][:300]
+            print(f"error: rank {os.environ.get('RANK', '0')}: a collective waited train.collective_timeout_s="
+                  f"{cfg.train.collective_timeout_s} s for a rank that neither answered nor ended (the watchdog's lines above name "
+                  f"a stopped one); find that rank, or raise train.collective_timeout_s where a step or a save takes longer ({first})",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
         if not a_peer_stopped(exc):
             raise
         print(f"rank {os.environ.get('RANK', '0')} stops: another rank of the job ended first (its error above, or the launcher's report of its exit, says why)", file=sys.stderr)

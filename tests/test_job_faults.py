@@ -176,3 +176,28 @@ def test_a_data_position_that_cannot_be_is_refused(position):
     state = {**batches.state_dict(), "position": position}
     with pytest.raises(JobError, match=rf"checkpoint's data position {position!r} is not a whole number >= 0"):
         batches.load_state_dict(state)
+
+
+def _one_rank_never_answers(rank: int, world: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_offload.job_errors import a_collective_timed_out, a_peer_stopped
+
+    quick = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=1))
+    if rank == 0:
+        with pytest.raises(RuntimeError) as waited:
+            dist.all_reduce(torch.ones(1), group=quick)  # rank 1 never joins it
+        assert a_collective_timed_out(waited.value) and not a_peer_stopped(waited.value), str(waited.value)
+    dist.barrier()  # (the job's own group is whole: rank 1 waits here for rank 0's timeout)
+    assert not a_collective_timed_out(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))  # a rank that ended
+
+
+def test_a_collective_that_waits_past_its_timeout_is_told_from_a_rank_that_ended():
+    """train.py says a collective timeout in one line naming train.collective_timeout_s, and a peer's end as
+    that peer's: gloo's own timeout error is told apart from its closed connection."""
+    from dist_utils import run_ranks
+
+    run_ranks(2, _one_rank_never_answers)

@@ -413,6 +413,18 @@ def test_ranks_share_one_run_dir_even_when_hydra_picks_it(tmp_path):
     assert [p.relative_to(tmp_path) for p in tmp_path.glob("outputs/*/*")] == [next(iter(dirs)).relative_to(tmp_path)]
 
 
+def test_two_jobs_started_in_one_second_get_run_dirs_of_their_own(monkeypatch):
+    """The run dir's name ends with the launcher's pid (torchrun's agent, the parent of a job's ranks on a
+    node; else the process's own): two jobs in one second used to share one, and the refused one rewrote
+    the live one's .hydra/config.yaml."""
+    from fsdp_offload.node import run_stamp
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert re.fullmatch(rf"\d{{4}}-\d\d-\d\d/\d\d-\d\d-\d\d-{os.getpid()}", run_stamp()), run_stamp()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")  # a rank: its parent is the agent
+    assert run_stamp().endswith(f"-{os.getppid()}")
+
+
 
 def test_a_fresh_run_moves_an_earlier_run_s_rows_aside(tmp_path):
     """A run that starts fresh in a dir holding an earlier run's metrics writes rows of its own alone; the
