@@ -337,8 +337,11 @@ def test_resume_modes_say_what_they_do_and_refuse_what_they_cannot(tmp_path):
     assert resume_point(CheckpointConfig(dir=str(runs), resume=False))[0] is None  # false means never
     with pytest.raises(ValueError, match="is one checkpoint, not the dir of a run's checkpoints: give checkpoint.dir="):
         resume_point(CheckpointConfig(dir=str(step4)))
-    with pytest.raises(ValueError, match="not a complete checkpoint.*; the newest in checkpoint.dir=.*: /.*/step_00000004, /.*/step_00000008$"):
-        resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="nowhere: no such dir .*; the newest in checkpoint.dir=.*: /.*/step_00000004, /.*/step_00000008$"):
+        resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "nowhere")))  # (one the run's keep removed, say)
+    (tmp_path / "half").mkdir()
+    with pytest.raises(ValueError, match="half: not a complete checkpoint \\(it needs model/ and optimizer/"):
+        resume_point(CheckpointConfig(dir=str(runs), resume=str(tmp_path / "half")))
     with pytest.raises(ValueError, match="; did you mean checkpoint.resume=required\\?"):
         resume_point(CheckpointConfig(dir=str(runs), resume="requird"))
 

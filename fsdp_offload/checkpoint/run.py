@@ -108,9 +108,10 @@ def resume_point(cfg: CheckpointConfig) -> tuple[str | None, str]:
         if not is_checkpoint(cfg.resume):
             mode = difflib.get_close_matches(str(cfg.resume), ["auto", "required", "never"], n=1)
             there = _step_dirs(cfg.dir)[-3:] if cfg.dir and os.path.isdir(cfg.dir) else []
+            what = ("not a complete checkpoint (it needs model/ and optimizer/ with their .metadata)" if os.path.exists(cfg.resume)
+                    else "no such dir (a run keeps checkpoint.keep of its newest: an older one is removed)")  # fmt: skip
             raise JobError(
-                f"checkpoint.resume={cfg.resume}: not a complete checkpoint (it needs model/ and optimizer/ with their "
-                ".metadata); give a step_* dir, or auto, required or never"
+                f"checkpoint.resume={cfg.resume}: {what}; give a step_* dir, or auto, required or never"
                 + (f"; did you mean checkpoint.resume={mode[0]}?" if mode else "")
                 + (f"; the newest in checkpoint.dir={cfg.dir}: {', '.join(there)}" if there else "")
             )
