@@ -218,3 +218,18 @@ def test_one_writer_per_checkpoint_dir_and_a_dead_holder_is_taken_over(tmp_path)
         with pytest.raises(RunDirBusy, match=rf"pid {os.getpid()}"):
             RunDirLock(str(tmp_path)).acquire()
     RunDirLock(str(tmp_path)).acquire().release()
+
+
+def test_a_checkpoint_of_other_settings_offers_an_older_one_of_this_run_s(tmp_path):
+    """A run at another world size (resume=never) saved over a run's dir: the refusal of its newest names
+    the older checkpoint that this run's settings match, and how to start from it."""
+    first = saved(tmp_path, 1)  # world_size 1
+    model = torch.nn.Linear(8, 8)
+    state = {"step": 2, "data": {"position": 20}, "rng": torch.get_rng_state()}
+    newer = save_checkpoint(str(tmp_path), 2, model, torch.optim.AdamW(model.parameters()), {"world_size": 2}, state, keep=5)
+    with pytest.raises(ValueError, match=rf"world_size=2, this run has world_size=1: .*; {first} was written with this "
+                                         rf"run's settings: checkpoint.resume={first} starts from it$"):  # fmt: skip
+        check_checkpoint(newer, RUN)
+    with pytest.raises(ValueError, match=r"this run has world_size=3: resume with the same world_size, or point "
+                                         r"checkpoint.dir elsewhere to start afresh$"):  # none matches: none offered
+        check_checkpoint(newer, {"world_size": 3})

@@ -263,22 +263,43 @@ def check_checkpoint(path: str, run: dict[str, Any]) -> int:
         except CheckpointFileError as exc:
             raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
     _manifest_digests(path, int(saved["step"]))  # whole before compared: a damaged run.json is named as damaged
+    differs = _first_difference(saved, run)
+    if differs is not None:
+        key, have, value = differs
+        older = next((p for p in reversed(_step_dirs(os.path.dirname(os.path.abspath(path))))
+                      if p != os.path.abspath(path) and _first_difference(_note_or_none(p), run) is None), None)  # fmt: skip
+        also = f"; {older} was written with this run's settings: checkpoint.resume={older} starts from it" if older else ""
+        raise JobError(f"checkpoint {path} was written with {key}={have}, this run has {key}={value}: resume with the "
+                       f"same {key}, or point checkpoint.dir elsewhere to start afresh{also}")  # fmt: skip
+    return int(saved["step"])
+
+
+def _first_difference(saved: dict[str, Any] | None, run: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The first of `run`'s settings that a checkpoint's run note `saved` differs in (field by field), as
+    (name, the note's, the run's); None where none does (a missing note differs in everything)."""
+    if saved is None:
+        return "run.json", "nothing", "a run note"
     shown = lambda d, k: repr(d[k]) if k in d else "nothing"  # noqa: E731
     for key, value in run.items():
         have = saved.get(key)
         if isinstance(value, dict) and isinstance(have, dict):  # field by field, the first that differs named
             fields = [k for k in {**have, **value} if k not in NOT_STATE.get(key, ())]
             differs = [k for k in fields if k not in have or k not in value or have[k] != value[k]]
-            if not differs:
-                continue
-            key, have, value = f"{key}.{differs[0]}", shown(have, differs[0]), shown(value, differs[0])
-        elif have == value:
-            continue
-        else:
-            have, value = shown(saved, key), repr(value)
-        raise JobError(f"checkpoint {path} was written with {key}={have}, this run has {key}={value}: resume with the "
-                       f"same {key}, or point checkpoint.dir elsewhere to start afresh")  # fmt: skip
-    return int(saved["step"])
+            if differs:
+                return f"{key}.{differs[0]}", shown(have, differs[0]), shown(value, differs[0])
+        elif have != value:
+            return key, shown(saved, key), repr(value)
+    return None
+
+
+def _note_or_none(path: str) -> dict[str, Any] | None:
+    """A checkpoint's run.json, or None where it cannot be read (an offer of another checkpoint skips it)."""
+    try:
+        with open(os.path.join(path, RUN_FILE), "rb") as f:
+            note = json.loads(f.read())
+        return note if isinstance(note, dict) and is_checkpoint(path) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _run_note(path: str) -> dict[str, Any]:
