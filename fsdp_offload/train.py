@@ -294,7 +294,16 @@ def main() -> None:
     """The `fsdp-offload-train` command and scripts/train.py: Hydra overrides on the command line (one
     that does not compose is answered in one line first, naming the nearest key)."""
     refuse_bad_overrides(sys.argv[1:])
+    signal.signal(signal.SIGTERM, end_on_sigterm)
     run_from_hydra()
+
+
+def end_on_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM (torchrun passes its own to every rank; `timeout`, a scheduler's cancel) ends the run as an
+    error would: the optimizer's tier files (RAM, on /dev/shm) and the run dirs' locks go now, not at a
+    later start. A rank blocked in a collective takes it when the collective returns, or the launcher's
+    SIGKILL ends it as before."""
+    raise SystemExit(128 + signum)
 
 
 @hydra.main(config_path="recipes", config_name="train", version_base="1.3")

@@ -201,3 +201,35 @@ def test_a_collective_that_waits_past_its_timeout_is_told_from_a_rank_that_ended
     from dist_utils import run_ranks
 
     run_ranks(2, _one_rank_never_answers)
+
+
+def test_a_sigterm_ends_the_run_and_takes_its_tier_files_with_it(tmp_path):
+    """torchrun's, `timeout`'s or a scheduler's SIGTERM ends train.py as an error would: its tier files
+    (RAM, where the tier is /dev/shm) are removed now, not by the next start on that tier dir."""
+    import time
+
+    from test_train import TRAIN
+
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    cmd = [sys.executable, TRAIN, f"hydra.run.dir={tmp_path / 'run'}", "train.progress=false", "train.steps=100000", "offload=disk",
+           f"offload.tiers=[posix:{tier}]", "offload.host_budget_gb=0.0006", "offload.subgroup_numel=4096"]  # fmt: skip
+    log = open(tmp_path / "train.log", "w")  # (a pipe no one reads would fill, and block the run's logging)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        rows = tmp_path / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (rows.exists() and rows.read_text().count("\n") >= 1):  # a step done: its tier files are in use
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "train.log").read_text()[-3000:]
+            time.sleep(0.2)
+        files = [f for f in os.listdir(tier / f"fsdp-offload-{os.getuid()}") if f.endswith(".subgroups")]
+        assert files, "the run streams its state through the tier"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    private = tier / f"fsdp-offload-{os.getuid()}"
+    assert not private.exists() or not [f for f in os.listdir(private) if f.endswith(".subgroups")]
