@@ -147,10 +147,13 @@ def a_peer_stopped(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE)
 
 
-_TIMED_OUT = ("Timed out waiting", "timed out", "Watchdog caught collective operation timeout")
+_TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
 
 
 def a_collective_timed_out(exc: BaseException) -> bool:
     """Whether `exc` is a collective that waited past train.collective_timeout_s (gloo's "Timed out
-    waiting ...ms", NCCL's watchdog) for a rank that neither answered nor ended."""
-    return isinstance(exc, RuntimeError) and not a_peer_stopped(exc) and any(s in str(exc) for s in _TIMED_OUT)
+    waiting ...ms", NCCL's watchdog) for a rank that neither answered nor ended; not a rendezvous or
+    store that could not be reached (DistNetworkError, DistStoreError: a network fault, its own words)."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
+        return False
+    return not a_peer_stopped(exc) and any(s in str(exc) for s in _TIMED_OUT)

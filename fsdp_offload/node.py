@@ -66,7 +66,8 @@ def node_position(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
         _job_node_ranks, _job_node_place = len(peers), (dist.get_world_size(), peers.index(dist.get_rank(group)))
         return len(peers), peers.index(dist.get_rank(group))
     # a group of part of the job (a pipeline stage's, a replica's): the node's other ranks share its memory too
-    job_here = _job_node_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    counted = _job_node_place is not None and _job_node_place[0] == dist.get_world_size()  # (this job's, not an earlier one's)
+    job_here = _job_node_ranks if counted else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # (srun sets none: count first)
     return max(len(peers), job_here), peers.index(dist.get_rank(group))
 
 

@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> None:
             "iteration_s: data fetch + forward + backward + update of all micro-batches, synchronized, rank 0's",
             "host_peak_gib: each rank's own ru_maxrss (start-up included), summed over the node's ranks",
             "peers keep lr constant at train.yaml's lr; the product follows train.py's warmup/cosine schedule (speed does not depend on lr)",
-            "multipath: state on the shm path is in RAM but not in the process's RSS: shm_peak_gib (the most its "
-            "files held at once, sampled each second) and host_peak_with_shm_gib add it",
+            "multipath: state on the shm path is in RAM but not in the process's RSS: shm_peak_gib (the most the ranks' "
+            "tier files there held at once, sampled every 0.2 s) and host_peak_with_shm_gib add it",
             "train.py's systems (this product, gpu_only) run with model.activation_checkpointing=true and "
             "model.reshard_after_forward=true, as the FSDP2 peer's fully_shard does: the same compute and gathers",
             "gpu_peak_gib: torch.cuda.max_memory_allocated over the steps (train.py resets it after start-up; the "

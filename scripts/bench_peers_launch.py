@@ -81,8 +81,8 @@ def run_process(cmd: list[str], env: dict, log_path: str, timeout: float) -> tup
 
 
 class DirPeak:
-    """The most bytes the files under a directory held at once, sampled each second while in the
-    `with` block: the RAM a run's files on a tmpfs (the shm path) took, which no RSS shows."""
+    """The most bytes the ranks' tier files under a directory held at once, sampled every 0.2 s while in
+    the `with` block: the RAM a run's state on a tmpfs (the shm path) took, which no RSS shows."""
 
     def __init__(self, path: str | None):
         self.path, self.peak_bytes = path, 0
@@ -101,18 +101,20 @@ class DirPeak:
 
     def _watch(self) -> None:
         while True:
-            self.peak_bytes = max(self.peak_bytes, allocated_bytes(self.path))
-            if self._stop.wait(1.0):
+            self.peak_bytes = max(self.peak_bytes, tier_state_bytes(self.path))
+            if self._stop.wait(0.2):
                 return
 
 
-def allocated_bytes(path: str) -> int:
-    """Bytes allocated to the files under `path` (st_blocks, so sparse holes are not counted)."""
+def tier_state_bytes(path: str) -> int:
+    """Bytes allocated to the ranks' tier files under `path` (`rank<r>-...subgroups`; st_blocks, so sparse
+    holes are not counted): not the start-up measurement's file, which comes and goes before the state."""
     total = 0
     for root, _, files in os.walk(path):
         for name in files:
-            with contextlib.suppress(OSError):  # a file renamed or removed while we walk
-                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            if name.startswith("rank") and name.endswith(".subgroups"):
+                with contextlib.suppress(OSError):  # a file renamed or removed while we walk
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
     return total
 
 

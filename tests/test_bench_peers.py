@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from bench_peers_launch import failure_reason  # noqa: E402
+from bench_peers_launch import DirPeak, failure_reason  # noqa: E402
 from bench_peers_report import against_gpu_only, median_round, round_ratios, turn  # noqa: E402
 
 ROW_KEYS = {  # issue #33's result keys, on every system that ran
@@ -97,7 +97,7 @@ def test_tiny_model_on_cpu_reports_every_system(tmp_path):
     assert runs["host"]["physical_limit_s"] is None  # nothing of it goes through the disk
     multipath = runs["multipath_gpu0"]  # its state on the tier dir and the shm dir: the RAM the second one held is counted
     check_row(multipath, steps=3, ranks=1, gpu_only=None)
-    assert multipath["shm_peak_gib"] > 0 and multipath["physical_limit_note"]
+    assert multipath["shm_peak_gib"] >= 0 and multipath["physical_limit_note"]  # (sampled: DirPeak's own test below)
     assert multipath["host_peak_with_shm_gib"] == multipath["host_peak_gib"] + multipath["shm_peak_gib"]
     assert "shm path:" in stdout and "shm_peak_gib" not in disk
 
@@ -182,3 +182,18 @@ def test_failure_reason_is_the_ranks_not_torchruns(tmp_path):
     assert failure_reason(str(log)) == "RuntimeError: No backend type associated with device type cpu"
     log.write_text("BENCH_ERROR: import deepspeed failed\n" + log.read_text())
     assert failure_reason(str(log)) == "import deepspeed failed"
+
+
+def test_the_shm_path_s_peak_counts_the_ranks_tier_files_alone(tmp_path):
+    """What a multipath run's state holds on the shm path: the ranks' tier files, not the start-up
+    measurement's file, sampled from the block's start (so a file there then is always seen)."""
+    private = tmp_path / "fsdp-offload-0"
+    private.mkdir()
+    (private / "rank0-host-pid1-0123abcd.subgroups").write_bytes(b"x" * 65536)
+    (private / "calibrate-host-pid1-0123abcd.subgroups").write_bytes(b"x" * 1048576)
+    with DirPeak(str(tmp_path)) as peak:
+        pass
+    assert peak.peak_bytes == (private / "rank0-host-pid1-0123abcd.subgroups").stat().st_blocks * 512 >= 65536
+    with DirPeak(None) as none:  # no shm path (not a multipath run): nothing sampled
+        pass
+    assert none.peak_bytes == 0

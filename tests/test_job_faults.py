@@ -193,6 +193,8 @@ def _one_rank_never_answers(rank: int, world: int) -> None:
         assert a_collective_timed_out(waited.value) and not a_peer_stopped(waited.value), str(waited.value)
     dist.barrier()  # (the job's own group is whole: rank 1 waits here for rank 0's timeout)
     assert not a_collective_timed_out(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))  # a rank that ended
+    unreachable = dist.DistNetworkError("The client socket has timed out after 30000ms while trying to connect to (h, 1)")
+    assert not a_collective_timed_out(unreachable)  # a store not reached: the network's fault, in its own words
 
 
 def test_a_collective_that_waits_past_its_timeout_is_told_from_a_rank_that_ended():
