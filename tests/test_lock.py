@@ -212,3 +212,24 @@ def test_a_lock_held_too_long_fails_naming_its_holder(tmp_path, caplog):
         proc.wait()
     with pytest.raises(ValueError, match="tier_lock_timeout_s=0 must be a positive number"):
         OffloadConfig(tier_lock_timeout_s=0)
+
+
+def test_a_close_that_fails_on_one_slot_still_closes_the_others(tmp_path, monkeypatch):
+    """An error on one slot's file at close (its dir made unusable meanwhile, say) is raised, and the other
+    slots' files are closed all the same: an open one would hold the tier for a process that has let go."""
+    (tmp_path / "locks").mkdir()
+    lock = NodeTierLock(str(tmp_path / "tier"), str(tmp_path / "locks"), 3)
+    fds = list(lock._fds)
+    real_try = lock._try
+
+    def failing(j: int) -> bool:
+        if j == 0:
+            raise TierError("tier lock: cannot open it again")
+        return real_try(j)
+
+    monkeypatch.setattr(lock, "_try", failing)
+    with pytest.raises(TierError, match="cannot open it again"):
+        lock.close()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed, every one

@@ -194,14 +194,22 @@ class NodeTierLock:
         """Lets go, and removes the lock files that no other process holds."""
         if self._held is not None:
             self.release()
+        failed: BaseException | None = None
         for j in range(len(self._fds)):
-            if self._try(j):  # a process waiting on this file finds it removed and opens a new one
-                os.unlink(self.paths[j])
-                fcntl.flock(self._fds[j], fcntl.LOCK_UN)
-            os.close(self._fds[j])
+            try:
+                if self._try(j):  # a process waiting on this file finds it removed and opens a new one
+                    os.unlink(self.paths[j])
+                    fcntl.flock(self._fds[j], fcntl.LOCK_UN)
+            except (OSError, TierError) as exc:  # (the other slots' files are still closed)
+                failed = failed or exc
+            finally:
+                if self._fds[j] >= 0:
+                    os.close(self._fds[j])
         self._fds = []
         remove_private_dir(self.lock_root)
         _open_locks.discard(self)
+        if failed is not None:
+            raise failed
 
 
 def _drop_inherited_locks() -> None:
@@ -331,5 +339,7 @@ class LockedTier(Tier):
             self._cv.notify_all()
         if self._gate.is_alive():
             self._gate.join()
-        self.inner.close()
-        self.lock.close()
+        try:
+            self.inner.close()
+        finally:  # the node's lock files go whatever the tier's close raised
+            self.lock.close()
