@@ -147,7 +147,7 @@ def a_peer_stopped(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _PEER_GONE)
 
 
-_TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout")
+_TIMED_OUT = ("Timed out waiting", "Watchdog caught collective operation timeout", "timed out in blocking wait")
 
 
 def a_collective_timed_out(exc: BaseException) -> bool:

@@ -302,7 +302,8 @@ def end_on_sigterm(signum: int, frame: object) -> None:
     """A SIGTERM (torchrun passes its own to every rank; `timeout`, a scheduler's cancel) ends the run as an
     error would: the optimizer's tier files (RAM, on /dev/shm) and the run dirs' locks go now, not at a
     later start. A rank blocked in a collective takes it when the collective returns, or the launcher's
-    SIGKILL ends it as before."""
+    SIGKILL ends it as before. Once: a second SIGTERM (scancel's, then torchrun's) would cut the cleanup short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
@@ -311,6 +312,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, OSError, TierError) as exc:  # bad input, a full or read-only dir: one line, once a job
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM to the ranks left leaves their cleanup whole
         line = error_line(exc, cfg)
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise
@@ -320,6 +322,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as exc:  # a collective broken by another rank's end: that rank says why
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if a_collective_timed_out(exc):  # said by each rank that waited: the one that did not answer is not among them
             first = str(exc).strip().splitlines()[0][:300]
             print(f"error: rank {os.environ.get('RANK', '0')}: a collective waited train.collective_timeout_s="

@@ -233,3 +233,31 @@ def test_a_checkpoint_of_other_settings_offers_an_older_one_of_this_run_s(tmp_pa
     with pytest.raises(ValueError, match=r"this run has world_size=3: resume with the same world_size, or point "
                                          r"checkpoint.dir elsewhere to start afresh$"):  # none matches: none offered
         check_checkpoint(newer, {"world_size": 3})
+    with open(os.path.join(first, "model", ".metadata"), "r+b") as f:  # damaged: it would be refused, so it is not offered
+        f.write(b"garbage")
+    with pytest.raises(ValueError, match=r"this run has world_size=1: resume with the same world_size, or point "
+                                         r"checkpoint.dir elsewhere to start afresh$"):  # fmt: skip
+        check_checkpoint(newer, RUN)
+
+
+def test_a_sigterm_or_ctrl_c_inside_dcp_ends_the_run_as_told(tmp_path, monkeypatch):
+    """DCP wraps whatever a rank raises, a SIGTERM's SystemExit (train.py's) and Ctrl-C too, as a failed
+    checkpoint on every rank: the run ends as it was told to, with no save's or load's traceback."""
+    from fsdp_offload.dcp_reader import SafeFileSystemReader
+    from fsdp_offload.entry_digests import DigestingFileSystemWriter
+
+    good = saved(tmp_path / "ck", 1)
+
+    def stopped(*args, **kwargs):
+        raise SystemExit(143)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DigestingFileSystemWriter, "write_data", stopped)
+    with pytest.raises(SystemExit) as ended:
+        saved(tmp_path / "ck", 2)
+    assert ended.value.code == 143
+    monkeypatch.setattr(SafeFileSystemReader, "read_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resume(good)

@@ -235,3 +235,18 @@ def test_a_sigterm_ends_the_run_and_takes_its_tier_files_with_it(tmp_path):
         log.close()
     private = tier / f"fsdp-offload-{os.getuid()}"
     assert not private.exists() or not [f for f in os.listdir(private) if f.endswith(".subgroups")]
+
+
+def test_a_sigterm_is_taken_once_so_a_second_leaves_the_cleanup_whole():
+    """scancel signals every process of a step, and torchrun then passes its own SIGTERM on: the first ends
+    the run, a second is ignored while the tier files are removed (the launcher's SIGKILL ends a stuck one)."""
+    from fsdp_offload.train import end_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, end_on_sigterm)
+        with pytest.raises(SystemExit) as ended:
+            end_on_sigterm(signal.SIGTERM, None)
+        assert ended.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -204,6 +204,7 @@ def save_checkpoint(
         for part, writer in writers.items():
             digests[part], self_checked[part] = writer.digests, sorted(writer.self_checked)
     except CheckpointException as exc:  # a full, read-only or vanished checkpoint.dir: one line, on rank 0
+        _raise_interrupt(exc)
         _on_rank0(f"saving checkpoint {final}", functools.partial(_raise_os_error, exc, tmp), directory)
         raise
     if dist.is_initialized():  # every rank's entries, for the manifest
@@ -233,6 +234,14 @@ def save_checkpoint(
     _barrier()
     _on_rank0(f"committing checkpoint {final}", commit, directory)
     return final
+
+
+def _raise_interrupt(exc: CheckpointException) -> None:
+    """Raises the Ctrl-C or the SIGTERM's SystemExit (train.py's) that DCP wrapped with the ranks' failures,
+    on every rank alike (each is told of every rank's): the run ends as it was told to, not as a failed save."""
+    stop = next((e for e, _ in exc.failures.values() if isinstance(e, (SystemExit, KeyboardInterrupt))), None)
+    if stop is not None:
+        raise stop from None
 
 
 def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
@@ -293,12 +302,15 @@ def _first_difference(saved: dict[str, Any] | None, run: dict[str, Any]) -> tupl
 
 
 def _note_or_none(path: str) -> dict[str, Any] | None:
-    """A checkpoint's run.json, or None where it cannot be read (an offer of another checkpoint skips it)."""
+    """A checkpoint's run.json where the checkpoint is whole as check_checkpoint reads it (its note, both
+    parts' metadata, its manifest), else None: an offer of another checkpoint skips it."""
     try:
-        with open(os.path.join(path, RUN_FILE), "rb") as f:
-            note = json.loads(f.read())
-        return note if isinstance(note, dict) and is_checkpoint(path) else None
-    except (OSError, ValueError):
+        note = _run_note(path)
+        for part in PARTS:
+            read_dcp_metadata(os.path.join(path, part, ".metadata"))
+        _manifest_digests(path, int(note["step"]))
+        return note
+    except (JobError, CheckpointFileError):
         return None
 
 
@@ -356,6 +368,7 @@ def _load(state: dict[str, Any], path: str, planner: Any, digests: dict[str, int
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata, digests, self_checked), planner=planner)
     except CheckpointException as exc:
+        _raise_interrupt(exc)
         named = [e for e, _ in exc.failures.values() if isinstance(e, CheckpointFileError)]
         if named:  # a path of the reader's, or a file name of the planner's (inside the part's dir)
             where = os.path.relpath(os.path.join(path, named[0].path), os.path.dirname(path))
