@@ -219,17 +219,42 @@ def test_a_close_that_fails_on_one_slot_still_closes_the_others(tmp_path, monkey
     slots' files are closed all the same: an open one would hold the tier for a process that has let go."""
     (tmp_path / "locks").mkdir()
     lock = NodeTierLock(str(tmp_path / "tier"), str(tmp_path / "locks"), 3)
-    fds = list(lock._fds)
-    real_try = lock._try
+    fds = [*lock._fds, lock._gate_fd]
+    real_take = lock._take_slot
 
     def failing(j: int) -> bool:
         if j == 0:
             raise TierError("tier lock: cannot open it again")
-        return real_try(j)
+        return real_take(j)
 
-    monkeypatch.setattr(lock, "_try", failing)
+    monkeypatch.setattr(lock, "_take_slot", failing)
     with pytest.raises(TierError, match="cannot open it again"):
         lock.close()
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed, every one
+
+
+def test_an_exclusive_job_and_a_job_of_several_slots_exclude_each_other(tmp_path):
+    """Two jobs on one tier dir with different offload.tier_access: an exclusive one holds the tier alone,
+    and ones of 4 slots share it among themselves only when no exclusive one holds it (the slots alone let
+    an exclusive job and a 4-slot one each hold one at once)."""
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    tier = str(tmp_path / "tier")
+    exclusive, four, other_four = NodeTierLock(tier, str(locks), 1), NodeTierLock(tier, str(locks), 4), NodeTierLock(tier, str(locks), 4)
+    try:
+        assert exclusive.acquire(timeout=0)
+        assert not four.acquire(timeout=0)  # slot 1 is free, but the tier is held whole
+        exclusive.release()
+        assert four.acquire(timeout=0) and other_four.acquire(timeout=0)  # two of the 4-slot jobs' slots at once
+        assert not exclusive.acquire(timeout=0)
+        four.release()
+        assert not exclusive.acquire(timeout=0)  # one 4-slot holder is enough to keep it out
+        other_four.release()
+        assert exclusive.acquire(timeout=0)
+        exclusive.release()
+    finally:
+        for lock in (exclusive, four, other_four):
+            lock.close()
+    assert list(locks.iterdir()) == []  # the last close removes every file, the gate's too, and the dir

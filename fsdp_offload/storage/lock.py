@@ -60,6 +60,11 @@ class NodeTierLock:
     to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
     comparable across processes).
 
+    A slot is taken under the tier's gate file, shared by processes that allow several at once and whole
+    for exclusive ones (one slot): jobs of different offload.tier_access on one tier dir then exclude
+    each other as the stricter says, where the slots alone would let an exclusive job and a 4-slot one
+    each hold one at once.
+
     The last user removes the files (tier dirs come and go; their lock files should too), and the dir
     when nothing else is in it. Removing a file that another process has open and waits on would give
     two holders, one on the removed file: so a lock taken is only good if its file is still the one at
@@ -78,7 +83,10 @@ class NodeTierLock:
         name = f"{os.path.basename(real) or 'root'}-{hashlib.sha1(real.encode()).hexdigest()[:12]}"
         self.tier_dir = real
         self.paths = [os.path.join(lock_dir, f"{name}.slot{j}.lock") for j in range(slots)]
+        self.gate_path = os.path.join(lock_dir, f"{name}.gate.lock")
+        self._gate_mode = fcntl.LOCK_EX if slots == 1 else fcntl.LOCK_SH
         self._fds = [self._open(p) for p in self.paths]
+        self._gate_fd = self._open(self.gate_path)
         self._held: int | None = None  # index of the slot this process holds
         self._since = 0.0
         self.holds: deque[tuple[float, float]] = deque(maxlen=4096)  # (acquired, released)
@@ -99,28 +107,52 @@ class NodeTierLock:
                 "node-local dir"
             ) from exc
 
-    def _is_current(self, j: int) -> bool:
-        """Whether slot j's open file is still the one at its path (not removed by a last user)."""
+    @staticmethod
+    def _is_current(path: str, fd: int) -> bool:
+        """Whether open file `fd` is still the one at `path` (not removed by a last user)."""
         try:
-            at_path = os.stat(self.paths[j])
+            at_path = os.stat(path)
         except FileNotFoundError:
             return False
-        mine = os.fstat(self._fds[j])
+        mine = os.fstat(fd)
         return (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino)
 
     def _try(self, j: int) -> bool:
-        """Takes slot j if it is free."""
+        """Takes slot j if it and the gate are free (the gate shared, or whole where this process is exclusive)."""
+        if not self._take_gate(self._gate_mode):
+            return False
+        if self._take_slot(j):
+            return True
+        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+        return False
+
+    def _take_slot(self, j: int) -> bool:
+        """Takes slot j's file if no process holds it (opened anew where a last user removed it)."""
         try:
             fcntl.flock(self._fds[j], fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        if self._is_current(j):
+        if self._is_current(self.paths[j], self._fds[j]):
             return True
         fcntl.flock(self._fds[j], fcntl.LOCK_UN)
         os.close(self._fds[j])
         self._fds[j] = -1  # never leave a closed (and maybe reused) fd number behind
         self._fds[j] = self._open(self.paths[j])
-        return self._try(j)
+        return self._take_slot(j)
+
+    def _take_gate(self, mode: int) -> bool:
+        """Takes the gate file in `mode` (LOCK_SH or LOCK_EX) if it is free to (opened anew as a slot is)."""
+        try:
+            fcntl.flock(self._gate_fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if self._is_current(self.gate_path, self._gate_fd):
+            return True
+        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+        os.close(self._gate_fd)
+        self._gate_fd = -1
+        self._gate_fd = self._open(self.gate_path)
+        return self._take_gate(mode)
 
     @property
     def held(self) -> bool:
@@ -160,7 +192,7 @@ class NodeTierLock:
     def holders(self) -> str:
         """The processes holding the lock files now, from /proc/locks ('pid N (command)'), or 'unknown'."""
         inodes = set()
-        for path in self.paths:
+        for path in [*self.paths, self.gate_path]:
             with contextlib.suppress(OSError):
                 inodes.add(os.stat(path).st_ino)
         pids = []
@@ -188,6 +220,7 @@ class NodeTierLock:
             raise RuntimeError(f"tier lock for {self.tier_dir} is not held")
         self.holds.append((self._since, time.perf_counter()))
         fcntl.flock(self._fds[self._held], fcntl.LOCK_UN)
+        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
         self._held = None
 
     def close(self) -> None:
@@ -195,30 +228,41 @@ class NodeTierLock:
         if self._held is not None:
             self.release()
         failed: BaseException | None = None
-        for j in range(len(self._fds)):
-            try:
-                if self._try(j):  # a process waiting on this file finds it removed and opens a new one
-                    os.unlink(self.paths[j])
-                    fcntl.flock(self._fds[j], fcntl.LOCK_UN)
-            except (OSError, TierError) as exc:  # (the other slots' files are still closed)
-                failed = failed or exc
-            finally:
-                if self._fds[j] >= 0:
-                    os.close(self._fds[j])
-        self._fds = []
+        for j in [*range(len(self._fds)), None]:  # the slots, then the gate
+            error = self._close_file(j)
+            failed = failed or error
+        self._fds, self._gate_fd = [], -1
         remove_private_dir(self.lock_root)
         _open_locks.discard(self)
         if failed is not None:
             raise failed
 
 
+    def _close_file(self, j: int | None) -> BaseException | None:
+        """Closes slot j's file (None: the gate's), removing it where no other process holds it (one
+        waiting on it finds it removed and opens a new one); returns the error it met, if any: the other
+        files are closed all the same."""
+        try:
+            if self._take_gate(fcntl.LOCK_EX) if j is None else self._take_slot(j):
+                os.unlink(self.gate_path if j is None else self.paths[j])
+                fcntl.flock(self._gate_fd if j is None else self._fds[j], fcntl.LOCK_UN)
+            return None
+        except (OSError, TierError) as exc:
+            return exc
+        finally:
+            fd = self._gate_fd if j is None else self._fds[j]
+            if fd >= 0:
+                os.close(fd)
+
+
 def _drop_inherited_locks() -> None:
     """A forked child (a data loader worker, say) must not keep its parent's lock files open: a flock
     lives until the last descriptor of it closes, so the child would hold the tier after the parent died."""
     for lock in list(_open_locks):
-        for fd in lock._fds:
-            os.close(fd)
-        lock._fds, lock._held = [], None
+        for fd in [*lock._fds, lock._gate_fd]:
+            if fd >= 0:
+                os.close(fd)
+        lock._fds, lock._gate_fd, lock._held = [], -1, None
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
