@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -219,20 +220,40 @@ def test_a_close_that_fails_on_one_slot_still_closes_the_others(tmp_path, monkey
     slots' files are closed all the same: an open one would hold the tier for a process that has let go."""
     (tmp_path / "locks").mkdir()
     lock = NodeTierLock(str(tmp_path / "tier"), str(tmp_path / "locks"), 3)
-    fds = [*lock._fds, lock._gate_fd]
-    real_take = lock._take_slot
+    fds = list(lock._fd.values())
+    real_take = lock._take
 
-    def failing(j: int) -> bool:
-        if j == 0:
+    def failing(path: str, mode: int) -> bool:
+        if path == lock.paths[0]:
             raise TierError("tier lock: cannot open it again")
-        return real_take(j)
+        return real_take(path, mode)
 
-    monkeypatch.setattr(lock, "_take_slot", failing)
+    monkeypatch.setattr(lock, "_take", failing)
     with pytest.raises(TierError, match="cannot open it again"):
         lock.close()
     for fd in fds:
         with pytest.raises(OSError):
             os.fstat(fd)  # closed, every one
+    lock.close()  # a second close (or a forked child's) leaves the closed files be
+
+
+def test_a_slot_file_that_cannot_be_opened_again_does_not_keep_the_gate(tmp_path, monkeypatch):
+    """Taking a slot whose file a last user removed opens it anew; where that fails, the error is raised
+    and the gate taken before it is let go: held, it would keep every job off the tier."""
+    (tmp_path / "locks").mkdir()
+    tier = str(tmp_path / "tier")
+    exclusive, other = NodeTierLock(tier, str(tmp_path / "locks"), 1), NodeTierLock(tier, str(tmp_path / "locks"), 4)
+    try:
+        os.unlink(exclusive.paths[0])
+        monkeypatch.setattr(exclusive, "_open", lambda path: (_ for _ in ()).throw(TierError("no room in the lock dir")))
+        with pytest.raises(TierError, match="no room in the lock dir"):
+            exclusive.acquire(timeout=0)
+        assert other.acquire(timeout=0)  # the gate was let go
+        other.release()
+    finally:
+        monkeypatch.undo()
+        other.close()
+        exclusive.close()
 
 
 def test_an_exclusive_job_and_a_job_of_several_slots_exclude_each_other(tmp_path):
@@ -254,6 +275,19 @@ def test_an_exclusive_job_and_a_job_of_several_slots_exclude_each_other(tmp_path
         other_four.release()
         assert exclusive.acquire(timeout=0)
         exclusive.release()
+        # an exclusive waiter holds the intent file: no new hold of several slots starts, so those under way end
+        assert four.acquire(timeout=0)
+        assert not exclusive.acquire(timeout=0)  # (it let the intent go as it gave up)
+        assert other_four.acquire(timeout=0)
+        other_four.release()
+        assert exclusive._take(exclusive.intent_path, fcntl.LOCK_EX)  # as acquire() holds it while it waits
+        assert not other_four.acquire(timeout=0)
+        four.release()
+        assert exclusive.acquire(timeout=0)  # (its own intent, taken again: one process, one open file)
+        exclusive.release()
+        exclusive._let_go(exclusive.intent_path)
+        assert other_four.acquire(timeout=0)
+        other_four.release()
     finally:
         for lock in (exclusive, four, other_four):
             lock.close()

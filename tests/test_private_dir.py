@@ -105,7 +105,7 @@ def test_a_lock_file_reopened_after_its_last_user_took_the_dir_away(tmp_path):
     locks = tmp_path / "locks"
     locks.mkdir()
     a = NodeTierLock(str(tmp_path), str(locks), 1)
-    for p in [*a.paths, a.gate_path]:  # as a last user's close removes them, and then the dir
+    for p in [*a.paths, a.gate_path, a.intent_path]:  # as a last user's close removes them, and then the dir
         os.unlink(p)
     os.rmdir(private_dir(str(locks)))
     assert a.acquire(timeout=5) and os.path.exists(a.paths[0])

@@ -27,7 +27,6 @@ from .base import Tier, TierError
 from .private_files import in_private_dir, make_private_dir, remove_private_dir, tier_root_problem
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
-
 log = logging.getLogger(__name__)
 _open_locks: weakref.WeakSet[NodeTierLock] = weakref.WeakSet()
 
@@ -60,10 +59,10 @@ class NodeTierLock:
     to do I/O on the tier. Keeps a log of its holds in perf_counter times (CLOCK_MONOTONIC on Linux:
     comparable across processes).
 
-    A slot is taken under the tier's gate file, shared by processes that allow several at once and whole
-    for exclusive ones (one slot): jobs of different offload.tier_access on one tier dir then exclude
-    each other as the stricter says, where the slots alone would let an exclusive job and a 4-slot one
-    each hold one at once.
+    A slot is taken under the tier's gate file, whole for an exclusive process and shared by those of
+    several slots: an exclusive job holds the tier alone against a job of any offload.tier_access (jobs of
+    unlike counts above one are bounded by the larger). An exclusive waiter holds the intent file, which the
+    others take shared to enter the gate: new holds stop, those under way end, and it gets in.
 
     The last user removes the files (tier dirs come and go; their lock files should too), and the dir
     when nothing else is in it. Removing a file that another process has open and waits on would give
@@ -84,9 +83,9 @@ class NodeTierLock:
         self.tier_dir = real
         self.paths = [os.path.join(lock_dir, f"{name}.slot{j}.lock") for j in range(slots)]
         self.gate_path = os.path.join(lock_dir, f"{name}.gate.lock")
-        self._gate_mode = fcntl.LOCK_EX if slots == 1 else fcntl.LOCK_SH
-        self._fds = [self._open(p) for p in self.paths]
-        self._gate_fd = self._open(self.gate_path)
+        self.intent_path = os.path.join(lock_dir, f"{name}.intent.lock")
+        self._exclusive = slots == 1
+        self._fd = {path: self._open(path) for path in [*self.paths, self.gate_path, self.intent_path]}  # (-1: closed)
         self._held: int | None = None  # index of the slot this process holds
         self._since = 0.0
         self.holds: deque[tuple[float, float]] = deque(maxlen=4096)  # (acquired, released)
@@ -107,52 +106,56 @@ class NodeTierLock:
                 "node-local dir"
             ) from exc
 
-    @staticmethod
-    def _is_current(path: str, fd: int) -> bool:
-        """Whether open file `fd` is still the one at `path` (not removed by a last user)."""
+    def _is_current(self, path: str) -> bool:
+        """Whether `path`'s open file is still the one at the path (not removed by a last user)."""
         try:
             at_path = os.stat(path)
         except FileNotFoundError:
             return False
-        mine = os.fstat(fd)
+        mine = os.fstat(self._fd[path])
         return (at_path.st_dev, at_path.st_ino) == (mine.st_dev, mine.st_ino)
 
+    def _take(self, path: str, mode: int) -> bool:
+        """Takes `path`'s file in `mode` (LOCK_SH or LOCK_EX) where no process holds it otherwise (opened
+        anew where a last user removed it)."""
+        try:
+            fcntl.flock(self._fd[path], mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if self._is_current(path):
+            return True
+        fcntl.flock(self._fd[path], fcntl.LOCK_UN)
+        os.close(self._fd[path])
+        self._fd[path] = -1  # never leave a closed (and maybe reused) fd number behind
+        self._fd[path] = self._open(path)
+        return self._take(path, mode)
+
+    def _let_go(self, path: str) -> None:
+        fcntl.flock(self._fd[path], fcntl.LOCK_UN)
+
     def _try(self, j: int) -> bool:
-        """Takes slot j if it and the gate are free (the gate shared, or whole where this process is exclusive)."""
-        if not self._take_gate(self._gate_mode):
-            return False
-        if self._take_slot(j):
-            return True
-        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+        """Takes slot j under the gate (whole for an exclusive process; shared otherwise, while no
+        exclusive one waits), or nothing."""
+        if self._exclusive:
+            if not self._take(self.gate_path, fcntl.LOCK_EX):
+                return False
+        else:
+            if not self._take(self.intent_path, fcntl.LOCK_SH):
+                return False  # an exclusive process waits: let the holds under way end
+            try:
+                entered = self._take(self.gate_path, fcntl.LOCK_SH)
+            finally:
+                self._let_go(self.intent_path)
+            if not entered:
+                return False
+        try:
+            if self._take(self.paths[j], fcntl.LOCK_EX):
+                return True
+        except BaseException:
+            self._let_go(self.gate_path)  # (a slot file that cannot be opened again: the gate is not kept)
+            raise
+        self._let_go(self.gate_path)
         return False
-
-    def _take_slot(self, j: int) -> bool:
-        """Takes slot j's file if no process holds it (opened anew where a last user removed it)."""
-        try:
-            fcntl.flock(self._fds[j], fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if self._is_current(self.paths[j], self._fds[j]):
-            return True
-        fcntl.flock(self._fds[j], fcntl.LOCK_UN)
-        os.close(self._fds[j])
-        self._fds[j] = -1  # never leave a closed (and maybe reused) fd number behind
-        self._fds[j] = self._open(self.paths[j])
-        return self._take_slot(j)
-
-    def _take_gate(self, mode: int) -> bool:
-        """Takes the gate file in `mode` (LOCK_SH or LOCK_EX) if it is free to (opened anew as a slot is)."""
-        try:
-            fcntl.flock(self._gate_fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        if self._is_current(self.gate_path, self._gate_fd):
-            return True
-        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
-        os.close(self._gate_fd)
-        self._gate_fd = -1
-        self._gate_fd = self._open(self.gate_path)
-        return self._take_gate(mode)
 
     @property
     def held(self) -> bool:
@@ -162,18 +165,24 @@ class NodeTierLock:
         """Takes a free slot, waiting up to `timeout` seconds (None: as long as it takes)."""
         if self._held is not None:
             raise RuntimeError(f"tier lock for {self.tier_dir} is already held by this process")
-        start = time.perf_counter()
-        while True:
-            for j in range(len(self._fds)):
-                if not self._try(j):
-                    continue
-                self._held, self._since = j, time.perf_counter()
-                self.wait_s += self._since - start
-                return True
-            if timeout is not None and time.perf_counter() - start >= timeout:
-                self.wait_s += time.perf_counter() - start
-                return False
-            time.sleep(_POLL_S)
+        start, announced = time.perf_counter(), False
+        try:
+            while True:
+                if self._exclusive and not announced:  # (another exclusive waiter may hold it: then it says so)
+                    announced = self._take(self.intent_path, fcntl.LOCK_EX)
+                for j in range(len(self.paths)):
+                    if not self._try(j):
+                        continue
+                    self._held, self._since = j, time.perf_counter()
+                    self.wait_s += self._since - start
+                    return True
+                if timeout is not None and time.perf_counter() - start >= timeout:
+                    self.wait_s += time.perf_counter() - start
+                    return False
+                time.sleep(_POLL_S)
+        finally:
+            if announced:
+                self._let_go(self.intent_path)
 
     def wait(self) -> None:
         """acquire(), saying once (after a tenth of timeout_s) who holds the lock, and raising a
@@ -181,18 +190,19 @@ class NodeTierLock:
         if self.acquire(timeout=self.timeout_s / 10):
             return
         log.warning("waited %.0f s for the node lock of %s (%s, held by %s); waiting up to %.0f s",
-                    self.timeout_s / 10, self.tier_dir, self.paths[0], self.holders(), self.timeout_s)  # fmt: skip
+                    self.timeout_s / 10, self.tier_dir, self.gate_path, self.holders(), self.timeout_s)  # fmt: skip
         if not self.acquire(timeout=self.timeout_s * 0.9):
             raise TierError(
-                f"waited {self.timeout_s:.0f} s for the node lock of {self.tier_dir} ({', '.join(self.paths)}), held "
-                f"by {self.holders()}: another job's process, or a rank that a killed launcher left behind, holds it. "
-                "End that process, or raise offload.tier_lock_timeout_s, or set offload.tier_access=shared"
+                f"waited {self.timeout_s:.0f} s for the node lock of {self.tier_dir} ({self.gate_path} and its slots), "
+                f"held by {self.holders()}: another job's process (of any offload.tier_access on this tier dir), or a rank "
+                "that a killed launcher left behind, holds it. End that process, or raise offload.tier_lock_timeout_s, or set "
+                "offload.tier_access=shared"
             )
 
     def holders(self) -> str:
         """The processes holding the lock files now, from /proc/locks ('pid N (command)'), or 'unknown'."""
         inodes = set()
-        for path in [*self.paths, self.gate_path]:
+        for path in self._fd:
             with contextlib.suppress(OSError):
                 inodes.add(os.stat(path).st_ino)
         pids = []
@@ -219,8 +229,8 @@ class NodeTierLock:
         if self._held is None:
             raise RuntimeError(f"tier lock for {self.tier_dir} is not held")
         self.holds.append((self._since, time.perf_counter()))
-        fcntl.flock(self._fds[self._held], fcntl.LOCK_UN)
-        fcntl.flock(self._gate_fd, fcntl.LOCK_UN)
+        self._let_go(self.paths[self._held])
+        self._let_go(self.gate_path)
         self._held = None
 
     def close(self) -> None:
@@ -228,41 +238,42 @@ class NodeTierLock:
         if self._held is not None:
             self.release()
         failed: BaseException | None = None
-        for j in [*range(len(self._fds)), None]:  # the slots, then the gate
-            error = self._close_file(j)
+        for path in list(self._fd):  # the slots, the gate, the intent
+            error = self._close_file(path)
             failed = failed or error
-        self._fds, self._gate_fd = [], -1
         remove_private_dir(self.lock_root)
         _open_locks.discard(self)
         if failed is not None:
             raise failed
 
-
-    def _close_file(self, j: int | None) -> BaseException | None:
-        """Closes slot j's file (None: the gate's), removing it where no other process holds it (one
-        waiting on it finds it removed and opens a new one); returns the error it met, if any: the other
-        files are closed all the same."""
+    def _close_file(self, path: str) -> BaseException | None:
+        """Closes `path`'s file, removing it where no other process holds it (one waiting on it finds it
+        removed and opens a new one); returns the error it met, if any: the other files are closed all
+        the same. A file closed before (a second close, a forked child's) is left be."""
+        if self._fd[path] < 0:
+            return None
         try:
-            if self._take_gate(fcntl.LOCK_EX) if j is None else self._take_slot(j):
-                os.unlink(self.gate_path if j is None else self.paths[j])
-                fcntl.flock(self._gate_fd if j is None else self._fds[j], fcntl.LOCK_UN)
+            if self._take(path, fcntl.LOCK_EX):
+                os.unlink(path)
+                self._let_go(path)
             return None
         except (OSError, TierError) as exc:
             return exc
         finally:
-            fd = self._gate_fd if j is None else self._fds[j]
-            if fd >= 0:
-                os.close(fd)
+            if self._fd[path] >= 0:
+                os.close(self._fd[path])
+            self._fd[path] = -1
 
 
 def _drop_inherited_locks() -> None:
     """A forked child (a data loader worker, say) must not keep its parent's lock files open: a flock
     lives until the last descriptor of it closes, so the child would hold the tier after the parent died."""
     for lock in list(_open_locks):
-        for fd in [*lock._fds, lock._gate_fd]:
+        for path, fd in lock._fd.items():
             if fd >= 0:
                 os.close(fd)
-        lock._fds, lock._gate_fd, lock._held = [], -1, None
+            lock._fd[path] = -1
+        lock._held = None
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
