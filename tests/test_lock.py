@@ -292,3 +292,33 @@ def test_an_exclusive_job_and_a_job_of_several_slots_exclude_each_other(tmp_path
         for lock in (exclusive, four, other_four):
             lock.close()
     assert list(locks.iterdir()) == []  # the last close removes every file, the gate's too, and the dir
+
+
+def test_an_exclusive_waiter_behind_another_exclusive_holder_does_not_hold_off_the_others(tmp_path, monkeypatch):
+    """The intent file is held by an exclusive waiter only while others share the gate: behind another
+    exclusive holder it would keep every job of several slots out for as long as exclusive ranks queue."""
+    import fsdp_offload.storage.lock as lock_module
+
+    (tmp_path / "locks").mkdir()
+    tier, locks = str(tmp_path / "tier"), str(tmp_path / "locks")
+    holder, waiter, four = NodeTierLock(tier, locks, 1), NodeTierLock(tier, locks, 1), NodeTierLock(tier, locks, 4)
+    seen = []
+
+    def one_wait(seconds: float) -> None:  # the waiter's first pass has failed: look, then let it in
+        seen.append(four._take(four.intent_path, fcntl.LOCK_SH))
+        four._let_go(four.intent_path)
+        holder.release()
+
+    try:
+        assert holder.acquire(timeout=0)
+        monkeypatch.setattr(lock_module.time, "sleep", one_wait)
+        assert waiter.acquire(timeout=None)
+        monkeypatch.undo()
+        assert seen == [True]  # the intent was free while the gate was held whole
+        waiter.release()
+        assert four.acquire(timeout=0)  # and the waiter let it go once in
+        four.release()
+    finally:
+        monkeypatch.undo()
+        for lock in (holder, waiter, four):
+            lock.close()

@@ -9,7 +9,6 @@ for anything else while holding, and processes waiting for one tier keep using t
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import logging
@@ -24,6 +23,7 @@ from typing import Callable
 import torch
 
 from .base import Tier, TierError
+from .lock_holders import file_lock_holders
 from .private_files import in_private_dir, make_private_dir, remove_private_dir, tier_root_problem
 
 _POLL_S = 0.001  # how often a waiting process retries the lock files
@@ -122,8 +122,12 @@ class NodeTierLock:
             fcntl.flock(self._fd[path], mode | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
-        if self._is_current(path):
-            return True
+        try:
+            if self._is_current(path):
+                return True
+        except BaseException:  # (not left held where the check fails)
+            self._let_go(path)
+            raise
         fcntl.flock(self._fd[path], fcntl.LOCK_UN)
         os.close(self._fd[path])
         self._fd[path] = -1  # never leave a closed (and maybe reused) fd number behind
@@ -168,8 +172,15 @@ class NodeTierLock:
         start, announced = time.perf_counter(), False
         try:
             while True:
-                if self._exclusive and not announced:  # (another exclusive waiter may hold it: then it says so)
-                    announced = self._take(self.intent_path, fcntl.LOCK_EX)
+                if self._exclusive:  # the intent held only while others share the gate (one exclusive holder: let go)
+                    shared = self._take(self.gate_path, fcntl.LOCK_SH)
+                    if shared:
+                        self._let_go(self.gate_path)
+                    if shared and not announced:
+                        announced = self._take(self.intent_path, fcntl.LOCK_EX)
+                    elif not shared and announced:
+                        self._let_go(self.intent_path)
+                        announced = False
                 for j in range(len(self.paths)):
                     if not self._try(j):
                         continue
@@ -200,30 +211,8 @@ class NodeTierLock:
             )
 
     def holders(self) -> str:
-        """The processes holding the lock files now, from /proc/locks ('pid N (command)'), or 'unknown'."""
-        inodes = set()
-        for path in self._fd:
-            with contextlib.suppress(OSError):
-                inodes.add(os.stat(path).st_ino)
-        pids = []
-        with contextlib.suppress(OSError):
-            with open("/proc/locks") as f:
-                for line in f:
-                    parts = line.split()
-                    if "->" in parts or len(parts) < 6:  # a waiter, not a holder
-                        continue
-                    if int(parts[5].rsplit(":", 1)[-1]) in inodes and parts[4] != str(os.getpid()):
-                        pids.append(int(parts[4]))
-        if not pids:
-            return "unknown"
-
-        def command(pid: int) -> str:
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
-            return "?"
-
-        return ", ".join(f"pid {pid} ({command(pid)})" for pid in sorted(set(pids)))
+        """The processes holding this lock's files now ('pid N (command)'), or 'unknown'."""
+        return file_lock_holders(list(self._fd))
 
     def release(self) -> None:
         if self._held is None:
