@@ -104,15 +104,15 @@ def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: s
         gpu = torch.cuda.mem_get_info()[1] / GIB if device_type == "cuda" and torch.cuda.is_available() else 0.0
     if device_type == "cuda" and gpu == 0:
         raise JobError("train.device=cuda, but the machine planned for has no GPU: state its memory "
-                         "(machine.gpu_gib=80), or plan for train.device=cpu")  # fmt: skip
+                       "(machine.gpu_gib=80), or plan for train.device=cpu")  # fmt: skip
     if device_type == "cuda":
         return int(gpu * GIB)
     if needs_gpu(cfg.gpu_fraction):
         raise JobError(f"offload.gpu_fraction={cfg.gpu_fraction} keeps state on the GPU, but the planned run trains "
-                         "on the CPU: use 0, or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
+                       "on the CPU: use 0, or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
     if cfg.grad_path == "gpu_bf16":
         raise JobError("offload.grad_path='gpu_bf16' keeps the grads in GPU memory, but the planned run trains on the "
-                         "CPU: use offload.grad_path='host_bf16', or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
+                       "CPU: use offload.grad_path='host_bf16', or plan for a GPU (machine.gpu_gib=80, train.device=cuda)")  # fmt: skip
     return None
 
 

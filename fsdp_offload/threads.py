@@ -44,8 +44,8 @@ def cpu_quota() -> float | None:
                     quota, period = f.read().strip(), g.read().strip()
             except OSError:
                 continue
-        if quota in ("max", "-1") or not quota.lstrip("-").isdigit() or not period.isdigit() or int(period) <= 0:
-            continue  # no quota here (or a file we cannot read as one)
+        if not quota.isdigit() or not period.isdigit() or int(period) <= 0:
+            continue  # no quota here ("max", v1's -1), or a file we cannot read as one
         cpus = int(quota) / int(period)
         least = cpus if least is None else min(least, cpus)
     return least

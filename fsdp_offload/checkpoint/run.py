@@ -261,17 +261,7 @@ NOT_STATE = {"model": ("activation_checkpointing", "reshard_after_forward")}
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:
     """Raises a one-line JobError when the checkpoint at `path` was written by an incompatible run, or
     when a part of it is missing, damaged or from another checkpoint; returns its step."""
-    for part in PARTS:
-        if not os.path.isfile(os.path.join(path, part, ".metadata")):
-            raise JobError(_unreadable(path, f"no {part}/.metadata: written by an older fsdp-offload (before checkpoints went "
-                                             "through DCP as model/ and optimizer/), copied in part, or damaged"))  # fmt: skip
-    saved = _run_note(path)
-    for part in PARTS:  # read here (never unpickling code), so that a garbled one is named
-        try:
-            read_dcp_metadata(os.path.join(path, part, ".metadata"))
-        except CheckpointFileError as exc:
-            raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
-    _manifest_digests(path, int(saved["step"]))  # whole before compared: a damaged run.json is named as damaged
+    saved = _whole_note(path)  # whole before compared: a damaged run.json is named as damaged
     differs = _first_difference(saved, run)
     if differs is not None:
         key, have, value = differs
@@ -301,16 +291,27 @@ def _first_difference(saved: dict[str, Any] | None, run: dict[str, Any]) -> tupl
     return None
 
 
-def _note_or_none(path: str) -> dict[str, Any] | None:
-    """A checkpoint's run.json where the checkpoint is whole as check_checkpoint reads it (its note, both
-    parts' metadata, its manifest), else None: an offer of another checkpoint skips it."""
-    try:
-        note = _run_note(path)
-        for part in PARTS:
+def _whole_note(path: str) -> dict[str, Any]:
+    """The checkpoint's run note once all of it checks out (metadata read unpickling no code, manifest), else a JobError."""
+    for part in PARTS:
+        if not os.path.isfile(os.path.join(path, part, ".metadata")):
+            raise JobError(_unreadable(path, f"no {part}/.metadata: written by an older fsdp-offload (before checkpoints went "
+                                             "through DCP as model/ and optimizer/), copied in part, or damaged"))  # fmt: skip
+    saved = _run_note(path)
+    for part in PARTS:
+        try:
             read_dcp_metadata(os.path.join(path, part, ".metadata"))
-        _manifest_digests(path, int(note["step"]))
-        return note
-    except (JobError, CheckpointFileError):
+        except CheckpointFileError as exc:
+            raise JobError(_unreadable(path, f"{part}/.metadata {exc.problem}")) from None
+    _manifest_digests(path, int(saved["step"]))
+    return saved
+
+
+def _note_or_none(path: str) -> dict[str, Any] | None:
+    """_whole_note, or None where the checkpoint would be refused: an offer of another checkpoint skips it."""
+    try:
+        return _whole_note(path)
+    except JobError:
         return None
 
 

@@ -172,15 +172,6 @@ class NodeTierLock:
         start, announced = time.perf_counter(), False
         try:
             while True:
-                if self._exclusive:  # the intent held only while others share the gate (one exclusive holder: let go)
-                    shared = self._take(self.gate_path, fcntl.LOCK_SH)
-                    if shared:
-                        self._let_go(self.gate_path)
-                    if shared and not announced:
-                        announced = self._take(self.intent_path, fcntl.LOCK_EX)
-                    elif not shared and announced:
-                        self._let_go(self.intent_path)
-                        announced = False
                 for j in range(len(self.paths)):
                     if not self._try(j):
                         continue
@@ -190,10 +181,26 @@ class NodeTierLock:
                 if timeout is not None and time.perf_counter() - start >= timeout:
                     self.wait_s += time.perf_counter() - start
                     return False
+                if self._exclusive:  # (a free tier is taken at the first pass, with none of this)
+                    announced = self._hold_intent(announced)
                 time.sleep(_POLL_S)
         finally:
             if announced:
                 self._let_go(self.intent_path)
+
+    def _hold_intent(self, holding: bool) -> bool:
+        """A waiting exclusive process's intent file: held while others share the gate, so that they start
+        no new hold; let go while another exclusive process has it whole (held then, it would keep the
+        others out for nothing). Returns whether it is held."""
+        shared = self._take(self.gate_path, fcntl.LOCK_SH)
+        if shared:
+            self._let_go(self.gate_path)
+        if shared and not holding:
+            return self._take(self.intent_path, fcntl.LOCK_EX)
+        if not shared and holding:
+            self._let_go(self.intent_path)
+            return False
+        return holding
 
     def wait(self) -> None:
         """acquire(), saying once (after a tenth of timeout_s) who holds the lock, and raising a
