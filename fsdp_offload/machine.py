@@ -119,7 +119,8 @@ def planned_gpu_bytes(cfg: OffloadConfig, machine: MachineConfig, device_type: s
 def planned_host_bytes(machine: MachineConfig) -> int:
     """Host memory of the node's ranks: machine.host_gib if stated, else what this machine has available
     now (MemAvailable, or the memory cgroup's limit less its usage where that is less). Where memory is
-    added to a machine as it is used (MemTotal grows), this is a floor: state machine.host_gib."""
+    added to a machine as it is used (MemTotal grows), this is a floor: state machine.host_gib (train.py:
+    train.host_memory_gb)."""
     return int(machine.host_gib * GIB) if machine.host_gib is not None else available_host_bytes()
 
 

@@ -79,22 +79,33 @@ def _memory_stat(cgroup: str, key: str) -> int:
     return 0
 
 
+def stated_host_problem(stated: int | None) -> str | None:
+    """What is wrong with a stated host memory of the node's ranks (train.host_memory_gb) here, or None:
+    one above what the memory cgroup still lets the job take, where the kernel OOM-kills however much
+    the machine grows (a machine whose memory grows as it is used reads less than it will hold)."""
+    limited = None if stated is None else cgroup_available_bytes()
+    if limited is None or stated <= limited:
+        return None
+    return (f"train.host_memory_gb={readable_size(stated)} is more than the {readable_size(limited)} that this job's memory "
+            "cgroup still lets it take (its limit less its use: a Slurm job's --mem, a container's limit), past which the "
+            "kernel ends the job; state at most that, or null")  # fmt: skip
+
+
 def resolve_host_budget(
-    cfg: OffloadConfig, group: dist.ProcessGroup | None, device: torch.device
+    cfg: OffloadConfig, group: dist.ProcessGroup | None, device: torch.device, stated: int | None = None
 ) -> tuple[int | None, str]:
     """This rank's host budget in bytes (None: no limit) and how to name it in messages. With "auto":
-    (available - host_headroom_gb) / the node's ranks (config.HostBudget), the smallest any rank saw."""
+    (the node's host memory - host_headroom_gb) / the node's ranks (config.HostBudget), the smallest any
+    rank saw; the node's host memory is `stated` (train.host_memory_gb), else what is available now."""
     budget = cfg.host_budget
-    if not budget.auto and budget.nbytes is None:
-        return budget.named(None)  # no limit: nothing to measure, no collective
-    available = available_host_bytes()
-    local_ranks = node_ranks(group)
     if not budget.auto:  # (whether the node's ranks can take it: the plan's fit check, or warn_over_memory)
         return budget.named(budget.nbytes)
-    mine = torch.tensor([budget.for_rank(available, local_ranks)], dtype=torch.float64, device=device)
+    host, local_ranks = (available_host_bytes() if stated is None else stated), node_ranks(group)
+    mine = torch.tensor([budget.for_rank(host, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
-    how = f": {readable_size(available)} available less host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s)"
+    what = "available" if stated is None else "stated (train.host_memory_gb)"
+    how = f": {readable_size(host)} {what} less host_headroom_gb={cfg.host_headroom_gb}, over {local_ranks} local rank(s)"
     return budget.named(int(mine.item()), how)
 
 

@@ -359,7 +359,8 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
             f"({int(node_host)} bytes{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
-            f"{in_unit(node_host - plan.host_bytes, unit)}; {fix}"
+            f"{in_unit(node_host - plan.host_bytes, unit)}; {fix} (where memory is added as it is used, state the node's: "
+            "train.host_memory_gb)"
         )
     if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
         for r in plan.ranks:

@@ -43,7 +43,7 @@ from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measu
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
 from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds
-from .recipe import read_config
+from .recipe import host_memory_bytes, read_config
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size
 from .update_costs import measured_costs
@@ -109,7 +109,8 @@ def plan_summary(r: RankPlan, cfg: OffloadConfig) -> str:
 
 
 def compose_plan_config(overrides: list[str]):
-    """The train.py config composed from `overrides` (machine.* ones apart) and the MachineConfig."""
+    """The train.py config composed from `overrides` (machine.* ones apart) and the MachineConfig (its host_gib,
+    where not stated, train.host_memory_gb's)."""
     from hydra import compose, initialize_config_module
 
     from .config import register_recipe_resolvers
@@ -130,6 +131,9 @@ def compose_plan_config(overrides: list[str]):
             rest.append(o)
     with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
         cfg = compose("train", overrides=rest)
+    stated = host_memory_bytes(cfg.train.host_memory_gb)
+    if machine_kw.get("host_gib") is None and stated is not None:  # the train command's statement of the node's memory
+        machine_kw["host_gib"] = stated / GIB
     return cfg, MachineConfig(**machine_kw)
 
 

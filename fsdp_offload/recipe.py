@@ -4,6 +4,7 @@ and what the planner plans, read by one function so that both see the same run."
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -13,6 +14,7 @@ from .config import OffloadConfig, dataclass_from, is_number, is_whole, path_opt
 from .data import DataConfig
 from .job_errors import job_wide
 from .models import LlamaArgs
+from .units import SIZE_UNITS, parse_size
 
 
 # What else a run keeps in its dir, by name (train.py's plan and TensorBoard dir, Hydra's record and
@@ -43,6 +45,9 @@ class TrainConfig:
     collective_timeout_s: float = 1800  # a collective that waits longer fails (gloo/NCCL name it); ends a hung job
     watchdog_s: float | None = 60  # a rank silent this long is named in the log by the others; null or 0: no watchdog
     compile: bool = False  # torch.compile each block's computation (models.compile_blocks); the first step compiles
+    # The host memory of the node's ranks, in GiB or a size ('500GB'); null: what the machine has available at
+    # start (MemAvailable, or the memory cgroup's limit less its use). State it where memory is added as it is used.
+    host_memory_gb: float | str | None = None
 
     def __post_init__(self) -> None:  # a bad recipe fails here, before a process group or a model exists
         if self.device not in ("auto", "cpu", "cuda"):
@@ -76,6 +81,7 @@ class TrainConfig:
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
+        host_memory_bytes(self.host_memory_gb)  # (checked here, read by the property)
         self.out_dir = path_option(self.out_dir, "train.out_dir", null="Hydra's run dir")
         self.metrics_file = path_option(self.metrics_file, "train.metrics_file", what="a file name")
         name = self.metrics_file
@@ -86,6 +92,27 @@ class TrainConfig:
         if name in RUN_DIR_NAMES:
             raise ValueError(f"train.metrics_file={name!r} is the name of the run's {RUN_DIR_NAMES[name]} in the same dir: "
                              "pick another file name, such as metrics.jsonl")  # fmt: skip
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """train.host_memory_gb in bytes (None: not stated: the machine's available memory at start)."""
+        return host_memory_bytes(self.host_memory_gb)
+
+
+def host_memory_bytes(host_memory_gb: float | str | None) -> int | None:
+    """train.host_memory_gb in bytes (None: not stated)."""
+    if host_memory_gb is None:
+        return None
+    try:
+        if isinstance(host_memory_gb, bool):
+            raise ValueError
+        size, unit = parse_size(host_memory_gb) if isinstance(host_memory_gb, str) else (float(host_memory_gb), "GiB")
+    except (TypeError, ValueError):
+        size, unit = math.nan, "GiB"
+    if not (size > 0 and math.isfinite(size)):
+        raise ValueError(f"train.host_memory_gb={host_memory_gb!r} must be GiB (500) or a size ('500GB', '512GiB'; units "
+                         f"{', '.join(SIZE_UNITS)}) > 0, or null for what the machine has available at start")  # fmt: skip
+    return int(size * SIZE_UNITS[unit])
 
 
 @dataclass

@@ -38,7 +38,7 @@ from .job_errors import LET_RANK0_SAY_S, JobError, a_collective_timed_out, a_pee
 from .models import compile_blocks, num_params, preset_name
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
-from .memory import available_host_bytes, resolve_host_budget
+from .memory import available_host_bytes, resolve_host_budget, stated_host_problem
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
 from .node_plan import make_plan
@@ -121,14 +121,14 @@ def _run(cfg: DictConfig) -> list[dict]:
         problems = [tier_root_problem(spec.dir, str(spec)) for spec in ocfg.tier_specs]
         if ocfg.tier_specs and ocfg.tier_access != "shared":  # the node's tier locks live there
             problems.append(lock_root_problem(ocfg.tier_lock_dir))
-        problems.append(profile_problem(ocfg.bandwidth_profile))
+        problems += [profile_problem(ocfg.bandwidth_profile), stated_host_problem(tcfg.host_memory_bytes)]
         raise_on_every_rank(next((p for p in problems if p), None), group)
         for spec in ocfg.tier_specs:  # before the plan counts their free space
             remove_dead_files(spec.dir, str(spec))
         # Whether the state fits (GPU, host, each tier's free space) is checked before anything is built.
         # The host budget is sized once, now, for the plan and the optimizer alike: what this process
         # takes from here on (the CUDA context, the model's build) is the headroom's share.
-        budget = resolve_host_budget(recipe.config, group, device)
+        budget = resolve_host_budget(recipe.config, group, device, tcfg.host_memory_bytes)
         if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
@@ -136,7 +136,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
         # this node's ranks, each planned for its own shard of the job's (another node's may be smaller)
         node = node_peers(group) if group is not None else [0]
-        machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local))
+        machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local),
+                                host_gib=None if tcfg.host_memory_bytes is None else tcfg.host_memory_bytes / GIB)  # fmt: skip
         costs = None if learned is None else learned_walk(learned)  # (nothing timed here: it would slow the start)
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
@@ -162,9 +163,11 @@ def _run(cfg: DictConfig) -> list[dict]:
                                                  betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay, offload=recipe.config,
                                                  tier_speeds=speeds, memory_plan=mine.memory_plan(recipe.config))  # fmt: skip
     else:
-        # (on the CPU the node's ranks share its available memory)
+        # (on the CPU the node's ranks share its host memory: stated, or available now)
+        if device.type == "cpu":
+            raise_on_every_rank(stated_host_problem(tcfg.host_memory_bytes), group)
         room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
-                else available_host_bytes() // local)  # fmt: skip
+                else (tcfg.host_memory_bytes or available_host_bytes()) // local)  # fmt: skip
         margs, step_memory_why = fsdp_step_memory(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
                                                       room, agree)  # fmt: skip
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
