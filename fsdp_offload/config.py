@@ -65,10 +65,11 @@ class OffloadConfig:
     # The host memory this rank's optimizer keeps, in GiB: the low-precision grad/param staging buffer
     # (2 bytes/param, page-locked; one subgroup's with grad_path="gpu_bf16"), the FP32 state cache and,
     # with grad_path="tier_fp32", its FP32 grad buffer. A number of GiB or a size ("6GiB", "512MiB",
-    # "8GB"). None: keep all state in host memory. "auto": the node's available memory (MemAvailable)
-    # less host_headroom_gb, divided among the node's ranks; the optimizer logs what it chose.
+    # "8GB"). None: keep all state in host memory. "auto": the node's host memory (train.py's
+    # train.host_memory_gb where stated, else what is available: MemAvailable, or the memory cgroup's
+    # room) less host_headroom_gb, divided among the node's ranks; the optimizer logs what it chose.
     host_budget_gb: float | str | None = None
-    # host_budget_gb="auto" only: GiB of the node's available memory left to everything else.
+    # host_budget_gb="auto" only: GiB of the node's host memory left to everything else.
     host_headroom_gb: float = 8.0
     # Elements per subgroup (one I/O unit); a multiple of 1024. 100Mi by default, as in DeepSpeed.
     subgroup_numel: int = 100 * (1 << 20)
@@ -308,10 +309,8 @@ class HostBudget:
         if host_budget_gb is None or host_budget_gb == "auto":
             return cls(option, None, host_budget_gb == "auto", "GiB", headroom_gb)
         try:
-            if isinstance(host_budget_gb, bool):
-                raise ValueError
-            size, unit = parse_size(host_budget_gb) if isinstance(host_budget_gb, str) else (float(host_budget_gb), "GiB")
-        except (TypeError, ValueError):
+            size, unit = parse_size(host_budget_gb)
+        except ValueError:
             raise ValueError(
                 f"offload.host_budget_gb={host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
                 f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto', or {NULL} to keep all state in host memory"

@@ -18,7 +18,7 @@ from .config import OffloadConfig, is_number, is_whole
 from .gpu_share import needs_gpu
 from .job_errors import JobError
 from .learned_rate import CpuRate, learned_rate_for, unlearned_note
-from .memory import available_host_bytes
+from .memory import node_host_bytes
 from .threads import cpu_threads_per_rank
 from .tier_speeds import starting_speeds
 from .units import GIB
@@ -121,7 +121,7 @@ def planned_host_bytes(machine: MachineConfig) -> int:
     now (MemAvailable, or the memory cgroup's limit less its usage where that is less). Where memory is
     added to a machine as it is used (MemTotal grows), this is a floor: state machine.host_gib (train.py:
     train.host_memory_gb)."""
-    return int(machine.host_gib * GIB) if machine.host_gib is not None else available_host_bytes()
+    return node_host_bytes(None if machine.host_gib is None else round(machine.host_gib * GIB))
 
 
 # What mem_get_info counts as used beside torch's own allocations once a run has built its model: the

@@ -1,6 +1,6 @@
-"""The host budget of `offload.host_budget_gb="auto"`: the node's available memory (or the job's
-cgroup's, where that is less), less stated headroom, shared among the node's ranks; and the count of
-the node's ranks."""
+"""The node's host memory (stated, or what is available: MemAvailable, or the job's memory cgroup's room
+where that is less) and the host budget of `offload.host_budget_gb="auto"` from it: less stated headroom,
+shared among the node's ranks."""
 
 from __future__ import annotations
 
@@ -79,6 +79,11 @@ def _memory_stat(cgroup: str, key: str) -> int:
     return 0
 
 
+def node_host_bytes(stated: int | None) -> int:
+    """The host memory of the node's ranks: `stated` (train.host_memory_gb), else what is available now."""
+    return available_host_bytes() if stated is None else stated
+
+
 def stated_host_problem(stated: int | None) -> str | None:
     """What is wrong with a stated host memory of the node's ranks (train.host_memory_gb) here, or None:
     one above what the memory cgroup still lets the job take, where the kernel OOM-kills however much
@@ -100,7 +105,7 @@ def resolve_host_budget(
     budget = cfg.host_budget
     if not budget.auto:  # (whether the node's ranks can take it: the plan's fit check, or warn_over_memory)
         return budget.named(budget.nbytes)
-    host, local_ranks = (available_host_bytes() if stated is None else stated), node_ranks(group)
+    host, local_ranks = node_host_bytes(stated), node_ranks(group)
     mine = torch.tensor([budget.for_rank(host, local_ranks)], dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)

@@ -25,24 +25,19 @@ from .cache import host_cache_slots
 from .calibrate import TierSpeed
 from .config import OffloadConfig
 from .grads import TierFP32Grads
-from .job_errors import JobError
 from .levels import MemoryPlan
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes, tier_room_subgroups
 from .models import LlamaArgs, Transformer, num_params
 from .placement import planned_split
+from .plan_fit import PlanError, check_fit
 from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
 from .host_windows import windows_bytes
 from .staging import resolve_grad_path
 from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
-from .units import GIB, in_unit, readable_size
+from .units import GIB
 from .update_costs import UpdateCosts
-
-
-class PlanError(JobError):
-    """The state does not fit: the message names the level, the shortfall and what to change. Every rank
-    plans the whole node alike, so train.py says it once for the job (a JobError)."""
 
 
 @dataclass
@@ -335,66 +330,3 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
                 reshard_after_forward=args.reshard_after_forward)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan
-
-
-def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
-    need = [sum(r.tiers[i].bytes for r in plan.ranks) for i in range(len(cfg.tiers))]  # the node's, per tier
-    systems = [machine.tier_file_system(i, spec.dir) for i, spec in enumerate(cfg.tier_specs)]
-    # a tier in memory (tmpfs, ramfs: /dev/shm) keeps its files in host memory, beside the optimizer's
-    in_memory = [i for i, (_, mem) in enumerate(systems) if mem and need[i]]
-    tier_host = sum(need[i] for i in in_memory)
-    # training on the CPU, the model's step (params, grads, activations) is in host memory too
-    model_host = sum(r.gpu_train_bytes for r in plan.ranks) if plan.gpu_bytes is None else 0
-    node_host = sum(r.host_bytes for r in plan.ranks) + tier_host + model_host
-    unit = cfg.host_budget.unit
-    if node_host > plan.host_bytes:
-        files = (f", {in_unit(tier_host, unit)} of it the files of {' and '.join(cfg.tiers[i] for i in in_memory)} (in "
-                 "memory)" if tier_host else "")  # fmt: skip
-        model = f", {in_unit(model_host, unit)} of it the model's training step on the CPU" if model_host else ""
-        checkpointing = f", or {frugal_step_fix(plan)}" if frugal_step_fix(plan) and model_host else ""
-        if model_host >= plan.host_bytes:  # no budget or tier makes room for the step itself
-            fix = "lower data.micro_batch or data.seq_len" + checkpointing
-        else:
-            fix = "set offload.host_budget_gb (or 'auto') and a tier" + (", or move the in-memory tier to a disk" if tier_host else "") + checkpointing
-        raise PlanError(
-            f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
-            f"({int(node_host)} bytes{files}{model}) but {in_unit(plan.host_bytes, unit)} is available: short by "
-            f"{in_unit(node_host - plan.host_bytes, unit)}; {fix} (where memory is added as it is used, state the node's: "
-            "train.host_memory_gb)"
-        )
-    if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on
-        for r in plan.ranks:
-            if r.gpu_startup_bytes > plan.gpu_bytes:
-                raise PlanError(
-                    f"GPU memory, rank {r.rank}: the model and its resident state need {readable_size(r.gpu_startup_bytes)} "
-                    f"(params {readable_size(r.gpu_params_bytes)}, resident state {readable_size(r.gpu_state_bytes)}, the "
-                    f"largest module drawn in FP32) of {readable_size(plan.gpu_bytes)}: short by "
-                    f"{readable_size(r.gpu_startup_bytes - plan.gpu_bytes)}; lower offload.gpu_fraction, or shard "
-                    "over more GPUs (machine.ranks_per_node)"
-                )
-    by_device: dict[int, list[int]] = {}  # tiers on one file system share its free space
-    for i, (device, _) in enumerate(systems):
-        by_device.setdefault(device, []).append(i)
-    for same_fs in by_device.values():
-        total = sum(need[i] for i in same_fs)
-        free = plan.ranks[0].tiers[same_fs[0]].free_bytes
-        if total and free is not None and total > free:
-            where = f"tier {cfg.tiers[same_fs[0]]}" if len(same_fs) == 1 else f"tiers {' and '.join(cfg.tiers[i] for i in same_fs)}"
-            # only the levels there are and that are not already as large as the machine allows
-            raise_ = [o for o, can in (("offload.host_budget_gb", not cfg.host_budget.auto),
-                                       ("offload.gpu_fraction", plan.gpu_bytes is not None and cfg.gpu_fraction != "auto")) if can]  # fmt: skip
-            fixes = ["free space", "add a tier on another file system",
-                     f"raise {' or '.join(raise_)} (or 'auto')" if raise_ else "train a smaller model or on more GPUs"]  # fmt: skip
-            raise PlanError(
-                f"{where}: the node's ranks write up to {readable_size(total)} there but its file system has "
-                f"{readable_size(free)} free: short by {readable_size(total - free)}; {', '.join(fixes[:-1])}, or {fixes[-1]}"
-            )
-
-
-def frugal_step_fix(plan: Plan | LlamaArgs) -> str:
-    """Where a plan (or the args it is made from) keeps a step's activations or gathered units on its
-    device as stated, the options that let the entry keep them only where they fit ("": it keeps neither)."""
-    kept = [f"model.{name}" for name, frugal in (("activation_checkpointing", plan.activation_checkpointing),
-                                                ("reshard_after_forward", plan.reshard_after_forward)) if not frugal]  # fmt: skip
-    return f"set {' and '.join(kept)} to auto" if kept else ""
-

@@ -43,7 +43,7 @@ from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measu
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
 from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds
-from .recipe import host_memory_bytes, read_config
+from .recipe import read_config, read_host_memory
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size
 from .update_costs import measured_costs
@@ -131,8 +131,8 @@ def compose_plan_config(overrides: list[str]):
             rest.append(o)
     with initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
         cfg = compose("train", overrides=rest)
-    stated = host_memory_bytes(cfg.train.host_memory_gb)
-    if machine_kw.get("host_gib") is None and stated is not None:  # the train command's statement of the node's memory
+    stated = read_host_memory(cfg.train.host_memory_gb)
+    if "host_gib" not in machine_kw and stated is not None:  # the train command's statement of the node's memory
         machine_kw["host_gib"] = stated / GIB
     return cfg, MachineConfig(**machine_kw)
 

@@ -81,7 +81,7 @@ class TrainConfig:
         if not (isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas)):
             raise ValueError(f"train.betas={self.betas!r} must be two numbers in [0, 1), e.g. train.betas=[0.9,0.95]")
         self.betas = tuple(self.betas)
-        host_memory_bytes(self.host_memory_gb)  # (checked here, read by the property)
+        read_host_memory(self.host_memory_gb)  # (checked here, read by the property)
         self.out_dir = path_option(self.out_dir, "train.out_dir", null="Hydra's run dir")
         self.metrics_file = path_option(self.metrics_file, "train.metrics_file", what="a file name")
         name = self.metrics_file
@@ -96,20 +96,18 @@ class TrainConfig:
     @property
     def host_memory_bytes(self) -> int | None:
         """train.host_memory_gb in bytes (None: not stated: the machine's available memory at start)."""
-        return host_memory_bytes(self.host_memory_gb)
+        return read_host_memory(self.host_memory_gb)
 
 
-def host_memory_bytes(host_memory_gb: float | str | None) -> int | None:
-    """train.host_memory_gb in bytes (None: not stated)."""
+def read_host_memory(host_memory_gb: float | str | None) -> int | None:
+    """train.host_memory_gb in bytes (None: not stated); ValueError naming the option where it is no size."""
     if host_memory_gb is None:
         return None
     try:
-        if isinstance(host_memory_gb, bool):
-            raise ValueError
-        size, unit = parse_size(host_memory_gb) if isinstance(host_memory_gb, str) else (float(host_memory_gb), "GiB")
-    except (TypeError, ValueError):
+        size, unit = parse_size(host_memory_gb)
+    except ValueError:
         size, unit = math.nan, "GiB"
-    if not (size > 0 and math.isfinite(size)):
+    if not (math.isfinite(size) and size * SIZE_UNITS[unit] >= 1):
         raise ValueError(f"train.host_memory_gb={host_memory_gb!r} must be GiB (500) or a size ('500GB', '512GiB'; units "
                          f"{', '.join(SIZE_UNITS)}) > 0, or null for what the machine has available at start")  # fmt: skip
     return int(size * SIZE_UNITS[unit])

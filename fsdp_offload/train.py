@@ -38,7 +38,7 @@ from .job_errors import LET_RANK0_SAY_S, JobError, a_collective_timed_out, a_pee
 from .models import compile_blocks, num_params, preset_name
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
-from .memory import available_host_bytes, resolve_host_budget, stated_host_problem
+from .memory import node_host_bytes, resolve_host_budget, stated_host_problem
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
 from .node_plan import make_plan
@@ -167,7 +167,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         if device.type == "cpu":
             raise_on_every_rank(stated_host_problem(tcfg.host_memory_bytes), group)
         room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
-                else (tcfg.host_memory_bytes or available_host_bytes()) // local)  # fmt: skip
+                else node_host_bytes(tcfg.host_memory_bytes) // local)  # fmt: skip
         margs, step_memory_why = fsdp_step_memory(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
                                                       room, agree)  # fmt: skip
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -3,6 +3,7 @@ throttle's rates and latencies ('1.5GB/s', '2ms') read the same tables."""
 
 from __future__ import annotations
 
+import numbers
 import re
 
 GIB = 1 << 30
@@ -34,9 +35,14 @@ def in_unit(nbytes: float, unit: str) -> str:
     return f"{value:.4g} {unit}" if abs(value) < 1e4 else f"{value:.0f} {unit}"
 
 
-def parse_size(text: str) -> tuple[float, str]:
-    """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number is GiB. ValueError if not a size."""
-    text = text.strip()
+def parse_size(value: str | float) -> tuple[float, str]:
+    """'6GiB', '512 MiB', '1.5GB' -> (number, unit); a bare number (or one written as text) is GiB.
+    ValueError if not a size (a bool is none: True is an int to Python, never a size to a recipe)."""
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
+        raise ValueError(f"{value!r} is not a size")
+    if not isinstance(value, str):
+        return float(value), "GiB"
+    text = value.strip()
     for unit in sorted(SIZE_UNITS, key=len, reverse=True):
         if text.endswith(unit):
             return float(text[: -len(unit)].strip()), unit

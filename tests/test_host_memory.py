@@ -4,13 +4,23 @@ above what the memory cgroup lets the job take is refused, naming both."""
 
 from __future__ import annotations
 
+import hydra
 import pytest
 import torch
 from test_job_faults import errors, our_traceback
 from test_train import train
 
 from fsdp_offload import OffloadConfig, memory
+from fsdp_offload.job_errors import JobError
 from fsdp_offload.units import GIB
+
+
+def run_in_process(tmp_path, *overrides: str) -> list[dict]:
+    from fsdp_offload.train import run
+
+    with hydra.initialize_config_module("fsdp_offload.recipes", version_base="1.3"):
+        return run(hydra.compose("train", overrides=["train.progress=false", "train.steps=1", f"train.out_dir={tmp_path}/out",
+                                                     *overrides]))  # fmt: skip
 
 
 def test_the_auto_budget_sizes_from_the_stated_memory(monkeypatch):
@@ -33,15 +43,34 @@ def test_a_stated_memory_above_the_cgroup_is_refused_naming_both(monkeypatch):
 
 
 @pytest.mark.bad_input
+@pytest.mark.parametrize("offload", ["tiny_disk", "none"])
+def test_train_refuses_a_stated_memory_above_the_cgroup_before_building(tmp_path, monkeypatch, offload):
+    """The offload recipes and plain FSDP2 on the CPU alike (both size from it) refuse it before the model is built."""
+    import fsdp_offload.train as train_module
+
+    monkeypatch.setattr(memory, "cgroup_available_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(train_module, "build_offloaded_model", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(train_module, "build_fsdp_model", lambda *a, **k: pytest.fail("built"))
+    with pytest.raises(JobError, match=r"train.host_memory_gb=3.00 GiB is more than the 2.00 GiB that this job's memory cgroup"):
+        run_in_process(tmp_path, f"offload={offload}", "train.device=cpu", "train.host_memory_gb=3")
+
+
+def test_plain_fsdp_on_the_cpu_sizes_its_step_from_the_stated_memory(tmp_path):
+    out = train(tmp_path / "run", "offload=none", "train.host_memory_gb=1KiB", "train.steps=1")
+    assert "above 1.00 KiB of room" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
+
+
+@pytest.mark.bad_input
 def test_train_plans_against_the_stated_memory_and_says_so_once(tmp_path):
-    """The 125M's state (1.5 GB) in a node stated at 1 GiB: refused before anything is built, once, naming
-    the stated size, where this machine's own memory would have held it."""
+    """The 125M's state (1.5 GB) on 2 ranks of a node stated at 1 GiB: refused before anything is built, once
+    for the job, naming the stated size, where this machine's own memory would have held it."""
     out = train(tmp_path / "run", "model=125m", "offload.host_budget_gb=1000", "train.host_memory_gb=1", "train.steps=1",
-                check=False)  # fmt: skip
+                ranks=2, check=False)  # fmt: skip
     said = errors(out)
-    assert out.returncode == 2 and len(said) == 1, out.stderr[-2000:]
-    assert "host memory: the node's 1 rank(s) keep" in said[0] and "but 1 GiB is available" in said[0], said
-    assert "state the node's: train.host_memory_gb" in said[0] and not our_traceback(out)
+    assert out.returncode != 0 and len(said) == 1, out.stderr[-2000:]
+    assert "host memory: the node's 2 rank(s) keep" in said[0] and "; lower offload.host_budget_gb" in said[0], said
+    assert "but 1 GiB is stated (train.host_memory_gb, or machine.host_gib)" in said[0] and not our_traceback(out)
+    assert "where memory is added as it is used" not in said[0]  # (stated already)
 
 
 @pytest.mark.bad_input
@@ -49,6 +78,12 @@ def test_a_bad_stated_memory_is_refused_before_the_run(tmp_path):
     out = train(tmp_path / "run", "train.host_memory_gb=lots", check=False)
     said = errors(out)
     assert out.returncode != 0 and len(said) == 1 and "train.host_memory_gb='lots' must be GiB (500) or a size" in said[0]
+    from fsdp_offload.recipe import TrainConfig
+
+    for bad in (0, -1, True, float("inf"), 1e-12, "0GB"):  # (1e-12 GiB: less than a byte)
+        with pytest.raises(ValueError, match="train.host_memory_gb=.* must be GiB"):
+            TrainConfig(host_memory_gb=bad)
+    assert TrainConfig(host_memory_gb="500GB").host_memory_bytes == 500 * 10**9
 
 
 def test_the_plan_command_reads_the_stated_memory(tmp_path, capsys):
@@ -57,3 +92,6 @@ def test_the_plan_command_reads_the_stated_memory(tmp_path, capsys):
     common = [f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.cpu_mparams_per_s=500", "offload.calibration_gb=0.01"]
     assert main([*common, "train.host_memory_gb=64", "offload.host_budget_gb=100"]) == 0
     assert "more than the 64.00 GiB of host memory planned for" in capsys.readouterr().out
+    # the planned machine's own statement comes first
+    assert main([*common, "machine.host_gib=32", "train.host_memory_gb=64", "offload.host_budget_gb=100"]) == 0
+    assert "more than the 32.00 GiB of host memory planned for" in capsys.readouterr().out

@@ -247,7 +247,7 @@ def test_host_too_small_names_the_level_and_the_shortfall():
     with pytest.raises(PlanError, match=r"host memory, rank 0: offload\.host_budget_gb=4 is below the pipeline's minimum of"):
         make_plan("7b", MODEL_PRESETS["7b"], cfg, MachineConfig(host_gib=512), 2048, 1, "cpu")
     everything_in_host = OffloadConfig(host_budget_gb=None)
-    with pytest.raises(PlanError, match=r"host memory: the node's 2 rank\(s\) keep .* GiB is available: short by"):
+    with pytest.raises(PlanError, match=r"host memory: the node's 2 rank\(s\) keep .* GiB is stated \(train.host_memory_gb, or machine.host_gib\): short by"):
         make_plan("7b", MODEL_PRESETS["7b"], everything_in_host, MachineConfig(ranks_per_node=2, host_gib=64), 2048, 1, "cpu")
 
 
