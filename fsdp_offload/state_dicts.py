@@ -150,7 +150,10 @@ class OptimizerStates:
             want = tuple(local_data(p).shape)
             for key in ("step", *STATE_KEYS):
                 if key not in state[i]:
-                    raise ValueError(f"state_dict param {i} ({keys[i]!r}) has no {key!r}: it was not saved by OffloadAdamW")
+                    torch_adamw = "exp_avg" in state[i]  # (torch AdamW's own moments)
+                    raise ValueError(f"state_dict param {i} ({keys[i]!r}) has no {key!r}: it was not saved by OffloadAdamW"
+                                     + (" (a torch AdamW checkpoint loads with fsdp_offload.torch_adamw_state.load_torch_adamw)"
+                                        if torch_adamw else ""))  # fmt: skip
             for key in STATE_KEYS:
                 got = tuple(local_data(state[i][key]).shape)
                 if got != want:

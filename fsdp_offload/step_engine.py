@@ -147,11 +147,11 @@ class StepEngine:
         if again:
             index, grad = again[0]
             chosen = " (what offload.overlap='auto' chose for offload.micro_batches=1)" if self.cfg.overlap == "auto" else ""
+            fix = "set offload.micro_batches to the backward calls a step" if chosen else "use offload.overlap='next_forward'"
             raise RuntimeError(
                 f"param {index} (shape {tuple(grad.shape)}) got a second grad before step(): with "
                 f"offload.overlap='backward'{chosen} a subgroup is updated as soon as its grads are in, so grads cannot "
-                "accumulate over several backwards; set offload.micro_batches to the backward calls a step (or "
-                "offload.overlap='next_forward'), or call step() after each backward"
+                f"accumulate over several backwards; {fix}, or call step() after each backward"
             )
         self.grads.stage(indices, grads)
         self.grads_taken.update(indices)

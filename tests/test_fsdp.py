@@ -156,6 +156,16 @@ def bad_input_worker(rank: int, world: int, tmp: str) -> None:
     plain = Transformer(ARGS)
     with pytest.raises(TypeError, match="not an FSDP2-sharded model"):
         OffloadAdamW(plain.parameters(), model=plain)
+    # FSDP2 settles its units at the first forward: an optimizer built after one would break the next
+    for before in ("a dry run", "an evaluation"):  # (the evaluation leaves the root gathered: no DTensor params)
+        model = build_model(rank)
+        with torch.set_grad_enabled(before == "a dry run"):
+            loss = loss_of(model, batch(rank, 0))
+        if before == "a dry run":
+            loss.backward()
+        with pytest.raises(ValueError, match="has run a forward already: build OffloadAdamW right after fully_shard"):
+            OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG))
+        assert all(p.dtype == torch.float32 for p in model.parameters()), before  # refused before anything was cast
     model = build_model(rank)
     with pytest.raises(ValueError, match="pass model=model"):
         OffloadAdamW(model.parameters())

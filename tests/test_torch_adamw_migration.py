@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from dist_utils import run_ranks
@@ -53,6 +54,9 @@ def worker(rank: int, world: int, tmp: str) -> None:
     cfg = OffloadConfig(kernel="torch", subgroup_numel=SG, tiers=[f"posix:{tmp}/tier{rank}"],
                         host_budget_gb=(2 * 40 * SG + 3 * 3 * SG * 4) / 2**30)  # fmt: skip
     opt = OffloadAdamW(model.parameters(), lr=1.0, model=model, offload=cfg)
+    torch_named = r"has no 'master_param': it was not saved by OffloadAdamW \(a torch AdamW checkpoint loads with .*load_torch_adamw"
+    with pytest.raises(ValueError, match=torch_named):
+        opt.load_state_dict(torch_opt.state_dict())  # what a user tries first: refused, naming the way that loads it
     load_torch_adamw(model, opt, f"{tmp}/torch")
     same_state(opt, torch_model, torch_opt, "loaded from torch AdamW")
     assert opt.param_groups[0]["lr"] == TORCH_LR and tuple(opt.param_groups[0]["betas"]) == BETAS
