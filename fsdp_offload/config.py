@@ -294,8 +294,8 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class HostBudget:
-    """offload.host_budget_gb read: a size in bytes, no limit, or "auto" (the node's available memory less
-    `headroom_gb`, shared by its ranks: `for_rank`)."""
+    """offload.host_budget_gb read: a size in bytes, no limit, or "auto" (the node's host memory, stated or
+    available, less `headroom_gb`, shared by its ranks: `for_rank`)."""
 
     option: str  # how errors name it: "offload.host_budget_gb=6GiB"
     nbytes: int | None  # a given size; None: no limit, or "auto" before it is sized
@@ -310,18 +310,18 @@ class HostBudget:
             return cls(option, None, host_budget_gb == "auto", "GiB", headroom_gb)
         try:
             size, unit = parse_size(host_budget_gb)
-        except ValueError:
+        except (ValueError, OverflowError):  # (an int past a float's range)
             raise ValueError(
                 f"offload.host_budget_gb={host_budget_gb!r}: give GiB (12), a size ('6GiB', '512MiB', "
                 f"'8GB'; units {', '.join(SIZE_UNITS)}), 'auto', or {NULL} to keep all state in host memory"
             ) from None
-        if not (size >= 0 and math.isfinite(size)):
+        if not (size >= 0 and math.isfinite(size * SIZE_UNITS[unit])):
             raise ValueError(f"{option} must be a finite size >= 0, or {NULL} to keep all state in host memory")
         return cls(option, int(size * SIZE_UNITS[unit]), False, unit, headroom_gb)
 
     def for_rank(self, available: int, local_ranks: int) -> int | None:
-        """This rank's budget in bytes (None: no limit): "auto" is `available` bytes less the headroom,
-        shared by the node's `local_ranks`."""
+        """This rank's budget in bytes (None: no limit): "auto" is the node's host memory (`available`
+        bytes: stated or available) less the headroom, shared by the node's `local_ranks`."""
         return int((available - self.headroom_gb * GIB) / local_ranks) if self.auto else self.nbytes
 
     def named(self, nbytes: int | None, how: str = "") -> tuple[int | None, str]:

@@ -110,15 +110,17 @@ def cast_params(model: nn.Module, dtype: torch.dtype, params: list[torch.Tensor]
 
 
 def root_fsdp_module(model: nn.Module) -> FSDPModule:
-    """The model itself, checked to be an FSDP2 root (fully_shard applied to it and its blocks)."""
+    """The model itself, checked to be an FSDP2 root (fully_shard applied to it and its blocks) that has not
+    run a forward yet (ValueError: the optimizer must be built before it)."""
     if not isinstance(model, FSDPModule):
         inner = any(isinstance(m, FSDPModule) for m in model.modules())
         hint = "call fully_shard(model) on the root too" if inner else "apply fully_shard to its blocks and to the root"
         raise TypeError(f"{type(model).__name__} is not an FSDP2-sharded model: {hint} before building OffloadAdamW")
     # FSDP2 settles its units (the root, the params' dtype, its buffers) at the root's first forward; the
     # optimizer then casts the sharded params to low precision, which the next forward or backward would
-    # not survive (a dtype error deep in FSDP2)
-    if model._get_fsdp_state()._is_root is not None:
+    # not survive (a dtype error deep in FSDP2). (A bare model.unshard() settles the units without a root:
+    # not seen here.)
+    if getattr(model._get_fsdp_state(), "_is_root", None) is not None:
         raise ValueError(f"{type(model).__name__} has run a forward already: build OffloadAdamW right after fully_shard, "
                          "before the model's first forward (an evaluation or a dry run included); it casts the sharded "
                          "params to low precision, and FSDP2 fixed their dtype at that forward")  # fmt: skip

@@ -109,10 +109,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.param_dtype = _DTYPES[cfg.param_dtype]
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._models = [] if model is None else [model]
+        root, units = None if model is None else root_fsdp_module(model), []  # (first: a forward since leaves the root gathered)
         check_params(self._params, self._models, self.param_dtype, cfg.param_dtype, streamed=masters is not None)
-        root, units = None, []
         if model is not None:
-            root = root_fsdp_module(model)
             check_sharded_params(model, self._params)
             units = fsdp_units(model)
             check_unit_dtypes(model, units, self._params, self.param_dtype, cfg.param_dtype)

@@ -105,9 +105,9 @@ def read_host_memory(host_memory_gb: float | str | None) -> int | None:
         return None
     try:
         size, unit = parse_size(host_memory_gb)
-    except ValueError:
+    except (ValueError, OverflowError):  # (an int past a float's range)
         size, unit = math.nan, "GiB"
-    if not (math.isfinite(size) and size * SIZE_UNITS[unit] >= 1):
+    if not (math.isfinite(size * SIZE_UNITS[unit]) and size * SIZE_UNITS[unit] >= 1):
         raise ValueError(f"train.host_memory_gb={host_memory_gb!r} must be GiB (500) or a size ('500GB', '512GiB'; units "
                          f"{', '.join(SIZE_UNITS)}) > 0, or null for what the machine has available at start")  # fmt: skip
     return int(size * SIZE_UNITS[unit])

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from dist_utils import run_ranks
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -157,15 +158,17 @@ def bad_input_worker(rank: int, world: int, tmp: str) -> None:
     with pytest.raises(TypeError, match="not an FSDP2-sharded model"):
         OffloadAdamW(plain.parameters(), model=plain)
     # FSDP2 settles its units at the first forward: an optimizer built after one would break the next
-    for before in ("a dry run", "an evaluation"):  # (the evaluation leaves the root gathered: no DTensor params)
-        model = build_model(rank)
+    for before in ("a dry run", "an evaluation", "a bf16 evaluation"):  # (an evaluation leaves the root gathered)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if "bf16" in before else None  # (gathered: bf16 plain tensors)
+        model = build_fsdp_model(ARGS, torch.device("cpu"), **({"mp_policy": mp} if mp else {}))
         with torch.set_grad_enabled(before == "a dry run"):
             loss = loss_of(model, batch(rank, 0))
         if before == "a dry run":
             loss.backward()
         with pytest.raises(ValueError, match="has run a forward already: build OffloadAdamW right after fully_shard"):
             OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(subgroup_numel=SG))
-        assert all(p.dtype == torch.float32 for p in model.parameters()), before  # refused before anything was cast
+        if mp is None:  # refused before anything was cast (with mp the gathered root holds FSDP2's own bf16 copies)
+            assert all(p.dtype == torch.float32 for p in model.parameters()), before
     model = build_model(rank)
     with pytest.raises(ValueError, match="pass model=model"):
         OffloadAdamW(model.parameters())

@@ -80,10 +80,13 @@ def test_a_bad_stated_memory_is_refused_before_the_run(tmp_path):
     assert out.returncode != 0 and len(said) == 1 and "train.host_memory_gb='lots' must be GiB (500) or a size" in said[0]
     from fsdp_offload.recipe import TrainConfig
 
-    for bad in (0, -1, True, float("inf"), 1e-12, "0GB"):  # (1e-12 GiB: less than a byte)
+    for bad in (0, -1, True, float("inf"), 1e-12, "0GB", 1e300, "1e300", 10**400):  # (1e-12 GiB: under a byte; 1e300: past a float)
         with pytest.raises(ValueError, match="train.host_memory_gb=.* must be GiB"):
             TrainConfig(host_memory_gb=bad)
     assert TrainConfig(host_memory_gb="500GB").host_memory_bytes == 500 * 10**9
+    for bad in (1e300, 10**400):  # the budget's size, read by the same parser
+        with pytest.raises(ValueError, match="offload.host_budget_gb="):
+            OffloadConfig(host_budget_gb=bad).host_budget
 
 
 def test_the_plan_command_reads_the_stated_memory(tmp_path, capsys):
