@@ -95,6 +95,9 @@ class CopyStream:
         return event
 
 
+CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
+
+
 def cast_params(model: nn.Module, dtype: torch.dtype, params: list[torch.Tensor] | None = None) -> None:
     """Casts `params` (by default every param of the model) to `dtype` and leaves the model's other
     params and its buffers as they were (as FSDP2's mixed precision does: a bf16 RoPE table loses
@@ -119,8 +122,8 @@ def root_fsdp_module(model: nn.Module) -> FSDPModule:
     # FSDP2 settles its units (the root, the params' dtype, its buffers) at the root's first forward; the
     # optimizer then casts the sharded params to low precision, which the next forward or backward would
     # not survive (a dtype error deep in FSDP2). (A bare model.unshard() settles the units without a root:
-    # not seen here.)
-    if getattr(model._get_fsdp_state(), "_is_root", None) is not None:
+    # not seen here. A model an earlier OffloadAdamW cast is said as such, by check_params.)
+    if getattr(model._get_fsdp_state(), "_is_root", None) is not None and not getattr(model, CAST_MARK, False):
         raise ValueError(f"{type(model).__name__} has run a forward already: build OffloadAdamW right after fully_shard, "
                          "before the model's first forward (an evaluation or a dry run included); it casts the sharded "
                          "params to low precision, and FSDP2 fixed their dtype at that forward")  # fmt: skip
@@ -129,12 +132,12 @@ def root_fsdp_module(model: nn.Module) -> FSDPModule:
 
 def check_sharded_params(model: nn.Module, params: list[torch.Tensor]) -> None:
     """Every optimizer param must be one of the model's FSDP2 sharded (DTensor) params."""
-    owned = {id(p) for p in model.parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
     for i, p in enumerate(params):
-        if id(p) not in owned:
+        if id(p) not in names:
             raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not a parameter of the model passed as model=")
         if not isinstance(p, DTensor):
-            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not sharded by fully_shard (not a DTensor)")
+            raise ValueError(f"param {i} {names[id(p)]!r} (shape {tuple(p.shape)}) is not sharded by fully_shard (not a DTensor)")
         if p.device_mesh.ndim != 1:
             raise ValueError(f"param {i} lives on a {p.device_mesh.ndim}-D mesh: OffloadAdamW supports 1-D FSDP meshes")
 

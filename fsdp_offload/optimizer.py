@@ -20,7 +20,7 @@ from .bandwidth import TierSpeed
 from .closing import OwnedResources
 from .config import OffloadConfig, offload_config
 from .fsdp import (
-    CopyStream, ModelHooks, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units,
+    CAST_MARK, CopyStream, ModelHooks, cast_params, check_grads_synced, check_sharded_params, compute_device_type, fsdp_units,
     install_forward_waits, install_grad_hooks, install_sync_checks, local_data, mesh_group, reshard_gathered, root_fsdp_module,
     units_holding, weakly,
 )  # fmt: skip
@@ -31,7 +31,7 @@ from .metrics import StepMetrics
 from .model_state_dicts import install_model_state_dict_hooks
 from .node import says_once
 from .optimizer_args import (
-    CAST_MARK, TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
+    TORCH_OPTIONS, check_hyperparameters, check_params, check_unit_dtypes, refuse_torch_options, warn_uncast_at_first_forward,
 )  # fmt: skip
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight

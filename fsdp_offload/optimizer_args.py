@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from .fsdp import local_data
+from .fsdp import CAST_MARK, local_data
 from .node import says_once
 from .torch_idioms import refuse_accelerate_fsdp2
 
 log = logging.getLogger(__name__)
 
-CAST_MARK = "_cast_by_offload_adamw"  # set on the models and params an OffloadAdamW cast to low precision
 TORCH_OPTIONS = {
     "amsgrad": "it keeps a fourth FP32 state tensor (the running max of exp_avg_sq) that the out-of-core layout has no room for",
     "maximize": "the fused kernels descend; negate the loss instead",
@@ -80,35 +79,47 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], para
     devices = {local_data(p).device.type for p in params}
     if len(devices) > 1:
         raise ValueError(f"params are on mixed device types {sorted(devices)}: put the whole model on one device")
+    names = param_names(models)
     for i, p in enumerate(params):
         if streamed:
             if p.dtype != param_dtype:
                 raise ValueError(
-                    f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: with masters= the model is built in "
+                    f"{param_label(i, p, names)} is {p.dtype}: with masters= the model is built in "
                     f"offload.param_dtype={dtype_name} and the masters come from the source "
                     "(parallelize.build_offloaded_model does both); without masters=, give FP32 params"
                 )
         elif p.dtype != torch.float32 and any(getattr(x, CAST_MARK, False) for x in [p, *models]):
             raise ValueError(
-                f"param {i} (shape {tuple(p.shape)}) is {p.dtype}: an earlier OffloadAdamW cast this model and "
+                f"{param_label(i, p, names)} is {p.dtype}: an earlier OffloadAdamW cast this model and "
                 "holds its FP32 master weights. Keep using that optimizer; to rebuild one (other options, "
                 "another tier), save the old one's state (state_dict() or a DCP checkpoint), close() it, "
                 "build the model again in FP32, build the new optimizer on it and load the state"
             )
         elif p.dtype != torch.float32:
             raise ValueError(
-                f"param {i} (shape {tuple(p.shape)}) is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
+                f"{param_label(i, p, names)} is {p.dtype}, not float32: OffloadAdamW takes its FP32 "
                 "master weights from the model's FP32 params and casts the model to "
                 f"{dtype_name} itself; build it before casting the model"
             )
         if not p.requires_grad:  # refused before anything is cast: a corrected retry finds the model as it was
             raise ValueError(
-                f"param {i} (shape {tuple(p.shape)}) does not require grad: a frozen param takes no step. Leave it "
+                f"{param_label(i, p, names)} does not require grad: a frozen param takes no step. Leave it "
                 "out of the optimizer (OffloadAdamW([p for p in model.parameters() if p.requires_grad], ...)); "
                 "it then keeps its dtype and values, and full_fp32_state_dict() still exports it"
             )
         if not local_data(p).is_contiguous():
-            raise ValueError(f"param {i} (shape {tuple(p.shape)}) is not contiguous")
+            raise ValueError(f"{param_label(i, p, names)} is not contiguous")
+
+
+def param_names(models: list[torch.nn.Module]) -> dict[int, str]:
+    """The models' params' names by id (none without a model): what errors call a param."""
+    return {id(p): n for m in models for n, p in m.named_parameters()}
+
+
+def param_label(i: int, p: torch.Tensor, names: dict[int, str]) -> str:
+    """How an error names the optimizer's param `i`: its name where the model was given, its shape."""
+    name = f" {names[id(p)]!r}" if id(p) in names else ""
+    return f"param {i}{name} (shape {tuple(p.shape)})"
 
 
 def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Module], list[torch.nn.Parameter]]],
@@ -120,7 +131,7 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     another dtype (`MixedPrecisionPolicy(reduce_dtype=torch.float32)`, torchtitan's default): FSDP2 casts
     the reduced grads back to the params' dtype, so the optimizer takes them in that dtype still."""
     mine = {id(p) for p in params}
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = param_names([model])
     reduced_in: dict[str, list[str]] = {}
     for modules, unit_params in units:
         if not any(id(p) in mine for p in unit_params):
