@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class MemoryPlan:
     """One rank's memory, decided once, and what the optimizer builds: the planner makes it for
-    train.py, with the step's activations in view (node_plan.RankPlan.memory_plan); an optimizer built
+    train.py, with the step's activations in view (plans.RankPlan.memory_plan); an optimizer built
     without one makes its own from the config and what it measures now (`build_levels`)."""
 
     host_budget: int | None  # bytes the optimizer keeps in host memory; None: no limit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -25,12 +25,12 @@ from .cache import host_cache_slots
 from .calibrate import TierSpeed
 from .config import OffloadConfig
 from .grads import TierFP32Grads
-from .levels import MemoryPlan
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes, tier_room_subgroups
 from .models import LlamaArgs, Transformer, num_params
 from .placement import planned_split
-from .plan_fit import PlanError, check_fit
-from .gpu_share import gpu_subgroup_bytes, handed_count, moved_staging_itemsize, planned_share
+from .plan_fit import check_fit
+from .plans import Plan, PlanError, RankPlan, TierPlan
+from .gpu_share import gpu_subgroup_bytes, moved_staging_itemsize, planned_share
 from .grad_sums import grad_accumulation_memory, resolve_grad_accumulation
 from .host_windows import windows_bytes
 from .staging import resolve_grad_path
@@ -38,77 +38,6 @@ from .subgroups import SubgroupLayout
 from .tier_speeds import starting_speeds
 from .units import GIB
 from .update_costs import UpdateCosts
-
-
-@dataclass
-class TierPlan:
-    spec: str
-    subgroups: int  # subgroups the placement puts here
-    bytes: int  # the file space this rank needs on the tier at most (state not in host memory, FP32 grads)
-    read_bytes_per_step: float
-    written_bytes_per_step: float
-    free_bytes: int | None  # free space of the tier's file system (None: not found here)
-
-
-@dataclass
-class RankPlan:
-    rank: int
-    params: int  # local (this rank's shard)
-    subgroups: int
-    state_bytes: int  # FP32 masters + moments, all levels
-    gpu_subgroups: int
-    gpu_state_bytes: int  # FP32 state in GPU memory, with its staging (and every subgroup's, grad_path=gpu_bf16)
-    cache_slots: int
-    cache_bytes: int
-    staging_bytes: int  # low-precision grad/param staging in host memory (page-locked on GPU machines)
-    fp32_grad_bytes: int  # grad_path=tier_fp32's buffer
-    host_bytes: int  # all the optimizer keeps in host memory
-    tiers: list[TierPlan] = field(default_factory=list)
-    gpu_params_bytes: int = 0  # the model's low-precision params, this rank's shard
-    gpu_startup_bytes: int = 0  # estimated GPU peak while the model is built (streamed start-up)
-    gpu_train_bytes: int = 0  # estimated GPU peak of a training step
-    grad_accumulation: str = "host"  # where the FP32 sums of several micro-batches live ("gpu" | "host")
-    grad_path: str = "host_bf16"  # where the low-precision grads wait for their update (resolved)
-    grad_sums_gpu_bytes: int = 0  # those sums in GPU memory (in gpu_train_bytes)
-    grad_sums_host_bytes: int = 0  # those sums and their landing buffer in host memory (in host_bytes)
-    host_budget_bytes: int | None = None  # the budget it was planned under (None: no limit)
-    budget_name: str = ""  # how errors name that budget
-
-    def memory_plan(self, cfg: OffloadConfig) -> MemoryPlan:
-        """What this rank's optimizer builds: the plan's host budget, grad sums, grad path and, for
-        gpu_fraction="auto", GPU share (a fixed fraction is checked again against the GPU's free memory)."""
-        return MemoryPlan(self.host_budget_bytes, self.budget_name, self.grad_accumulation,
-                          handed_count(cfg.gpu_fraction, self.gpu_subgroups), self.grad_path)  # fmt: skip
-    io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
-    grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
-    cpu_s: float | None = None  # CPU kernel: params / rate (None: no CPU speed given)
-    walk_s: float = 0.0  # the update thread's beside the kernel: each subgroup's, each tier read's and write's
-    step_s: float = 0.0  # once a step: the grad norm and its all-reduce
-    gpu_s: float = 0.0  # GPU update of the resident subgroups
-    update_s: float | None = None  # predicted update phase (None: not predicted)
-
-
-@dataclass
-class Plan:
-    model: str
-    params: int
-    world_size: int
-    ranks: list[RankPlan]
-    cpu_mparams_per_s: float | None
-    gpu_bytes: int | None
-    host_bytes: int
-    tier_speeds: list[TierSpeed] | None = None  # each tier's, as measured or profiled: the node's ranks share them (None: not needed)
-    cpu_rate_source: str | None = None  # where cpu_mparams_per_s came from: "given", "learned" or "timed" (learned_rate.CpuRate)
-    cpu_rate_detail: str = ""  # learned_rate.CpuRate.detail
-    update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
-    activation_checkpointing: bool = False  # the model's, as planned
-    reshard_after_forward: bool = True  # the model's, as planned
-    step_memory_why: str = ""  # why the two above (step_memory.plan_step_memory)
-
-    @property
-    def predicted_update_s(self) -> float | None:
-        times = [r.update_s for r in self.ranks]
-        return None if None in times else max(times)
 
 
 @dataclass(frozen=True)

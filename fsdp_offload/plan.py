@@ -42,7 +42,8 @@ from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measu
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
-from .node_plan import Plan, PlanError, RankPlan, make_plan, plan_speeds
+from .node_plan import make_plan, plan_speeds
+from .plans import Plan, PlanError, RankPlan
 from .recipe import read_config, read_host_memory
 from .storage import TierError
 from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, readable_size

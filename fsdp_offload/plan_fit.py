@@ -3,20 +3,11 @@ space), and the error that names the level that is short, by how much, and the f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .config import OffloadConfig
-from .job_errors import JobError
+from .machine import MachineConfig
+from .models import LlamaArgs
+from .plans import Plan, PlanError
 from .units import in_unit, readable_size
-
-if TYPE_CHECKING:  # (node_plan builds the plans and calls check_fit)
-    from .machine import MachineConfig
-    from .models import LlamaArgs
-    from .node_plan import Plan
-
-
-class PlanError(JobError):
-    """The state does not fit: names the level, the shortfall and the fix; said once a job (every rank plans the node alike)."""
 
 
 def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:

@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 
 from .models import LlamaArgs
-from .node_plan import ModelShapes, Plan, PlanError, train_gpu_bytes
+from .node_plan import ModelShapes, train_gpu_bytes
 from .plan_fit import frugal_step_fix
+from .plans import Plan, PlanError
 from .units import GIB, readable_size
 
 # (activation_checkpointing, reshard_after_forward), the most the step keeps on its device first

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from fsdp_offload.models.llama import num_params, preset_name
-from fsdp_offload.node_plan import PlanError
+from fsdp_offload.plans import PlanError
 from fsdp_offload.plan import compose_plan_config, plan_from_config
 from fsdp_offload.recipe import read_config
 from fsdp_offload.results import record

@@ -21,14 +21,15 @@ from test_fsdp import ARGS, SG
 
 from fsdp_offload import OffloadConfig, calibrate, train
 from fsdp_offload import machine as machine_module
-from fsdp_offload import node_plan, update_rate
+from fsdp_offload import update_rate
 from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.grads import TierFP32Grads
 from fsdp_offload.job_errors import JobError
 from fsdp_offload.models import MODEL_PRESETS
 from fsdp_offload.parallelize import build_offloaded_model
 from fsdp_offload.machine import MachineConfig
-from fsdp_offload.node_plan import ModelShapes, PlanError, make_plan
+from fsdp_offload.node_plan import ModelShapes, make_plan
+from fsdp_offload.plans import PlanError, RankPlan
 from fsdp_offload.plan import compose_plan_config, main, plan_from_config
 from fsdp_offload.units import GIB
 from fsdp_offload.subgroups import SubgroupLayout
@@ -116,7 +117,7 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(t
     machine = MachineConfig(ranks_per_node=4, gpu_gib=139, host_gib=500, cpu_mparams_per_s=5000)
     speeds = [TierSpeed(2e9, 2e9, 1e-3)]
 
-    def rank0(device: str = "cuda", m: MachineConfig = machine, **kw) -> node_plan.RankPlan:
+    def rank0(device: str = "cuda", m: MachineConfig = machine, **kw) -> RankPlan:
         opts = {"host_budget_gb": 2.5, "gpu_fraction": 0.0, "subgroup_numel": 26000384, "tiers": [f"posix:{tmp_path}"], **kw}
         return make_plan("1b", MODEL_PRESETS["1b"], OffloadConfig(**opts), m, 2048, 1, device, 5e9, speeds).ranks[0]
 
@@ -148,7 +149,7 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_that_saves_tier_bytes(t
         rank0(m=dataclasses.replace(one, gpu_gib=4.5), host_budget_gb=2)
 
 
-def spills_(r: node_plan.RankPlan) -> bool:
+def spills_(r: RankPlan) -> bool:
     return r.cache_slots < r.subgroups - r.gpu_subgroups
 
 

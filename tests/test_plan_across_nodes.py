@@ -19,7 +19,8 @@ from fsdp_offload import OffloadConfig
 from fsdp_offload.job_errors import JobError, raise_on_every_rank
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS
-from fsdp_offload.node_plan import ModelShapes, PlanError, make_plan
+from fsdp_offload.node_plan import ModelShapes, make_plan
+from fsdp_offload.plans import PlanError
 from fsdp_offload.step_memory import plan_step_memory, same_on_every_rank
 from fsdp_offload.storage.private_files import remove_dead_files
 

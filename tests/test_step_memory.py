@@ -20,7 +20,8 @@ from fsdp_offload.checkpoint import check_checkpoint, save_checkpoint
 from fsdp_offload.job_errors import JobError
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS, LlamaArgs, Transformer
-from fsdp_offload.node_plan import PlanError, make_plan
+from fsdp_offload.node_plan import make_plan
+from fsdp_offload.plans import PlanError
 from fsdp_offload.step_memory import fsdp_step_bytes, fsdp_step_memory, plan_step_memory, resolved, same_on_every_rank, step_overflow
 from fsdp_offload.units import GIB, readable_size
 

@@ -20,7 +20,8 @@ from fsdp_offload.calibrate import TierSpeed
 from fsdp_offload.learned_rate import CpuRate
 from fsdp_offload.machine import MachineConfig
 from fsdp_offload.models import MODEL_PRESETS
-from fsdp_offload.node_plan import PlanError, make_plan
+from fsdp_offload.node_plan import make_plan
+from fsdp_offload.plans import PlanError
 from fsdp_offload.plan import compose_plan_config, format_plan, plan_from_config
 from fsdp_offload.storage import TierError
 from fsdp_offload.storage.private_files import host_tag
