@@ -146,7 +146,7 @@ def build_levels(
         traffic = steady_traffic(streamed, cache.num_slots, cfg.update_order, [sg for sg in forward if sg < streamed])
         # a bandwidth rule keeps to each tier's room on this node (a fixed split is the user's, as given)
         room = tier_room_subgroups(MachineConfig(), list(cfg.tier_specs), local, layout.slot_bytes) if cfg.places_by_bandwidth else None
-        placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn, room)
+        placement = make_placement(cfg, layout, streamed, traffic, start.speeds, learn, room, sharers=local)
         made.append(placement)
         tiers = open_tiers(cfg.tier_specs, cfg.tier_access, cfg.tier_lock_dir, cfg.tier_lock_timeout_s)
         made.extend(tiers)

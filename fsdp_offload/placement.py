@@ -192,8 +192,10 @@ class AdaptivePlacement:
 
     def __init__(
         self, seeds: list[TierSpeed], rule: str, sizes: list[int], traffic: StepTraffic, tier_specs: Sequence[TierSpec],
-        profile: BandwidthProfile | None = None, room: list[int] | None = None,
+        profile: BandwidthProfile | None = None, room: list[int] | None = None, sharers: int = 1,
     ) -> None:  # fmt: skip
+        """`seeds` are the tiers' whole speeds, which the node's `sharers` ranks share over a step (what the
+        model learns is this rank's share already)."""
         if len(tier_specs) != len(seeds):
             raise ValueError(f"{len(tier_specs)} tier specs for {len(seeds)} tier speeds")
         self.name, self.sizes, self.traffic = rule, sizes, traffic
@@ -206,7 +208,7 @@ class AdaptivePlacement:
         self._looked: list[TierSpeed] = []  # the speeds last weighed for a replan
         self.tier_of: list[int] = []
         self.dropped: set[int] = set()  # tiers that failed: planned as all but unusable, and never chosen
-        self._plan(list(seeds))  # what the model says before it has learned anything
+        self._plan(list(seeds), share=sharers)  # what the model says before it has learned anything
         self.model = BandwidthModel(seeds)
 
     def plan(self, speeds: list[TierSpeed]) -> list[int]:
@@ -225,17 +227,20 @@ class AdaptivePlacement:
             wanted = fit_to_room(wanted, [0 if i in self.dropped else r for i, r in enumerate(self.room)], usable)
         return [fastest if t in self.dropped else t for t in wanted]
 
-    def _plan(self, speeds: list[TierSpeed], split: list[int] | None = None) -> None:
-        """Takes `split` (default: the rule's for `speeds`) as the plan, and logs it."""
+    def _plan(self, speeds: list[TierSpeed], split: list[int] | None = None, share: int = 1) -> None:
+        """Takes `split` (default: the rule's for `speeds`) as the plan, and logs it with its I/O a step
+        at 1/`share` of each tier's `speeds` (the split is the same at any share)."""
         previous, self.tier_of = self.tier_of, self._split(speeds) if split is None else split
         self.basis = self._looked = speeds
         ranked = dist.is_initialized() and dist.get_world_size() > 1  # each rank places its own subgroups
+        mine = [TierSpeed(s.read_bps / share, s.write_bps / share, s.latency_s) for s in speeds]
         log.log(
             logging.INFO if self.tier_of != previous else logging.DEBUG,  # a replan that moves nothing is noise
-            "%splacement %s (expected update I/O %.3g s a step): %s",
+            "%splacement %s (expected update I/O %.3g s a step%s): %s",
             f"rank {dist.get_rank()}: " if ranked else "",
             self.name,
-            expected_step_seconds(self.tier_of, speeds, self.sizes, self.traffic),
+            expected_step_seconds(self.tier_of, mine, self.sizes, self.traffic),
+            f", the tiers shared by the node's {share} ranks" if share > 1 else "",
             ", ".join(
                 f"{spec} {self.tier_of.count(i)} subgroups (read {s.read_bps / 1e9:.3g} GB/s, write {s.write_bps / 1e9:.3g} GB/s)"
                 for i, (spec, s) in enumerate(zip(self.tier_specs, speeds))
@@ -325,16 +330,16 @@ def planned_split(cfg: OffloadConfig, sizes: list[int], traffic: StepTraffic, sp
 
 def make_placement(
     cfg: OffloadConfig, layout: SubgroupLayout, streamed: int, traffic: StepTraffic, speeds: list[TierSpeed] | None = None,
-    learn_into: BandwidthProfile | None = None, room: list[int] | None = None,
+    learn_into: BandwidthProfile | None = None, room: list[int] | None = None, sharers: int = 1,
 ) -> FixedRatioPlacement | AdaptivePlacement:
     """The placement that `cfg.placement` names, for the first `streamed` subgroups (the ones after them
     stay in GPU memory and never move), whose steady-state `traffic` (bandwidth.steady_traffic) a
     bandwidth rule plans for. It starts from `speeds` (tier_speeds.starting_speeds decides them: None,
     or no subgroup to place, is the fixed split) and saves what it learns to `learn_into`, which it closes.
     A bandwidth rule gives no tier more subgroups than its `room` (machine.tier_room_subgroups); the fixed
-    split is the user's, as given."""
+    split is the user's, as given. The node's `sharers` ranks share the tiers' starting `speeds`."""
     m = streamed
     if speeds is None or m == 0 or not cfg.places_by_bandwidth:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
     sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
-    return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into, room)
+    return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into, room, sharers)

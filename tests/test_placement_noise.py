@@ -100,3 +100,22 @@ def test_spread_is_zero_for_steady_timings_and_sees_a_level_shift_through():
         model.observe(0, Transfer("x", "read", i, n, t, t + n / 0.25e9))
         t += 1.0
     assert model.speeds()[0].read_bps == pytest.approx(0.25e9) and model.spread() == [pytest.approx(0.0, abs=1e-9)]
+
+
+def test_the_first_plan_s_io_is_this_rank_s_share_of_the_tiers(caplog):
+    """The starting speeds are the tiers' whole; the node's ranks share them over a step, as the planner
+    prices it: the logged I/O a step is twice as long for 2 ranks, and the split the same."""
+    import logging
+
+    seeds = [TierSpeed(1e9, 1e9, 0.0)] * 2
+    specs = [TierSpec.parse("posix:/a"), TierSpec.parse("posix:/b")]
+    figures, splits = [], []
+    for sharers in (1, 2):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fsdp_offload.placement"):
+            p = AdaptivePlacement(seeds, "learned", [LARGE] * 9, steady_traffic(9, 5, "forward"), specs, sharers=sharers)
+        (line,) = [r.getMessage() for r in caplog.records if "expected update I/O" in r.getMessage()]
+        figures.append(float(line.split("expected update I/O ")[1].split(" s")[0]))
+        splits.append(list(p.tier_of))
+        assert ("the tiers shared by the node's 2 ranks" in line) == (sharers == 2), line
+    assert splits[0] == splits[1] and figures[1] == pytest.approx(2 * figures[0], rel=1e-2)
