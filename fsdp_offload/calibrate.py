@@ -32,7 +32,7 @@ from .bandwidth_profile import DEFAULT_PROFILE, BandwidthProfile, tier_profile_k
 from .cache import aligned_host_buffer
 from .storage import TierSpec, make_tier
 from .storage.base import ALIGN, Tier, TierError
-from .storage.private_files import tier_file_tag
+from .storage.private_files import tier_file_tag, tier_root_problem
 from .storage.spec import as_spec
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.gb > 0 or not args.transfer_mb > 0:
         ap.error(f"--gb={args.gb} and --transfer-mb={args.transfer_mb} must be positive")
+    try:  # every tier's dir before any is measured: a typo in the last must not cost the first's minutes
+        problems = [tier_root_problem(TierSpec.parse(spec).dir, spec) for spec in args.tiers]
+    except ValueError as exc:
+        problems = [str(exc)]
+    if any(problems):
+        print(f"error: {'; '.join(p for p in problems if p)}", file=sys.stderr)
+        return 1
     measured: dict[str, TierSpeed] = {}
     width = max(len("tier"), *map(len, args.tiers))
     print(f"{'tier':<{width}} {'read GB/s':>10} {'write GB/s':>11} {'latency ms':>11}")

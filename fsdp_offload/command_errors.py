@@ -31,7 +31,10 @@ def refuse_bad_overrides(overrides: list[str]) -> None:
             compose("train", overrides=overrides)
     except HydraException as exc:
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {hydra_error_line(exc)}{did_you_mean(exc, overrides)}", file=sys.stderr)
+            machine = [o for o in overrides if o.lstrip("+~").startswith("machine.")]  # the plan command's options
+            hint = (f"; {machine[0]}: machine.* options state the machine the plan command plans for; train.py trains on "
+                    "this one (its host memory: train.host_memory_gb)") if machine else did_you_mean(exc, overrides)  # fmt: skip
+            print(f"error: {hydra_error_line(exc)}{hint}", file=sys.stderr)
         else:
             time.sleep(LET_RANK0_SAY_S)  # rank 0 says it: leave it the time to
         sys.exit(2)

@@ -191,6 +191,13 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     device = target_device(train.device, machine)
     planned_gpu_bytes(ocfg, machine, device)  # a GPU option without a GPU fails before anything is measured
     machine.check_tiers(ocfg.tiers)
+    if machine.tier_free_gib is None:  # (read here: a dir of another machine's would get this one's free space)
+        missing = [str(spec) for spec in ocfg.tier_specs if not os.path.isdir(spec.dir)]
+        if missing:  # (planning for another machine: its tiers are stated, one entry per tier)
+            unstated = " ".join(f"machine.{n}=[...]" for n in TIER_FIELDS if getattr(machine, n) is None)
+            raise ValueError(f"offload.tiers {', '.join(missing)}: the dir does not exist on this machine, so what it holds cannot "
+                             f"be read here (planning for another machine?); state its tiers: {unstated} (one entry per tier), or "
+                             "make the dir")  # fmt: skip
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
     planned = lambda costs, args: make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch,  # noqa: E731
                                             device, rate.params_per_s, speeds, costs=costs)  # fmt: skip
@@ -261,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")
     unstated = [n for n in TIER_FIELDS if getattr(machine, n) is None] if ocfg.tiers else []
     if unstated:  # a rented machine's disk is not this one's (read and write speeds are stated together)
-        what = " and ".join(w for w, n in (("speeds", "tier_read_gbps"), ("free space", "tier_free_gib")) if n in unstated)
+        speeds = "speeds" if ocfg.bandwidth_profile is None else f"speeds (from offload.bandwidth_profile={ocfg.bandwidth_profile} where it has them)"
+        what = " and ".join(w for w, n in ((speeds, "tier_read_gbps"), ("free space", "tier_free_gib")) if n in unstated)
         print(f"tiers: {what} of the given dirs on this machine; for another machine, state them, one per tier: "
               f"{' '.join(f'machine.{n}=[...]' for n in unstated)} (GB/s; GiB)")  # fmt: skip
     print(f"largest preset that fits this recipe and machine: {largest_for(cfg, machine, plan.tier_speeds) or 'none'}")

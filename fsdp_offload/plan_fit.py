@@ -36,7 +36,7 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
         raise PlanError(
             f"host memory: the node's {machine.ranks_per_node} rank(s) keep {in_unit(node_host, unit)} "
             f"({int(node_host)} bytes{files}{model}) but {in_unit(plan.host_bytes, unit)} is "
-            f"{'stated (train.host_memory_gb, or machine.host_gib)' if stated else 'available'}: short by "
+            f"{'stated (train.host_memory_gb; the plan command: machine.host_gib)' if stated else 'available'}: short by "
             f"{in_unit(node_host - plan.host_bytes, unit)}; {fix}{grows}"
         )
     if plan.gpu_bytes is not None:  # the training step's peak is an estimate: reported, never refused on

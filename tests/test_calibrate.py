@@ -324,3 +324,13 @@ def test_without_a_profile_the_node_s_ranks_measure_in_turns(monkeypatch):
         t.join()
     (a0, a1), (b0, b1) = sorted(spans)
     assert a1 <= b0
+
+
+def test_the_command_checks_every_tier_dir_before_it_measures_any(tmp_path, capsys, monkeypatch):
+    """A missing last dir ends it before the first tier's minutes are spent, naming the dir; nothing saved."""
+    monkeypatch.setattr(calibrate, "measure_tier", lambda *a, **k: pytest.fail("measured"))
+    profile = tmp_path / "profile.json"
+    assert main([f"posix:{tmp_path}", f"posix:{tmp_path}/missing", "--profile", str(profile), "--gb", "0.01"]) == 1
+    captured = capsys.readouterr()
+    assert f"tier dir {tmp_path}/missing does not exist" in captured.err and "read GB/s" not in captured.out
+    assert not profile.exists()

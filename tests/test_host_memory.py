@@ -69,7 +69,7 @@ def test_train_plans_against_the_stated_memory_and_says_so_once(tmp_path):
     said = errors(out)
     assert out.returncode != 0 and len(said) == 1, out.stderr[-2000:]
     assert "host memory: the node's 2 rank(s) keep" in said[0] and "; lower offload.host_budget_gb" in said[0], said
-    assert "but 1 GiB is stated (train.host_memory_gb, or machine.host_gib)" in said[0] and not our_traceback(out)
+    assert "but 1 GiB is stated (train.host_memory_gb; the plan command: machine.host_gib)" in said[0] and not our_traceback(out)
     assert "where memory is added as it is used" not in said[0]  # (stated already)
 
 
@@ -87,6 +87,15 @@ def test_a_bad_stated_memory_is_refused_before_the_run(tmp_path):
     for bad in (1e300, 10**400):  # the budget's size, read by the same parser
         with pytest.raises(ValueError, match="offload.host_budget_gb="):
             OffloadConfig(host_budget_gb=bad).host_budget
+
+
+@pytest.mark.bad_input
+def test_the_plan_command_s_machine_options_given_to_train_name_train_s_own(tmp_path):
+    out = train(tmp_path / "run", "machine.host_gib=10", check=False)
+    said = errors(out)
+    assert out.returncode == 2 and len(said) == 1, out.stderr[-2000:]
+    assert "machine.host_gib=10: machine.* options state the machine the plan command plans for" in said[0]
+    assert "train.host_memory_gb" in said[0], said
 
 
 def test_the_plan_command_reads_the_stated_memory(tmp_path, capsys):

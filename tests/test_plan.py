@@ -248,7 +248,7 @@ def test_host_too_small_names_the_level_and_the_shortfall():
     with pytest.raises(PlanError, match=r"host memory, rank 0: offload\.host_budget_gb=4 is below the pipeline's minimum of"):
         make_plan("7b", MODEL_PRESETS["7b"], cfg, MachineConfig(host_gib=512), 2048, 1, "cpu")
     everything_in_host = OffloadConfig(host_budget_gb=None)
-    with pytest.raises(PlanError, match=r"host memory: the node's 2 rank\(s\) keep .* GiB is stated \(train.host_memory_gb, or machine.host_gib\): short by"):
+    with pytest.raises(PlanError, match=r"host memory: the node's 2 rank\(s\) keep .* GiB is stated \(train.host_memory_gb; the plan command: machine.host_gib\): short by"):
         make_plan("7b", MODEL_PRESETS["7b"], everything_in_host, MachineConfig(ranks_per_node=2, host_gib=64), 2048, 1, "cpu")
 
 
@@ -312,6 +312,9 @@ def test_a_machine_whose_tiers_are_not_here_is_planned_from_what_is_stated(tmp_p
     assert f"does not fit: tier posix:{tier}: the node's ranks write up to" in capsys.readouterr().err
     assert main([*base[:-1], "machine.tier_write_gbps=[2.5,3]"]) == 2
     assert "machine.tier_write_gbps has 2 entries for the 1 offload.tiers" in capsys.readouterr().err
+    assert main(base) == 2  # the speeds stated, the free space not: this machine's would be read for a dir not here
+    err = capsys.readouterr().err
+    assert "does not exist on this machine" in err and "state its tiers: machine.tier_free_gib=[...] (one" in err, err
     assert main(base[:-2]) == 2  # not stated: measured here, where the dir is not
     assert "does not exist" in (err := capsys.readouterr().err) and "state its tiers: machine.tier_read_gbps" in err
     assert not (tmp_path / "nvme").exists()
