@@ -194,8 +194,9 @@ class AdaptivePlacement:
         self, seeds: list[TierSpeed], rule: str, sizes: list[int], traffic: StepTraffic, tier_specs: Sequence[TierSpec],
         profile: BandwidthProfile | None = None, room: list[int] | None = None, sharers: int = 1,
     ) -> None:  # fmt: skip
-        """`seeds` are the tiers' whole speeds, which the node's `sharers` ranks share over a step (what the
-        model learns is this rank's share already)."""
+        """`seeds` are the tiers' whole speeds, which the node's `sharers` ranks share over a step: the first
+        plan's logged I/O is this rank's share. (The model learns what this rank sees while it transfers:
+        under tier_access=exclusive, the tier's whole speed, as it saves it; under shared access, a share.)"""
         if len(tier_specs) != len(seeds):
             raise ValueError(f"{len(tier_specs)} tier specs for {len(seeds)} tier speeds")
         self.name, self.sizes, self.traffic = rule, sizes, traffic
