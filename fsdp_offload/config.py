@@ -90,6 +90,12 @@ class OffloadConfig:
     overlap: str = "next_forward"
     # Low-precision dtype of the model's params and grads: "bfloat16" or "float16".
     param_dtype: str = "bfloat16"
+    # Keep the FP32 masters off the GPU split (bf16 params only, kernels/split_masters.py): their low
+    # halves alone, the model's bf16 params being their high halves, so a subgroup takes 10 bytes a param
+    # in the host cache and on the tiers instead of 12, bit for bit. The update's kernel then joins and
+    # splits them (more CPU work a param). "auto": where the host cache would not hold every subgroup off
+    # the GPU whole; true; false.
+    split_masters: bool | str = "auto"
     # AdamW kernel: "auto" (fused C++ if it builds, else torch), "fused" or "torch".
     kernel: str = "auto"
     # Share of subgroups (the last ones of the layout) whose FP32 state stays in GPU memory and is
@@ -160,6 +166,11 @@ class OffloadConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.check_types()
+        if self.split_masters not in ("auto", True, False):
+            raise ValueError(f"offload.split_masters={self.split_masters!r}: choose 'auto', true or false")
+        if self.split_masters is True and self.param_dtype != "bfloat16":
+            raise ValueError(f"offload.split_masters=true keeps the masters' high halves in bf16 params, but offload.param_dtype="
+                             f"{self.param_dtype!r}: use bfloat16, or split_masters='auto'")  # fmt: skip
         self.tiers = list(self.tiers)
         self._tier_specs = parse_tiers(self.tiers)  # a bad spec, or two in one dir, fails here, naming itself
         self.host_budget  # read once here: a bad size fails now, naming the option

@@ -129,7 +129,7 @@ class GradSums:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="fsdp-offload-grad-sums")
             self._scratch = torch.empty(fold_chunk(self.layout), dtype=torch.float32)  # the worker's alone
         if self.device.type == "cuda" and any(sg not in self.gpu_resident for sg in device_sgs):  # CPU updates read them
-            self._windows = HostWindows(self.layout, torch.float32, self.completed)
+            self._windows = HostWindows(self.layout, torch.float32, self.device, self._copy_down)
 
     def _land(self, sg: int, seg: Segment) -> torch.Tensor | None:
         landing = self._views[sg][1]
@@ -213,6 +213,10 @@ class GradSums:
         if on_gpu:  # (host sums of a subgroup that gpu_fraction="auto" moved to the GPU go up)
             return sums if sums.is_cuda else sums.to(self.device)
         return self._windows.take(sg) if sums.is_cuda else sums
+
+    def _copy_down(self, sg: int, window: torch.Tensor) -> torch.Tensor:
+        sums = self.completed(sg)
+        return window[: sums.numel()].copy_(sums, non_blocking=True)
 
     def completed(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s sums where they live, completed with the upcast staged grads of its params

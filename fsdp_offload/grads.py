@@ -365,11 +365,11 @@ class StepGrads:
         self._param_grads_seen.pop(index, None)
         self._total = None
 
-    def plan_cpu_updates(self, order: list[int]) -> None:
+    def plan_cpu_updates(self, order: list[int], params: list[torch.Tensor]) -> None:
         """The subgroups the CPU is about to update, in order, every grad of theirs in: those kept on the
-        GPU start down towards it."""
+        GPU start down towards it (and the model's `params` of each, for split masters)."""
         self.sums.plan_cpu_updates(order)
-        self.staging.plan_cpu_updates(order)
+        self.staging.plan_cpu_updates(order, params)
 
     def after_update(self, sg: int) -> None:
         """Subgroup `sg`'s update has read its grads."""

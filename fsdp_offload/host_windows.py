@@ -1,7 +1,8 @@
 """Page-locked host windows through which CPU updates read data kept on the GPU, fetched ahead.
 
 A CPU update of a subgroup whose grads (FP32 micro-batch sums, or the bf16 grads of
-grad_path="gpu_bf16") stay in GPU memory reads them from a host window. With two windows, while one
+grad_path="gpu_bf16") stay in GPU memory reads them from a host window, as an update of split masters
+reads the model's params. With two windows, while one
 subgroup is updated from one, the next subgroup's data comes down into the other, so the copy is off
 the update's critical path (where the update is planned with every grad in: with overlap="backward" each
 subgroup's data comes down when it is asked for). Copies go on the caller's current stream (the
@@ -27,11 +28,13 @@ def windows_bytes(layout: SubgroupLayout, itemsize: int) -> int:
 
 
 class HostWindows:
-    """Page-locked windows, each of `layout`'s largest subgroup in `dtype`, filled from `source_of(sg)` (a
-    GPU tensor of subgroup `sg`'s padded length) in the planned order. A subgroup taken out of that
-    order is copied when it is asked for, the newest prefetch giving its window back."""
+    """Page-locked windows, each of `layout`'s largest subgroup in `dtype`, filled by `copy_down(sg, window)`
+    (which queues subgroup `sg`'s copies from the GPU into `window` on the current stream and returns the
+    part of it they fill) in the planned order. A subgroup taken out of that order is copied when it is
+    asked for, the newest prefetch giving its window back."""
 
-    def __init__(self, layout: SubgroupLayout, dtype: torch.dtype, source_of: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, layout: SubgroupLayout, dtype: torch.dtype, device: torch.device,
+                 copy_down: Callable[[int, torch.Tensor], torch.Tensor]) -> None:  # fmt: skip
         itemsize = torch.empty((), dtype=dtype).element_size()
         self._raw: list[torch.Tensor] = []
         try:
@@ -42,7 +45,7 @@ class HostWindows:
                 unpin(raw)
             raise
         self._free = [raw.view(dtype) for raw in self._raw]
-        self._source_of = source_of
+        self._copy_down, self._device = copy_down, device
         self._queue: list[int] = []
         self._coming: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}  # in insertion order
         self._in_use: dict[int, torch.Tensor] = {}  # a window and the part of it the update reads
@@ -58,11 +61,10 @@ class HostWindows:
         self._fill()
 
     def _start(self, sg: int) -> None:
-        window, source = self._free.pop(), self._source_of(sg)
-        part = window[: source.numel()]
-        part.copy_(source, non_blocking=True)
+        window = self._free.pop()
+        part = self._copy_down(sg, window)
         landed = torch.cuda.Event(blocking=True)  # sleeps, not spins: the update's threads need the cores
-        landed.record(torch.cuda.current_stream(source.device))
+        landed.record(torch.cuda.current_stream(self._device))
         self._coming[sg] = (window, part, landed)
 
     def _fill(self) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .bandwidth import TierSpeed, steady_traffic
-from .cache import HostCache, host_cache_slots
+from .cache import HostCache, host_cache_slots, resolve_split_masters
 from . import calibrate
 from .bandwidth_profile import BandwidthProfile
 from .config import OffloadConfig
@@ -51,10 +51,12 @@ class MemoryPlan:
     grad_accumulation: str  # where several micro-batches' grads are summed: "gpu" | "host"
     gpu_subgroups: int | None  # the last subgroups on the GPU from the start; None: gpu_fraction decides now (or "auto" after the first step)
     grad_path: str  # where the low-precision grads wait for their update: "host_bf16" | "gpu_bf16" | "tier_fp32"
+    split_masters: bool  # subgroups off the GPU held split (offload.split_masters, resolved)
 
 
 @dataclass
 class Levels:
+    layout: SubgroupLayout  # the optimizer's layout, its subgroups split or whole as decided here
     staging: LowpStaging
     sums: GradSums
     grads: StepGrads  # the step's grads, over the staging buffer and the sums
@@ -71,8 +73,8 @@ def build_levels(
 ) -> Levels:  # fmt: skip
     """Every level of one rank's state, from `memory` (None: the optimizer's own plan, from the config and
     what it measures now) and the caller's `tier_speeds` (None: the profile's or measured, where the
-    placement needs them), and the step's grads over them. What is decided comes first, then what is
-    built, each level once."""
+    placement needs them), and the step's grads over them, on `layout` with its subgroups split or whole
+    as decided here. What is decided comes first, then what is built, each level once."""
     share = starting_share(cfg.gpu_fraction, layout, device, None if memory is None else memory.gpu_subgroups)
     local, place = node_position(group)  # the node's ranks share its host memory and its tiers' room (a collective: counted once)
     streamed = len(layout) - len(share.subgroups)  # the subgroups off the GPU, the first ones: the host and tiers hold these
@@ -87,26 +89,30 @@ def build_levels(
     if memory is None:  # and the host budget ("auto": measured now, a collective over `group`), and where the grads wait
         budget = resolve_host_budget(cfg, group, device)
         off_gpu_grads = param_dtype.itemsize * sum(layout.subgroups[sg].padded for sg in range(streamed))
-        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + sums_host_bytes, local, place == 0)  # the node's first says it
         windows = windows_bytes(layout, param_dtype.itemsize) if streamed else 0
 
-        def slots(staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
+        def slots(slot_bytes: int, staged_bytes: int) -> int | None:  # the cache's slots with this much grad staging; None: short
             try:
-                return host_cache_slots(*budget, cfg.host_budget.unit, streamed, layout.slot_bytes,
+                return host_cache_slots(*budget, cfg.host_budget.unit, streamed, slot_bytes,
                                         staged_bytes + max(grad_slots, default=0) + sums_host_bytes, cfg.prefetch,
                                         len(cfg.tiers))  # fmt: skip
             except ValueError:
                 return None
 
+        split = resolve_split_masters(cfg.split_masters, cfg.param_dtype, slots(layout.with_split(False).slot_bytes, off_gpu_grads), streamed)
+        layout = layout.with_split(split)
+        params_windows = split_windows(layout, device, streamed, param_dtype)
+        warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + params_windows + sums_host_bytes, local, place == 0)  # the node's first says it
         # with the grads in host memory, and on the GPU (two host windows instead): what each leaves the cache
-        kept_host, kept_gpu = slots(off_gpu_grads), slots(windows)
+        kept_host, kept_gpu = slots(layout.slot_bytes, off_gpu_grads + params_windows), slots(layout.slot_bytes, windows + params_windows)
         short = kept_host is None and kept_gpu is not None  # the grads' host memory lets the minimum be met
         spill = bool(cfg.tiers) and kept_host is not None and kept_host < streamed and (kept_gpu or 0) > kept_host
         # the GPU's room for them: what is free now, less the sums placed there and the fixed share's state, not yet allocated
         room = None if free is None else free - (need if accumulation == "gpu" else 0) - sum(
             gpu_subgroup_bytes(layout, sg, param_dtype.itemsize) for sg in share.subgroups)
         grad_path = resolve_grad_path(cfg.grad_path, device.type, cfg.gpu_fraction != "auto", spill, short, room, off_gpu_grads)
-        memory = MemoryPlan(*budget, accumulation, None, grad_path)
+        memory = MemoryPlan(*budget, accumulation, None, grad_path, split)
+    layout = layout.with_split(memory.split_masters)
     if accumulation == "gpu" and device.type != "cuda":
         raise ValueError(f"a memory plan with the grad sums on the GPU, but the params are on {device.type}")
     grads_on_gpu = memory.grad_path == "gpu_bf16"
@@ -135,7 +141,8 @@ def build_levels(
     made: list = [] if learn is None else [learn]  # closed, in reverse, if the build fails part-way
     try:
         staged_on_gpu = frozenset(range(len(layout))) if grads_on_gpu else share.subgroups
-        staging = LowpStaging(layout, param_dtype, device.type == "cuda", staged_on_gpu, device, host_window=grads_on_gpu and streamed > 0)
+        staging = LowpStaging(layout, param_dtype, device.type == "cuda", staged_on_gpu, device, host_window=grads_on_gpu and streamed > 0,
+                              params_window=split_windows(layout, device, streamed, param_dtype) > 0)  # fmt: skip
         made.append(staging)
         sums = GradSums(layout, staging, accumulation, device, share.subgroups, planned=cfg.micro_batches > 1)
         made.append(sums)
@@ -168,7 +175,16 @@ def build_levels(
                  cfg.grad_accumulation, cfg.micro_batches, "GPU" if accumulation == "gpu" else "host")  # fmt: skip
     if says and cfg.host_budget.auto:
         log.info("%s: %d of %d subgroups off the GPU kept in host memory", memory.budget_name, cache.num_slots, streamed)
+    if says and cfg.split_masters == "auto" and layout.split_masters:
+        log.info("offload.split_masters='auto': the %d subgroups off the GPU are held split (the masters' low halves, "
+                 "10 bytes a param), since the host cache would not hold them all whole", streamed)  # fmt: skip
     if says and cfg.grad_path == "auto" and grads_on_gpu:
         log.info("offload.grad_path='auto': the grads wait for their update in GPU memory, leaving their host memory "
                  "to the cache (it would spill subgroups to the tiers otherwise)")  # fmt: skip
-    return Levels(staging, sums, grads, store, accumulation, memory.grad_path, share.later, learner)
+    return Levels(layout, staging, sums, grads, store, accumulation, memory.grad_path, share.later, learner)
+
+
+def split_windows(layout: SubgroupLayout, device: torch.device, streamed: int, param_dtype: torch.dtype) -> int:
+    """Host bytes of the two windows through which CPU updates of split masters read the model's params
+    (on a GPU, where any subgroup is off it)."""
+    return windows_bytes(layout, param_dtype.itemsize) if layout.split_masters and device.type == "cuda" and streamed else 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .bandwidth import expected_step_seconds, spills, steady_traffic
-from .cache import host_cache_slots
+from .cache import host_cache_slots, resolve_split_masters
 from .calibrate import TierSpeed
 from .config import OffloadConfig
 from .grads import TierFP32Grads
@@ -117,7 +117,7 @@ def _plan_rank(
 ) -> RankPlan:  # fmt: skip
     """One rank's plan with the low-precision grads at `grad_path` (resolved)."""
     itemsize = 2  # bf16 and fp16 alike
-    layout = SubgroupLayout(shapes.local_numels(world_size, rank), cfg.subgroup_numel)
+    layout = SubgroupLayout(shapes.local_numels(world_size, rank), cfg.subgroup_numel)  # whole, until the cache is sized
     local = sum(layout.numels)
     startup = local * itemsize + 4 * shapes.largest_module
     train = train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize)
@@ -148,14 +148,21 @@ def _plan_rank(
         ) from None
     gpu_state = gpu_staging + sum(gpu_subgroup_bytes(layout, sg, moving) for sg in on_gpu)
     host_sgs = [sg for sg in range(len(layout)) if sg not in on_gpu]
-    if grads_on_gpu:  # the two host windows that CPU-updated subgroups' grads and params pass through
-        staging = windows_bytes(layout, itemsize) if host_sgs else 0
-    else:
-        staging = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
     # grad_path="tier_fp32": every subgroup's FP32 grads have a slot in its tier's file, and pass through one buffer
     grad_slots = TierFP32Grads.slot_bytes(layout) if grad_path == "tier_fp32" else [0] * len(layout)
     fp32_grads = max(grad_slots)
     sums_gpu, sums_host = grad_accumulation_memory(layout, accumulation, cfg.micro_batches, host_sgs)
+    host_grads = itemsize * sum(layout.subgroups[sg].padded for sg in host_sgs)
+    try:  # split masters where the cache holds fewer subgroups whole (as levels.build_levels decides it)
+        whole = host_cache_slots(host_budget, budget_name, cfg.host_budget.unit, len(host_sgs), layout.slot_bytes,
+                                 host_grads + fp32_grads + sums_host, cfg.prefetch, len(cfg.tiers))  # fmt: skip
+    except ValueError:
+        whole = None
+    layout = layout.with_split(resolve_split_masters(cfg.split_masters, cfg.param_dtype, whole, len(host_sgs)))
+    # grad_path="gpu_bf16": the two host windows that CPU-updated subgroups' grads and params pass through
+    staging = (windows_bytes(layout, itemsize) if host_sgs else 0) if grads_on_gpu else host_grads
+    if layout.split_masters and gpu_bytes is not None and host_sgs:  # and the two the model's params come down through
+        staging += windows_bytes(layout, itemsize)
     try:
         slots = host_cache_slots(host_budget, budget_name, cfg.host_budget.unit, len(host_sgs), layout.slot_bytes,
                                  staging + fp32_grads + sums_host, cfg.prefetch, len(cfg.tiers))  # fmt: skip
@@ -168,10 +175,10 @@ def _plan_rank(
         fp32_grad_bytes=fp32_grads, host_bytes=staging + fp32_grads + sums_host + slots * layout.slot_bytes,
         gpu_params_bytes=local * itemsize, gpu_startup_bytes=startup + gpu_state, gpu_train_bytes=train + gpu_state + sums_gpu,
         grad_accumulation=accumulation, grad_path=grad_path, grad_sums_gpu_bytes=sums_gpu, grad_sums_host_bytes=sums_host,
-        host_budget_bytes=host_budget, budget_name=budget_name,
+        split_masters=layout.split_masters, host_budget_bytes=host_budget, budget_name=budget_name,
     )  # fmt: skip
     streamed, transfers = len(host_sgs), 0.0
-    sizes = [layout.subgroups[sg].state_bytes for sg in host_sgs]
+    sizes = [layout.subgroups[sg].stored_bytes for sg in host_sgs]
     if cfg.tiers and (spills(slots, streamed) or fp32_grads):
         traffic = steady_traffic(streamed, slots, cfg.update_order, host_sgs)
         room = tier_room_subgroups(machine, list(cfg.tier_specs), machine.ranks_per_node, layout.slot_bytes)

@@ -125,7 +125,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         overlap = cfg.resolved_overlap(hooked=model is not None, model_on_cpu=compute_device_type(self._params) == "cpu")
         if cfg.overlap == "auto" and says_once():  # (the same on every rank)
             log.info("offload.overlap='auto': %s", overlap)
-        self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)
+        self.layout = SubgroupLayout([t.numel() for t in locals_], cfg.subgroup_numel)  # (held split or whole: build_levels)
         index = {id(p): i for i, p in enumerate(self._params)}
         unit_subgroups = [
             frozenset(sg for p in params if id(p) in index for sg, _ in self.layout.param_segments[index[id(p)]])
@@ -141,7 +141,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # grads), then the copies land, before the buffers they read are freed
         self._owned = OwnedResources(self, device)
         self._owned.add(levels.staging, levels.sums, levels.store)
-        self.store, self.grads, self.grad_accumulation = levels.store, levels.grads, levels.grad_accumulation
+        self.layout, self.store, self.grads, self.grad_accumulation = levels.layout, levels.store, levels.grads, levels.grad_accumulation
         self.grad_path = levels.grad_path  # where the low-precision grads wait for their update (resolved)
         self._copies, self._hooks = CopyStream(device), ModelHooks(self._params)
         self._owned.add(self._copies, self._hooks)

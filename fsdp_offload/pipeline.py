@@ -78,7 +78,7 @@ class SubgroupPipeline:
         self.failed_tiers: set[int] = set()  # dropped after a failed write; still read from
 
     def view(self, slot: int, sg: int) -> torch.Tensor:
-        return self.cache.slots[slot][: self.layout.subgroups[sg].state_bytes]
+        return self.cache.slots[slot][: self.layout.subgroups[sg].stored_bytes]
 
     def take_transfers(self) -> tuple[list[Transfer], int]:
         """The transfers and cache hits since the last call."""

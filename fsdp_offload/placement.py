@@ -342,5 +342,5 @@ def make_placement(
     m = streamed
     if speeds is None or m == 0 or not cfg.places_by_bandwidth:
         return FixedRatioPlacement(cfg.tier_ratios or [1.0] * max(1, len(cfg.tiers)), m)
-    sizes = [sg.state_bytes for sg in layout.subgroups[:m]]
+    sizes = [sg.stored_bytes for sg in layout.subgroups[:m]]
     return AdaptivePlacement(speeds, cfg.placement, sizes, traffic, cfg.tier_specs, learn_into, room, sharers)

@@ -102,7 +102,8 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
 def plan_summary(r: RankPlan, cfg: OffloadConfig) -> str:
     """One rank's placement in a line (train.py logs it before building the model)."""
     tiers = ", ".join(f"{t.subgroups} placed on {t.spec}" for t in r.tiers)  # (where each spills when out of the cache)
-    return (f"rank {r.rank}: {r.subgroups} subgroups ({readable_size(r.state_bytes)} of FP32 state): {r.gpu_subgroups} on the GPU"
+    return (f"rank {r.rank}: {r.subgroups} subgroups ({readable_size(r.state_bytes)} of FP32 state"
+            + ("; held split off the GPU, 10 bytes a param" if r.split_masters else "") + f"): {r.gpu_subgroups} on the GPU"
             + f", {r.cache_slots} host cache slots" + (f", {tiers}" if tiers else "")
             + f"; host memory {readable_size(r.host_bytes)} (staging {readable_size(r.staging_bytes)}); grads {r.grad_path}"
             + (f"; {cfg.micro_batches} micro-batches summed in FP32 on the {'GPU' if r.grad_accumulation == 'gpu' else 'host'} "

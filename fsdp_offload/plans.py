@@ -49,6 +49,7 @@ class RankPlan:
     grad_path: str = "host_bf16"  # where the low-precision grads wait for their update (resolved)
     grad_sums_gpu_bytes: int = 0  # those sums in GPU memory (in gpu_train_bytes)
     grad_sums_host_bytes: int = 0  # those sums and their landing buffer in host memory (in host_bytes)
+    split_masters: bool = False  # subgroups off the GPU held split (10 bytes a param, not 12)
     host_budget_bytes: int | None = None  # the budget it was planned under (None: no limit)
     budget_name: str = ""  # how errors name that budget
 
@@ -56,7 +57,7 @@ class RankPlan:
         """What this rank's optimizer builds: the plan's host budget, grad sums, grad path and, for
         gpu_fraction="auto", GPU share (a fixed fraction is checked again against the GPU's free memory)."""
         return MemoryPlan(self.host_budget_bytes, self.budget_name, self.grad_accumulation,
-                          handed_count(cfg.gpu_fraction, self.gpu_subgroups), self.grad_path)  # fmt: skip
+                          handed_count(cfg.gpu_fraction, self.gpu_subgroups), self.grad_path, self.split_masters)  # fmt: skip
     io_s: float | None = None  # busiest tier's I/O per step (None: no tier speeds given)
     grad_io_s: float = 0.0  # grad_path=tier_fp32: the FP32 grads written and read back, one at a time
     cpu_s: float | None = None  # CPU kernel: params / rate (None: no CPU speed given)

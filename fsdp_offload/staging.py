@@ -9,6 +9,9 @@ A part in GPU memory whose subgroup is updated on the CPU passes through one of 
 windows (`host_windows.py`): its grads come down into one while the subgroup before it is updated from
 the other (except with overlap="backward", where they come down when its update starts), and its new
 params go back up from it.
+
+With split masters (kernels/split_masters.py) a CPU update also reads the subgroup's params as the model
+holds them (their high halves): from GPU params through two windows of their own, fetched ahead alike.
 """
 
 from __future__ import annotations
@@ -82,9 +85,11 @@ class LowpStaging:
         on_device: frozenset[int] = frozenset(),
         device: torch.device | None = None,
         host_window: bool = False,
+        params_window: bool = False,
     ) -> None:
         """`on_device`: subgroups whose part of the buffer lives on `device`; `host_window`: some of them
-        are updated on the CPU (grad_path="gpu_bf16"), through two host windows of the largest subgroup."""
+        are updated on the CPU (grad_path="gpu_bf16"), through two host windows of the largest subgroup;
+        `params_window`: CPU updates of split masters read the model's params on `device` through two more."""
         if dtype not in LOWP_DTYPES:
             raise ValueError(f"param_dtype must be one of {LOWP_DTYPES}, got {dtype}")
         self.layout = layout
@@ -102,7 +107,9 @@ class LowpStaging:
         self._raw = host_buffer(host_numel * itemsize, pin)
         self._pinned = pin and self._raw.numel() > 0
         self.buffer = self._raw.view(dtype)
-        self._windows = HostWindows(layout, dtype, self.view) if host_window else None
+        self._windows = HostWindows(layout, dtype, device, self._grads_down) if host_window else None
+        self._params_windows = HostWindows(layout, dtype, device, self._params_down) if params_window else None
+        self._params: list[torch.Tensor] = []  # the model's local params, as the update in progress sees them
         self.device_buffer = torch.empty(device_numel, dtype=dtype, device=device) if on_device else None
         self.staged = [False] * len(layout.numels)  # which params hold a grad for the next step
         self._make_pieces()
@@ -147,18 +154,52 @@ class LowpStaging:
     @property
     def nbytes(self) -> int:
         """Host bytes (the host parts and the windows)."""
-        return self._raw.numel() + (0 if self._windows is None else self._windows.nbytes)
+        return self._raw.numel() + sum(0 if w is None else w.nbytes for w in (self._windows, self._params_windows))
+
+    def _grads_down(self, sg: int, window: torch.Tensor) -> torch.Tensor:
+        part = self.view(sg)
+        return window[: part.numel()].copy_(part, non_blocking=True)
+
+    def _params_down(self, sg: int, window: torch.Tensor) -> torch.Tensor:
+        part = window[: self.layout.subgroups[sg].padded]
+        dsts = [part[seg.in_subgroup] for seg in self.layout.subgroups[sg].segments]
+        torch._foreach_copy_(dsts, [self._params[seg.param].view(-1)[seg.in_param] for seg in self.layout.subgroups[sg].segments],
+                             non_blocking=True)  # fmt: skip
+        return part
+
+    def model_params(self, sg: int, params: list[torch.Tensor], updated: bool = False) -> torch.Tensor:
+        """Subgroup `sg`'s low-precision params (padded with zeros, in host memory) as the model holds them:
+        the high halves of its split masters. `updated`: its new params may not have reached the model yet,
+        and are taken from here (those of params that took grads)."""
+        out = torch.zeros(self.layout.subgroups[sg].padded, dtype=self.dtype)
+        for seg in self.layout.subgroups[sg].segments:
+            if updated and self.staged[seg.param]:
+                out[seg.in_subgroup].copy_(self.view(sg)[seg.in_subgroup])
+            else:
+                out[seg.in_subgroup].copy_(params[seg.param].view(-1)[seg.in_param])
+        return out
+
+    def model_params_for_update(self, sg: int, params: list[torch.Tensor]) -> torch.Tensor:
+        """`model_params` for a CPU update of subgroup `sg` (landed; a window's until `after_cpu_update`)."""
+        if self._params_windows is None:
+            return self.model_params(sg, params)
+        self._params = params
+        return self._params_windows.take(sg)
 
     def view(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part of the buffer (padded length)."""
         on_device, lo = self._where[sg]
         return (self.device_buffer if on_device else self.buffer)[lo : lo + self.layout.subgroups[sg].padded]
 
-    def plan_cpu_updates(self, order: list[int]) -> None:
+    def plan_cpu_updates(self, order: list[int], params: list[torch.Tensor]) -> None:
         """The subgroups the CPU is about to update, in order: those whose part is in device memory start
-        down into the windows now (on the caller's current stream, after backward's copies)."""
+        down into the windows now (on the caller's current stream, after backward's copies), as do the
+        model's `params` of each, for split masters."""
         if self._windows is not None:
             self._windows.plan([sg for sg in order if self._where[sg][0]])
+        if self._params_windows is not None:
+            self._params = params
+            self._params_windows.plan(order)
 
     def for_cpu_update(self, sg: int) -> torch.Tensor:
         """Subgroup `sg`'s part in host memory, for a CPU update that reads grads from it and writes new
@@ -173,6 +214,8 @@ class LowpStaging:
         if self._where[sg][0]:
             self.view(sg).copy_(lowp, non_blocking=True)
             self._windows.release(sg)
+        if self._params_windows is not None:
+            self._params_windows.release(sg)
 
     def stage(self, params: list[int], grads: list[torch.Tensor]) -> None:
         """Copies each param's grad (its local shard, any shape, on any device: its first of the step; later
@@ -223,13 +266,15 @@ class LowpStaging:
 
     def clear(self) -> None:
         self.staged = [False] * len(self.staged)
-        if self._windows is not None:
-            self._windows.reset()
+        for windows in (self._windows, self._params_windows):
+            if windows is not None:
+                windows.reset()
 
     def close(self) -> None:
         """Unregisters the pinned pages (before the memory can be reused by another buffer)."""
-        if self._windows is not None:
-            self._windows.close()
+        for windows in (self._windows, self._params_windows):
+            if windows is not None:
+                windows.close()
         if self._pinned:
             unpin(self._raw)
             self._pinned = False

@@ -28,7 +28,7 @@ from .gpu_share import grow_gpu_share
 from .grads import StepGrads
 from .interrupts import interrupts_between_subgroups
 from .held_grad import is_held
-from .kernels import triton_kernel
+from .kernels import split_step_of, triton_kernel
 from .kernels.contract import AdamWHyper
 from .learned_rate import UpdateRateLearner, kernel_label, step_walk
 from .metrics import StepMetrics, step_metrics, traced
@@ -36,7 +36,7 @@ from .optimizer_args import hyperparameters
 from .order import update_order
 from .overlap import UpdateInFlight
 from .store import SubgroupStore
-from .subgroups import SubgroupLayout
+from .subgroups import SubgroupLayout, kernel_runs
 
 
 class StepEngine:
@@ -53,6 +53,8 @@ class StepEngine:
         self.forward, self.forward_rank = forward, {sg: k for k, sg in enumerate(forward)}
         self.store, self.grads, self.copies = store, grads, copies
         self.cpu_kernel, self.gpu_kernel = kernels
+        self.split_kernel = split_step_of(self.cpu_kernel)
+        store.lowp_of = self.model_lowp
         self.inflight, self.during_backward, self.root = inflight, during_backward, root
         self.size_gpu_share = size_gpu_share  # gpu_fraction="auto" without a plan: sized after the first step
         self.rate_learner = rate_learner  # keeps the CPU kernel's rate for the planner (with offload.bandwidth_profile)
@@ -275,7 +277,7 @@ class StepEngine:
                     self._update_as_grads_arrive(update)
                 left = [sg for sg in self.pending if sg not in updated]
                 if not self.during_backward:  # (there grads still arrive: each subgroup's come down when it is updated)
-                    self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state])
+                    self.grads.plan_cpu_updates([sg for sg in left if sg not in self.store.gpu_state], params)
                 self.store.run_update(left, update)
             finally:
                 # [] until _finish: every subgroup is new, the step is not closed (a retry closes it)
@@ -297,37 +299,35 @@ class StepEngine:
 
     @traced("fsdp_offload.update_subgroup")
     def update_subgroup(self, sg: int, state: torch.Tensor, grad_scale: float) -> None:
-        subgroup = self.layout.subgroups[sg]
-        p, m, v = subgroup.parts(state)
-        staging = self.grads.staging
+        subgroup, staging = self.layout.subgroups[sg], self.grads.staging
+        split = self.store.splits(sg)  # the masters' low halves, the model's params their high halves
+        p, m, v = subgroup.stored_parts(state) if split else subgroup.parts(state)
+        lowp = staging.model_params_for_update(sg, [local_data(p) for p in self.params]) if split else None
         # the kernel writes the new low-precision params over the staged grads
         out = staging.view(sg) if state.is_cuda else staging.for_cpu_update(sg)
         g, transfer = self.grads.for_update(sg, out, state.is_cuda)
         if transfer is not None:
             self.store.record_io([transfer])
-        kernel = self.gpu_kernel if state.is_cuda else self.cpu_kernel
+        kernel = self.gpu_kernel if state.is_cuda else self.split_kernel if split else self.cpu_kernel
         staged = self.grads.staged
-        # Params lie back to back in a subgroup: neighbours of one param group at one Adam step are
-        # updated by one kernel call (the update is elementwise, so this changes no bit).
-        runs: list[list] = []  # [start, stop, (group, step)]
-        for seg in subgroup.segments:
-            if not staged[seg.param]:
-                continue
-            key = (self.group_of[seg.param], self.steps[seg.param] + 1)  # the step this update takes
-            if runs and runs[-1][2] == key and runs[-1][1] == seg.offset:
-                runs[-1][1] = seg.offset + seg.numel
-            else:
-                runs.append([seg.offset, seg.offset + seg.numel, key])
+        # each param group's at the step this update takes
+        runs = kernel_runs(subgroup, lambda i: (self.group_of[i], self.steps[i] + 1) if staged[i] else None)
         began = time.perf_counter()
         for lo, hi, (group, step) in runs:
-            piece = slice(lo, hi)
-            kernel(p[piece], m[piece], v[piece], g[piece], out[piece], AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale))
+            piece, hyper = slice(lo, hi), AdamWHyper(**self._hyper[group], step=step, grad_scale=grad_scale)
+            high = (lowp[piece],) if split else ()  # (the split step's model params)
+            kernel(p[piece], m[piece], v[piece], g[piece], *high, out[piece], hyper)
         if not state.is_cuda:
             self._cpu_kernel_s += time.perf_counter() - began
             updated, subgroups = self._cpu_kernel_run[0] + sum(hi - lo for lo, hi, _ in runs), self._cpu_kernel_run[1] + 1
             self._cpu_kernel_run = (updated, subgroups, torch.get_num_threads(), g.dtype)  # (this worker thread's count)
             self.grads.after_update(sg)
             staging.after_cpu_update(sg, out)
+
+    def model_lowp(self, sg: int) -> torch.Tensor:
+        """Subgroup `sg`'s params as the model holds them (or will, once the copies of a step that stopped
+        part-way land): its split masters' high halves."""
+        return self.grads.staging.model_params(sg, [local_data(p) for p in self.params], updated=sg in self.unwritten)
 
     @traced("fsdp_offload.copy_back")
     def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:

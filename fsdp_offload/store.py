@@ -4,6 +4,9 @@ A subgroup's state ([params | exp_avg | exp_avg_sq], see subgroups.py) lives at 
 - GPU memory: the last `gpu_fraction` of the subgroups stay there and are updated there;
 - the host cache: slots under the host budget (cache.py);
 - a tier: one file per rank on each storage path, the tier picked by the placement (placement.py).
+Off the GPU, where the layout splits masters (bf16 params), a subgroup is held split: the masters' low
+halves, their high halves being the model's params (`lowp_of`, which the step engine gives); every pass
+but the update sees it FP32, joined and split here.
 levels.py builds the cache, the placement and the tiers from the memory plan and hands them over;
 the store owns them from then on, walks subgroups through them for a pass (`run_update` for a step,
 `visit` for a fill or a save; the pipeline does the moving), reads and overwrites one subgroup at a
@@ -20,6 +23,7 @@ import torch.distributed as dist
 
 from .cache import HostCache, aligned_host_buffer
 from .closing import close_in_reverse
+from .kernels.split_masters import join_masters, split_masters
 from .pipeline import Placement, SubgroupPipeline
 from .storage import Tier, Transfer
 from .storage.base import ALIGN
@@ -68,12 +72,55 @@ class SubgroupStore:
             self.pipeline = SubgroupPipeline(layout, cache, tiers, placement, prefetch)
             tag = tier_file_tag(f"rank{dist.get_rank() if dist.is_initialized() else 0}")
             for t in tiers:
-                t.attach(tag, [sg.state_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
+                t.attach(tag, [sg.stored_bytes for sg in layout.subgroups] + list(extra_slot_bytes))
         except BaseException:
             self.close()
             raise
         self._loading = False  # a load has begun overwriting subgroups and not finished
         self._lock_wait_seen: dict[str, float] = {}
+        # subgroup -> its bf16 params as the model holds them (host, padded): the split masters' high halves
+        self.lowp_of: Callable[[int], torch.Tensor] | None = None
+        self._fp32: torch.Tensor | None = None  # a host buffer to join a split subgroup into
+
+    # -- split masters ---------------------------------------------------------------------------------
+
+    def splits(self, sg: int) -> bool:
+        """Whether subgroup `sg` is held split now (off the GPU, where the layout splits masters)."""
+        return self.layout.subgroups[sg].split and sg not in self.gpu_state
+
+    def _fp32_buffer(self, sg: int) -> torch.Tensor:
+        if self._fp32 is None:
+            self._fp32 = aligned_host_buffer(max(s.state_bytes for s in self.layout.subgroups))
+        return self._fp32[: self.layout.subgroups[sg].state_bytes]
+
+    def join(self, sg: int, stored: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Subgroup `sg`'s FP32 state in `out`, from `stored` as a host slot holds it; returns `out`."""
+        subgroup = self.layout.subgroups[sg]
+        if not self.splits(sg):
+            return out.copy_(stored)
+        if self.lowp_of is None:
+            raise RuntimeError("split masters are read before the optimizer gave the store its model's params")
+        low, m, v = subgroup.stored_parts(stored)
+        master, m_out, v_out = subgroup.parts(out)
+        m_out.copy_(m)
+        v_out.copy_(v)
+        join_masters(low, self.lowp_of(sg), v_out, master)
+        return out
+
+    def split(self, sg: int, state: torch.Tensor, stored: torch.Tensor) -> None:
+        """Writes subgroup `sg`'s FP32 `state` into `stored` as a host slot holds it."""
+        subgroup = self.layout.subgroups[sg]
+        if not self.splits(sg):
+            stored.copy_(state)
+            return
+        master, m, v = subgroup.parts(state)
+        if bool((v < 0).any()):  # its sign bit carries a master's rounding: a negative one cannot be kept
+            raise ValueError(f"subgroup {sg}'s exp_avg_sq holds negative values (a mean of squares never is): the "
+                             "optimizer state given is corrupt")  # fmt: skip
+        low, m_out, v_out = subgroup.stored_parts(stored)
+        m_out.copy_(m)
+        v_out.copy_(v)
+        split_masters(master, low, v_out)
 
     # -- passes over subgroups ----------------------------------------------------------------------
 
@@ -87,12 +134,22 @@ class SubgroupStore:
         self.pipeline.run([sg for sg in order if sg not in self.gpu_state], update)
 
     def visit(self, order: list[int], visit: Visit, *, load: bool = True, dirty: bool = True, in_order: bool = False) -> None:
-        """Like `run_update`, for a pass that is not a step (a fill or a gather): its I/O is not counted.
+        """Like `run_update`, for a pass that is not a step (a fill or a gather): its I/O is not counted, and
+        `visit` sees FP32 states (a split one joined before, and split again after if it may have changed).
         `load=False`: the visit overwrites whole states; `dirty=False`: it only reads them; `in_order`: no
         subgroup of the prefetch window goes before its turn (see SubgroupPipeline.run). The GPU-resident
         subgroups (the last ones) come after the others, so an ascending `order` stays ascending."""
+
+        def fp32(sg: int, stored: torch.Tensor) -> None:
+            if not self.splits(sg):
+                return visit(sg, stored)
+            state = self.join(sg, stored, self._fp32_buffer(sg)) if load else self._fp32_buffer(sg)
+            visit(sg, state)
+            if dirty:
+                self.split(sg, state, stored)
+
         try:
-            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], visit, load=load, dirty=dirty, in_order=in_order)
+            self.pipeline.run([sg for sg in order if sg not in self.gpu_state], fp32, load=load, dirty=dirty, in_order=in_order)
         finally:
             self.pipeline.take_transfers()
         for sg in order:
@@ -157,12 +214,14 @@ class SubgroupStore:
                 if held is None:
                     if bounce is None:
                         bounce, lent_by = self._bounce_buffer(copies)
-                    held = bounce[: self.layout.subgroups[sg].state_bytes]
+                    held = bounce[: self.layout.subgroups[sg].stored_bytes]
                     self.pipeline.read_stored(sg, held)
+                if self.splits(sg):
+                    held = self.join(sg, held, self._fp32_buffer(sg))
                 copies[sg] = held.to(device)  # from pageable memory: done when it returns
         except BaseException:
             if lent_by is not None:
-                self.pipeline.resident_state(lent_by).copy_(copies[lent_by])
+                self.split(lent_by, copies[lent_by].cpu(), self.pipeline.resident_state(lent_by))
             raise
         for sg, state in copies.items():
             self.gpu_state[sg] = state
@@ -215,14 +274,21 @@ class SubgroupStore:
     # -- one subgroup at a time (checkpoints) -------------------------------------------------------
 
     def read(self, sg: int, out: torch.Tensor) -> None:
-        """Copies subgroup `sg`'s state into `out`, a page-aligned host buffer of its size, from the GPU,
-        the host cache or its tier. The cache is left as it is: the next step finds what it would have."""
+        """Copies subgroup `sg`'s FP32 state into `out`, a page-aligned host buffer of its size, from the
+        GPU, the host cache or its tier. The cache is left as it is: the next step finds what it would have."""
         self.require_loaded()
         held = self.gpu_state.get(sg)
         if held is None:
             held = self.pipeline.resident_state(sg)
         if held is not None:
-            out.copy_(held)
+            self.join(sg, held, out)
+        elif self.splits(sg):  # into `out` itself (DCP's writer threads read at once), its moments where FP32 has them
+            subgroup = self.layout.subgroups[sg]
+            stored = out[subgroup.state_bytes - subgroup.stored_bytes :]  # (page-aligned: 4n less the low halves' 4 KiB pages)
+            self.pipeline.read_stored(sg, stored)
+            low = subgroup.stored_parts(stored)[0].clone()  # the masters are joined over it
+            master, _, v = subgroup.parts(out)
+            join_masters(low, self.lowp_of(sg), v, master)
         else:
             self.pipeline.read_stored(sg, out)
 
@@ -240,13 +306,14 @@ class SubgroupStore:
             if dest is not None:
                 self.cache.mark_dirty(sg)  # newer than its stored copy now
         if dest is not None:
-            dest.copy_(state)
+            self.split(sg, state.to(dest.device), dest)
         else:
             dest = state
-            if state.is_cuda or state.data_ptr() % ALIGN:  # O_DIRECT wants page-aligned host memory
-                dest = aligned_host_buffer(want).copy_(state)
+            if self.splits(sg) or state.is_cuda or state.data_ptr() % ALIGN:  # O_DIRECT wants page-aligned host memory
+                dest = aligned_host_buffer(self.layout.subgroups[sg].stored_bytes)
+                self.split(sg, state.cpu(), dest)
             self.pipeline.store(sg, dest)
-        then(sg, self.layout.subgroups[sg].parts(dest)[0])
+        then(sg, self.layout.subgroups[sg].parts(state)[0])
 
     # -- loads ----------------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
     python scripts/bench_kernels.py --numel 100000000 --threads 16 --device-kind nvidia-h100-x1
 
-CPU, all with bf16 grads in and bf16 params out: the fused C++ kernel; torch's fused AdamW
+CPU, all with bf16 grads in and bf16 params out: the fused C++ kernel, and its step on split masters
+(kernels/split_masters.py: 10 bytes of state a param, joined and split in cache); torch's fused AdamW
 (`torch._fused_adamw_` on FP32, plus the bf16 -> FP32 grad cast and FP32 -> bf16 param cast it needs);
 the pure-torch path. The fused kernel's GB/s counts 28 bytes/param (read 2 grad + 12 state, write 12
 state + 2 params) against the best of a copy, a triad and an in-place add over arrays of that size. On CUDA:
@@ -23,6 +24,7 @@ import torch
 
 from fsdp_offload.kernels import get_adamw_kernel, torch_adamw_step
 from fsdp_offload.kernels.contract import AdamWHyper
+from fsdp_offload.kernels.split_masters import split_masters
 from fsdp_offload.results import record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,11 +77,16 @@ def bench_cpu(numel: int, repeats: int) -> dict[str, float | str]:
     write-allocate), whose pattern, like the kernel's, writes back lines it has just read."""
     _, fused = get_adamw_kernel("fused")
     tensors = state(numel)
+    low, split_sq = torch.empty(numel, dtype=torch.int16), tensors[2].clone()
+    lowp = split_masters(tensors[0].clone(), low, split_sq)
+    split_out = torch.empty_like(lowp)
     grad32, step = torch.empty(numel), torch.tensor(float(HYPER["step"]))
     a, b, c = torch.empty(numel), torch.rand(numel), torch.rand(numel)
     seconds = best_seconds(
         {
             "fused": lambda: fused(*tensors, AdamWHyper(**HYPER)),
+            # (lowp stays the first step's: its masters are joined as written params where they moved on)
+            "fused_split": lambda: fused.step_split(low, tensors[1], split_sq, tensors[3], lowp, split_out, AdamWHyper(**HYPER)),
             "torch_fused": lambda: torch_fused_step(*tensors, grad32, step),
             "pure_torch": lambda: torch_adamw_step(*tensors, AdamWHyper(**HYPER)),
             "copy": lambda: a.copy_(b),
@@ -91,6 +98,8 @@ def bench_cpu(numel: int, repeats: int) -> dict[str, float | str]:
     return {
         "fused_isa": getattr(fused, "isa", "?"),
         "fused_mparams_per_s": numel / seconds["fused"] / 1e6,
+        "fused_split_mparams_per_s": numel / seconds["fused_split"] / 1e6,
+        "split_time_over_whole": seconds["fused_split"] / seconds["fused"],
         "torch_mparams_per_s": numel / seconds["torch_fused"] / 1e6,
         "pure_torch_mparams_per_s": numel / seconds["pure_torch"] / 1e6,
         "fused_gbps": BYTES_PER_PARAM * numel / seconds["fused"] / 1e9,
@@ -155,6 +164,7 @@ def main() -> None:
 
     rows = [
         ("fused CPU kernel", result["fused_mparams_per_s"], f"{result['fused_gbps']:.1f} GB/s"),
+        ("fused, split masters", result["fused_split_mparams_per_s"], f"{result['split_time_over_whole']:.2f}x the time"),
         ("torch fused + casts", result["torch_mparams_per_s"], ""),
         ("pure-torch path", result["pure_torch_mparams_per_s"], ""),
     ]

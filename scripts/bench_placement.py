@@ -27,6 +27,7 @@ from fsdp_offload.bandwidth import expected_step_seconds, steady_traffic
 from fsdp_offload.bandwidth import TierSpeed
 from fsdp_offload.bandwidth_profile import write_profile
 from fsdp_offload.results import record
+from fsdp_offload.subgroups import SubgroupLayout
 
 MB = 1e6
 
@@ -36,11 +37,16 @@ def throttled(root: str, name: str, read_mbps: float, write_mbps: float) -> str:
     return f"throttle:posix:{os.path.join(root, name)}?read={read_mbps}MB/s&write={write_mbps}MB/s"
 
 
+def slot_bytes(sg: int) -> int:
+    """One subgroup's state as the host cache and the tiers hold it (bf16 params: split masters)."""
+    return SubgroupLayout([sg], sg, split_masters=True).slot_bytes
+
+
 def steady_update_s(tiers: list[str], profile: str, sg: int, m: int, c: int, steps: int, **cfg_kw) -> tuple[list[float], OffloadAdamW]:
     """Update phases of `steps` steps after the first, of an optimizer over `m` subgroups of `sg`
     elements whose host cache holds `c`; the optimizer is returned open (the caller closes it)."""
     params = [torch.nn.Parameter(torch.randn(sg)) for _ in range(m)]
-    cfg = OffloadConfig(kernel="torch", tiers=tiers, subgroup_numel=sg, host_budget_gb=(2 * m * sg + c * 12 * sg) / 2**30,
+    cfg = OffloadConfig(kernel="torch", tiers=tiers, subgroup_numel=sg, host_budget_gb=(2 * m * sg + c * slot_bytes(sg)) / 2**30,
                         bandwidth_profile=profile, **cfg_kw)  # fmt: skip
     opt = OffloadAdamW(params, lr=1e-3, offload=cfg)
     times = []
@@ -62,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # the tiers' I/O threads need the cores: this times placement, not the kernel
     sg, m, c = args.subgroup_numel, 24, 6
-    sizes = [12 * sg] * m
+    sizes = [slot_bytes(sg)] * m
     result: dict = {"subgroup_numel": sg, "subgroups": m, "cache_subgroups": c}
     with tempfile.TemporaryDirectory(dir=args.root) as root, tempfile.TemporaryDirectory() as scratch:
         speeds = {"a": (96, 24), "b": (36, 36)}
@@ -84,7 +90,7 @@ def main() -> None:
         profile = write_profile(os.path.join(scratch, "two_to_one.json"), {t: TierSpeed(30 * MB, 30 * MB, 0.0) for t in tiers})
         times, opt = steady_update_s(tiers, profile, sg, m, c, 6)
         opt.close()
-        moved = 2 * (m - c) * 12 * sg  # read and written each step
+        moved = 2 * (m - c) * slot_bytes(sg)  # read and written each step
         ideal = moved / (72 * MB)
         ratios = [t / ideal for t in times[1:]]  # from the third step: the split has followed the learned speeds
         result["two_to_one"] = {"update_s": times, "ideal_s": ideal, "update_over_ideal_median": statistics.median(ratios)}

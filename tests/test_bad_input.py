@@ -36,7 +36,7 @@ CASES = [  # (what, how to build it with the tier dir `tmp`, what the message mu
     ("budget below 0", lambda tmp: OffloadConfig(host_budget_gb=-1), "host_budget_gb=-1 must be a finite size >= 0"),
     ("budget in unknown units", lambda tmp: OffloadConfig(host_budget_gb="6 parsecs"), "'6GiB', '512MiB'"),
     ("budget under the minimum", lambda tmp: OffloadAdamW(params(100_000), offload=OffloadConfig(
-        tiers=[TIER.format(tmp=tmp)], subgroup_numel=16384, host_budget_gb="100KiB")), "below the pipeline's minimum of 772 KiB"),
+        tiers=[TIER.format(tmp=tmp)], subgroup_numel=16384, host_budget_gb="100KiB")), "below the pipeline's minimum of 676 KiB"),
     ("subgroup size", lambda tmp: OffloadConfig(subgroup_numel=1000), "multiple of 1024"),
     ("prefetch", lambda tmp: OffloadConfig(prefetch=-1), "offload.prefetch=-1 must be >= 0"),
     ("gpu fraction", lambda tmp: OffloadConfig(gpu_fraction=1.5), "between 0 and 1, or 'auto'"),

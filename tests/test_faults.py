@@ -290,7 +290,7 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
     import signal
 
     opt, ref_opt, mine, ref = fresh_pair(tmp_path)
-    real, interrupts = opt.engine.cpu_kernel, [0]
+    real, interrupts = opt.engine.split_kernel, [0]  # (bf16 params: the subgroups off the GPU are split)
 
     def interrupted_kernel(*args, **kwargs):
         real(*args, **kwargs)
@@ -298,7 +298,7 @@ def test_ctrl_c_inside_an_update_is_held_until_its_subgroup_is_done(tmp_path):
             interrupts[0] += 1
             os.kill(os.getpid(), signal.SIGINT)
 
-    opt.engine.cpu_kernel = interrupted_kernel
+    opt.engine.split_kernel = interrupted_kernel
     assert _steps_through_ctrl_c(opt, ref_opt, mine, ref) == 6
     assert_same_as_reference(opt, ref_opt, mine, ref)
     opt.close()

@@ -111,7 +111,7 @@ WORKER = textwrap.dedent(
     sg, m, c = 65536, 10, 4
     params = [torch.nn.Parameter(torch.randn(sg)) for _ in range(m)]
     cfg = OffloadConfig(
-        kernel="torch", tiers=tiers, subgroup_numel=sg, host_budget_gb=(2 * m * sg + c * 12 * sg) / 2**30,
+        kernel="torch", tiers=tiers, subgroup_numel=sg, host_budget_gb=(2 * m * sg + c * 10 * sg) / 2**30,
         tier_access="exclusive", tier_lock_dir=lock_dir, bandwidth_profile=profile, calibration_gb=0.004,
     )
     opt = OffloadAdamW(params, offload=cfg)

@@ -23,7 +23,8 @@ from fsdp_offload.storage import posix as posix_mod
 
 SHAPES = [(300, 37), (513,), (1000, 29), (7,), (2500,)]  # 43_120 elements: no multiple of 4096
 SG = 4096  # subgroup elements: 11 subgroups, params span subgroup borders
-SLOT = 3 * SG * 4
+SLOT = 10 * SG  # a subgroup's bf16 state held split (2 + 4 + 4 bytes a param)
+FP16_SLOT = 12 * SG  # with fp16 params the masters are whole
 STAGING = 2 * (10 * SG + 3072)  # bf16 staging bytes: 43_120 elements = 10 full subgroups + one of 2160 padded to 3072
 
 
@@ -116,7 +117,7 @@ def test_fp16_grads(tmp_path):
     ref = torch.nn.Parameter(init[2].clone())
     mine = torch.nn.Parameter(init[2].clone())
     ref_opt = torch.optim.AdamW([ref], lr=1e-3, foreach=False)
-    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, param_dtype="float16", loss_scale_init=1.0, host_budget_gb=gib(2 * 8 * SG + 3 * SLOT))
+    cfg = OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, param_dtype="float16", loss_scale_init=1.0, host_budget_gb=gib(2 * 8 * SG + 3 * FP16_SLOT))
     opt = OffloadAdamW([mine], lr=1e-3, offload=cfg)
     for s in range(5):
         g = grads_for(s, torch.float16)[2]
@@ -370,6 +371,7 @@ def test_random_layouts_caches_and_orders_match_torch(tmp_path, seed):
     padded = (m - 1) * sg + -(-(n - (m - 1) * sg) // 1024) * 1024
     prefetch = rnd.randint(0, min(3, m - 2))
     slots = rnd.randint(prefetch + 1, m - 1)  # at least one subgroup goes through the disk every step
+    # (a split subgroup of 1024 takes 12 KiB too: its masters' low halves are padded to 4 KiB)
     cfg = OffloadConfig(
         kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=sg, prefetch=prefetch,
         host_budget_gb=gib(2 * padded + slots * 12 * sg), update_order=rnd.choice(["alternating", "fixed"]),

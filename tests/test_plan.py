@@ -237,10 +237,11 @@ def test_grads_kept_on_the_gpu_leave_the_host_budget_to_the_cache(monkeypatch):
         return make_plan("1b", MODEL_PRESETS["1b"], cfg, machine, 2048, 1, "cuda").ranks[0]
 
     host, gpu = plan("host_bf16"), plan("gpu_bf16")
-    assert host.staging_bytes >= 2 * host.params  # every grad, bf16
-    assert gpu.staging_bytes == 2 * 2 * 100 * (1 << 20)  # two windows of one subgroup's bf16
-    assert (host.cache_slots, gpu.cache_slots) == (4, 6)
-    assert gpu.gpu_train_bytes - host.gpu_train_bytes == gpu.gpu_state_bytes == host.staging_bytes
+    windows = 2 * 2 * 100 * (1 << 20)  # two windows of one subgroup's bf16
+    assert host.staging_bytes - windows >= 2 * host.params  # every grad, bf16, and the model params' windows (split masters)
+    assert gpu.staging_bytes == 2 * windows  # the grads' windows and the params'
+    assert (host.cache_slots, gpu.cache_slots) == (5, 7)  # slots of 10 bytes a param (split masters)
+    assert gpu.gpu_train_bytes - host.gpu_train_bytes == gpu.gpu_state_bytes == host.staging_bytes - windows
 
 
 def test_host_too_small_names_the_level_and_the_shortfall():

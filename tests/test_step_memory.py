@@ -241,7 +241,7 @@ def test_the_plan_says_why_and_warns_of_a_step_above_the_gpu():
     assert why("1b", MachineConfig(ranks_per_node=4, gpu_gib=10.5, host_gib=500), "cuda", host_budget_gb=2.5,
                subgroup_numel=26000384) == (
         "auto: keeping the activations and the gathered units, " + above.format("8.32 GiB", "10.50 GiB") + "; keeping the "
-        "activations, rank 0's host cache slots would go from 8 to 6; the GPU holds the step keeping the gathered units (about "
+        "activations, rank 0's host cache slots would go from 9 to 7; the GPU holds the step keeping the gathered units (about "
         "4.87 GiB a rank of 10.50 GiB), the optimizer's state placed as without them")  # fmt: skip
     assert re.fullmatch(r"auto: keeping the activations and the gathered units, the plan does not fit: host memory: .*; keeping the "
                         r"activations, the plan does not fit: host memory: .*; host memory holds the step keeping the gathered "

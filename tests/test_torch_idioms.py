@@ -118,7 +118,7 @@ def backward_after_step(rank: int, world: int, tmp: str) -> None:
     for name, clear in [*clears.items(), ("no zero_grad()", None)]:
         model = build_model(rank)
         os.makedirs(f"{tmp}/tier{len(runs)}_{rank}")
-        cfg = OffloadConfig(tiers=[f"posix:{tmp}/tier{len(runs)}_{rank}"], host_budget_gb=(2 * 40 * SG + 3 * 12 * SG) / 2**30,
+        cfg = OffloadConfig(tiers=[f"posix:{tmp}/tier{len(runs)}_{rank}"], host_budget_gb=(2 * 40 * SG + 3 * 10 * SG) / 2**30,
                             subgroup_numel=SG, kernel="torch")  # fmt: skip
         opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, offload=cfg)
         losses = []

@@ -42,13 +42,13 @@ def tiny_plan(tmp_path, costs: UpdateCosts | None):
 
 def test_fixed_costs_are_most_of_a_tiny_model_s_predicted_update(tmp_path):
     """The kernel and the walk are the update thread's, the I/O the tier's: the longer of the two, plus
-    the norm once a step and the first read. The tiny model's 4 streamed subgroups are 4 reads and 4
+    the norm once a step and the first read. The tiny model's 3 streamed subgroups are 3 reads and 3
     writes a step, as its run's metrics count them."""
     bare, _ = tiny_plan(tmp_path, None)
     costed, cfg = tiny_plan(tmp_path, COSTS)
     r, b = costed.ranks[0], bare.ranks[0]
-    assert (r.subgroups, r.cache_slots) == (9, 5)
-    assert r.walk_s == pytest.approx(9 * (COSTS.subgroup_s + COSTS.call_s) + 8 * COSTS.transfer_s)
+    assert (r.subgroups, r.cache_slots) == (9, 6)
+    assert r.walk_s == pytest.approx(9 * (COSTS.subgroup_s + COSTS.call_s) + 6 * COSTS.transfer_s)
     assert r.step_s == COSTS.step_s and (b.walk_s, b.step_s) == (0.0, 0.0)
     first_read = b.update_s - max(b.io_s, b.cpu_s)
     assert r.update_s == pytest.approx(COSTS.step_s + max(r.io_s, r.cpu_s + r.walk_s) + first_read)

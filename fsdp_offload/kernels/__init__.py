@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .contract import AdamWHyper
+from .split_masters import torch_adamw_step_split
 from .torch_adamw import torch_adamw_step
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,14 @@ def get_adamw_kernel(name: str = "auto") -> tuple[str, AdamWKernel]:
         return "torch", torch_adamw_step
 
 
+def split_step_of(kernel: AdamWKernel) -> AdamWKernel:
+    """The step on split masters (split_masters.py) of the CPU `kernel`: the fused kernel's own, or the
+    reference's."""
+    if kernel is torch_adamw_step:
+        return torch_adamw_step_split
+    return kernel.step_split
+
+
 def triton_kernel() -> Callable:
     """The Triton GPU AdamW (imported when first asked for: Triton is there only with CUDA)."""
     from .triton_adamw import triton_adamw_step
@@ -64,4 +73,5 @@ def warm_up_gpu_kernel(kernel: Callable, device: torch.device, grad_dtype: torch
     kernel(p, m, v, torch.zeros(4096, dtype=grad_dtype, device=device), out, AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0, 1))
 
 
-__all__ = ["AdamWKernel", "KERNEL_NAMES", "get_adamw_kernel", "torch_adamw_step", "triton_kernel", "warm_up_gpu_kernel"]
+__all__ = ["AdamWKernel", "KERNEL_NAMES", "get_adamw_kernel", "split_step_of", "torch_adamw_step", "triton_kernel",
+           "warm_up_gpu_kernel"]

@@ -1,4 +1,4 @@
-// Fused CPU AdamW over one flat segment: one pass reads the low-precision grad and the FP32
+// Fused CPU AdamW over a flat segment: one pass reads the low-precision grad and the FP32
 // param/exp_avg/exp_avg_sq and writes the FP32 state back plus a bf16/fp16 copy of the params.
 //
 // The arithmetic copies what torch's own CPU kernels do for the ops of the pure-torch path
@@ -15,15 +15,17 @@
 // built with -ffp-contract=off so that the compiler adds no FMA that torch does not have. Each op but
 // MKL's sqrt is a correctly rounded IEEE op, in the same order on the AVX-512, AVX2 and scalar paths,
 // so the three give the same bits, with either sqrt.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
+//
+// This file is that arithmetic, over a range of a segment on the calling thread. cpu_adamw_ops.cpp, built
+// with it into one extension, runs a segment's ranges on OpenMP threads, joins and splits the masters of
+// the split step (kernels/split_masters.py) around each block, checks the ops' arguments and binds them.
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
-#include <torch/csrc/utils/pybind.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <string>
 
 #if defined(__x86_64__)
@@ -38,8 +40,6 @@
 // matching torch bit for bit means calling it too. Weak: in a torch without MKL it stays null and the
 // hardware sqrt (correctly rounded, as torch's own is then) takes over.
 extern "C" void vmsSqrt(int n, const float* a, float* r, long long mode) __attribute__((weak));
-// MKL's thread count for the calling thread only; returns the one it replaces (0: none set here).
-extern "C" int MKL_Set_Num_Threads_Local(int n) __attribute__((weak));  // C name: the lowercase one takes a pointer
 // VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: the mode ATen/cpu/vml.h passes.
 constexpr long long kVmlMode = 0x2 | 0x140000 | 0x100;
 
@@ -48,7 +48,6 @@ namespace {
 // Elements per block: one block's p, m, v, grad and sqrt scratch (about 36 KiB) stay in L1/L2
 // between the moment pass, the sqrt and the update pass, so memory is still read once.
 constexpr int64_t kBlock = 2048;
-constexpr int kChunk = 8;  // blocks a thread takes at a time
 
 enum class Grad { f32, bf16, f16 };
 enum class Out { none, bf16, f16 };
@@ -65,7 +64,6 @@ struct Segment {
   float* exp_avg_sq;
   const void* grad;
   void* param_out;  // may equal grad: a block's grads are all read before its param_out is written
-  int64_t n;
 };
 
 // ---- scalar path: a segment's last few elements, and all of it where there is no SIMD ----
@@ -301,100 +299,61 @@ Isa parse_isa(const std::string& name) {
   return Isa::scalar;
 }
 
+// Elements [lo, hi), a block at a time.
 template <Grad G, Out O>
-void run(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl) {
-  const int64_t nblocks = (s.n + kBlock - 1) / kBlock;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), nblocks));
-  // Dynamic, in chunks of kChunk blocks (~0.5 MB of state): the overlapped update runs beside the
-  // training loop's thread, which takes a core now and then; with a static split the thread that
-  // shares that core would hold every other one up at the end of the loop.
-  // Each thread's sqrt calls run on that thread alone. After torch.set_num_threads (which turns MKL's
-  // dynamic threading off for the process, as train.py's rank share of the cores does) MKL would
-  // otherwise thread each 2048-element call inside this loop: the kernel ran 15-30% slower.
-  const bool own_mkl_threads = use_mkl && MKL_Set_Num_Threads_Local != nullptr;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    const int mkl_threads_before = own_mkl_threads ? MKL_Set_Num_Threads_Local(1) : 0;
-#pragma omp for schedule(dynamic, kChunk)
-    for (int64_t b = 0; b < nblocks; ++b) {
-      alignas(64) float root[kBlock];
-      const int64_t lo = b * kBlock, hi = std::min(lo + kBlock, s.n);
+void run(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl, int64_t lo, int64_t hi) {
+  alignas(64) float root[kBlock];
+  for (int64_t b = lo; b < hi; b += kBlock) {
+    const int64_t e = std::min(b + kBlock, hi);
 #if defined(__x86_64__)
-      if (isa == Isa::avx512) { block_avx512<G, O>(s, c, lo, hi, root, use_mkl); continue; }
-      if (isa == Isa::avx2) { block_avx2<G, O>(s, c, lo, hi, root, use_mkl); continue; }
+    if (isa == Isa::avx512) { block_avx512<G, O>(s, c, b, e, root, use_mkl); continue; }
+    if (isa == Isa::avx2) { block_avx2<G, O>(s, c, b, e, root, use_mkl); continue; }
 #endif
-      block_scalar<G, O>(s, c, lo, hi, root, use_mkl);
-    }
-    if (own_mkl_threads) MKL_Set_Num_Threads_Local(mkl_threads_before);
+    block_scalar<G, O>(s, c, b, e, root, use_mkl);
   }
 }
 
 template <Grad G>
-void run_grad(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl, Out out) {
-  if (out == Out::bf16) return run<G, Out::bf16>(s, c, isa, use_mkl);
-  if (out == Out::f16) return run<G, Out::f16>(s, c, isa, use_mkl);
-  run<G, Out::none>(s, c, isa, use_mkl);
+void run_grad(const Segment& s, const Coeffs& c, Isa isa, bool use_mkl, Out out, int64_t lo,
+              int64_t hi) {
+  if (out == Out::bf16) return run<G, Out::bf16>(s, c, isa, use_mkl, lo, hi);
+  if (out == Out::f16) return run<G, Out::f16>(s, c, isa, use_mkl, lo, hi);
+  run<G, Out::none>(s, c, isa, use_mkl, lo, hi);
 }
 
-void check_state(const at::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() &&
-                  t.numel() == n,
-              name, " must be a contiguous FP32 CPU tensor of ", n, " elements");
-}
+}  // namespace
 
-// The op. Scalars are Python doubles, already combined as torch_adamw_step combines them.
-void adamw_step(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
-                const at::Tensor& grad, const std::optional<at::Tensor>& param_out,
+// What cpu_adamw_ops.cpp calls. It declares them alike: a declaration that differs there fails the
+// import (the mangled name, which spells out the parameter types, is then undefined).
+namespace fsdp_offload_cpu_adamw {
+
+bool isa_supported(const std::string& isa) { return ::isa_supported(parse_isa(isa)); }
+
+// AdamW on elements [lo, hi) of a segment, on the calling thread (an OpenMP one: the caller checked the
+// arguments, the ISA included, since a check failing here would end the process). param_out is bf16 or
+// fp16, or none (null, out_type Undefined), and may alias grad. The scalars are Python doubles, combined
+// as torch_adamw_step combines them; each is cast to float, as torch casts it.
+void step_range(float* param, float* exp_avg, float* exp_avg_sq, const void* grad,
+                c10::ScalarType grad_type, void* param_out, c10::ScalarType out_type,
                 double grad_scale, double decay, double weight, double beta2,
                 double one_minus_beta2, double bc2_sqrt, double eps, double neg_step_size,
-                const std::string& isa_name, bool use_mkl_sqrt) {
-  const int64_t n = param.numel();
-  check_state(param, "param", n);
-  check_state(exp_avg, "exp_avg", n);
-  check_state(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n,
-              "grad must be a contiguous CPU tensor of ", n, " elements");
+                const std::string& isa_name, bool use_mkl_sqrt, int64_t lo, int64_t hi) {
   const Isa isa = parse_isa(isa_name);
-  TORCH_CHECK(isa_supported(isa), "this CPU lacks the ", isa_name, " instructions");
-  TORCH_CHECK(!use_mkl_sqrt || vmsSqrt != nullptr, "this torch has no MKL vmsSqrt");
-
   Out out = Out::none;
-  if (param_out.has_value()) {
-    const at::Tensor& po = *param_out;
-    TORCH_CHECK(po.device().is_cpu() && po.is_contiguous() && po.numel() == n &&
-                    (po.scalar_type() == at::kBFloat16 || po.scalar_type() == at::kHalf),
-                "param_out must be a contiguous bf16/fp16 CPU tensor of ", n, " elements");
-    out = po.scalar_type() == at::kBFloat16 ? Out::bf16 : Out::f16;
-  }
+  if (out_type == c10::ScalarType::BFloat16) out = Out::bf16;
+  if (out_type == c10::ScalarType::Half) out = Out::f16;
   const float w = static_cast<float>(weight);
   const Coeffs c{static_cast<float>(grad_scale), static_cast<float>(decay), w, w - 1.0f,
                  static_cast<float>(beta2), static_cast<float>(one_minus_beta2),
                  static_cast<float>(bc2_sqrt), static_cast<float>(eps),
                  static_cast<float>(neg_step_size), std::abs(w) < 0.5f};
-  const Segment s{param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                  grad.data_ptr(), out == Out::none ? nullptr : param_out->data_ptr(), n};
-  if (n == 0) return;
-  switch (grad.scalar_type()) {
-    case at::kFloat: return run_grad<Grad::f32>(s, c, isa, use_mkl_sqrt, out);
-    case at::kBFloat16: return run_grad<Grad::bf16>(s, c, isa, use_mkl_sqrt, out);
-    case at::kHalf: return run_grad<Grad::f16>(s, c, isa, use_mkl_sqrt, out);
-    default: TORCH_CHECK(false, "grad must be bf16, fp16 or fp32, not ", grad.scalar_type());
+  const Segment s{param, exp_avg, exp_avg_sq, grad, param_out};
+  switch (grad_type) {
+    case c10::ScalarType::Float: return run_grad<Grad::f32>(s, c, isa, use_mkl_sqrt, out, lo, hi);
+    case c10::ScalarType::BFloat16: return run_grad<Grad::bf16>(s, c, isa, use_mkl_sqrt, out, lo, hi);
+    case c10::ScalarType::Half: return run_grad<Grad::f16>(s, c, isa, use_mkl_sqrt, out, lo, hi);
+    default: TORCH_CHECK(false, "grad must be bf16, fp16 or fp32, not ", grad_type);
   }
 }
 
-std::string best_isa() {
-  if (isa_supported(Isa::avx512)) return "avx512";
-  if (isa_supported(Isa::avx2)) return "avx2";
-  return "scalar";
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Fused CPU AdamW (AVX-512 / AVX2 + OpenMP), bit-exact with the pure-torch AdamW path";
-  // The GIL is released: the optimizer overlaps this with storage I/O on other Python threads.
-  m.def("adamw_step", &adamw_step, py::call_guard<py::gil_scoped_release>());
-  m.def("best_isa", &best_isa);
-  m.def("isa_supported", [](const std::string& name) { return isa_supported(parse_isa(name)); });
-  m.def("has_mkl_sqrt", [] { return vmsSqrt != nullptr; });
-}
+}  // namespace fsdp_offload_cpu_adamw

@@ -1,11 +1,14 @@
-"""Fused CPU AdamW: cpu_adamw.cpp, built on first use with torch.utils.cpp_extension.
+"""Fused CPU AdamW: cpu_adamw.cpp (the arithmetic) and cpu_adamw_ops.cpp (threads, argument checks,
+bindings), built together on first use with torch.utils.cpp_extension.
 
 One pass over a segment reads the bf16/fp16/fp32 grad and the FP32 param/exp_avg/exp_avg_sq and writes
 the FP32 state and the low-precision params, with AVX-512, AVX2 or plain scalar code over OpenMP
 threads. Its results are bit-identical to `torch_adamw_step` on this torch build: the C++ repeats
 torch's CPU arithmetic op for op, including torch's MKL sqrt (see the top of cpu_adamw.cpp). All three
-instruction sets give the same bits. The build is cached in torch's extensions directory
-($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions).
+instruction sets give the same bits. `step_split` is the same step on split masters
+(kernels/split_masters.py), bit-identical to `torch_adamw_step_split`. The build is cached in torch's
+extensions directory ($TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); an edit to any of
+SOURCES rebuilds it at the next load (see `build_flags`).
 
 The instruction set is the best this CPU has unless one is asked for: `load_fused_adamw(isa="avx2")`,
 or for the default of a whole process (a benchmark, a training run), $FSDP_OFFLOAD_CPU_ISA=avx2. Either
@@ -30,12 +33,13 @@ from typing import Iterator
 
 import torch
 
-from .contract import AdamWHyper, check_adamw_args
+from .contract import AdamWHyper, check_adamw_args, check_split_args
 
 log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
-SOURCE = Path(__file__).with_name("cpu_adamw.cpp")
+# Every file the build reads: cpp_extension compiles each and links them into one module.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_adamw.cpp", "cpu_adamw_ops.cpp"))
 EXTENSION_NAME = "fsdp_offload_cpu_adamw"
 ISAS = ("avx512", "avx2", "scalar")  # best first
 # What each ISA needs of the CPU (what cpu_adamw.cpp's isa_supported checks).
@@ -43,6 +47,7 @@ ISA_FEATURES = {"avx512": ("avx512f", "avx512bw"), "avx2": ("avx2", "fma", "f16c
 ISA_ENV = "FSDP_OFFLOAD_CPU_ISA"  # the default ISA of load_fused_adamw, read on each call
 # No -ffast-math, and no FMA contraction: the C++ writes each FMA that torch's kernels have, no other.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+SOURCES_DIGEST_MACRO = "FSDP_OFFLOAD_CPU_ADAMW_SOURCES"
 
 _extension: ModuleType | None = None
 _build_error: str | None = None  # a failed build is not retried in this process
@@ -116,6 +121,19 @@ def build_lock(build_dir: str, wait_s: float = BUILD_LOCK_WAIT_S) -> Iterator[No
         os.close(fd)  # releases the flock
 
 
+def build_flags() -> list[str]:
+    """CFLAGS and a digest of SOURCES' contents (a macro that nothing reads), so that an edit to any source
+    rebuilds the kernel at the next load, whatever the files' times. torch's JIT build rebuilds on its
+    own when, in one process, the contents of `sources` change, and in a new process when ninja finds a
+    source newer than its object (or a header newer, from the compiler's dependency files); a source
+    that comes with an older time (a wheel installed over an older build, a copy that keeps times) would
+    be missed. With the digest in the flags, ninja sees a new command line and rebuilds."""
+    digest = hashlib.sha1()
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return [*CFLAGS, f"-D{SOURCES_DIGEST_MACRO}={digest.hexdigest()[:16]}"]
+
+
 def _build() -> ModuleType:
     missing = missing_toolchain()
     if missing is not None:
@@ -133,14 +151,15 @@ def _build() -> ModuleType:
         with build_lock(build_dir):
             module = cpp_extension.load(
                 name=EXTENSION_NAME,
-                sources=[str(SOURCE)],
-                extra_cflags=CFLAGS,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=build_flags(),
                 extra_ldflags=["-fopenmp"],
                 build_directory=build_dir,
                 verbose=False,
             )
     except Exception as exc:
-        raise RuntimeError(f"building {SOURCE} with {cxx} failed: {exc}") from exc
+        names = " and ".join(str(source) for source in SOURCES)
+        raise RuntimeError(f"building {names} with {cxx} failed: {exc}") from exc
     if fresh:
         log.warning("built the fused CPU AdamW kernel in %.0f s", time.perf_counter() - start)
     return module
@@ -160,8 +179,19 @@ def load_extension() -> ModuleType:
     return _extension
 
 
+def _scalars(hyper: AdamWHyper) -> tuple[float, ...]:
+    """The kernel's scalars, from the same double arithmetic as torch_adamw_step (the C++ casts each to
+    float): grad_scale, decay, lerp weight, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step_size."""
+    step_size, bias_correction2_sqrt = hyper.scalars()
+    return (
+        float(hyper.grad_scale), 1 - hyper.lr * hyper.weight_decay, 1 - hyper.beta1, float(hyper.beta2), 1 - hyper.beta2,
+        bias_correction2_sqrt, float(hyper.eps), -step_size,
+    )  # fmt: skip
+
+
 class FusedCpuAdamW:
-    """A kernel with the signature of `torch_adamw_step`, bound to one instruction set."""
+    """A kernel with the signature of `torch_adamw_step`, bound to one instruction set; `step_split` is
+    `torch_adamw_step_split`'s."""
 
     def __init__(self, extension: ModuleType, isa: str, mkl_sqrt: bool) -> None:
         self._extension = extension
@@ -174,13 +204,16 @@ class FusedCpuAdamW:
 
     def __call__(self, param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, param_out: Tensor | None, hyper: AdamWHyper) -> None:
         check_adamw_args(param, exp_avg, exp_avg_sq, grad, param_out, "cpu")
-        # The same double arithmetic as torch_adamw_step; the C++ casts each result to float.
-        step_size, bias_correction2_sqrt = hyper.scalars()
-        self._extension.adamw_step(
-            param, exp_avg, exp_avg_sq, grad, param_out,
-            float(hyper.grad_scale), 1 - hyper.lr * hyper.weight_decay, 1 - hyper.beta1, float(hyper.beta2), 1 - hyper.beta2,
-            bias_correction2_sqrt, float(hyper.eps), -step_size, self.isa, self.mkl_sqrt,
-        )  # fmt: skip
+        self._extension.adamw_step(param, exp_avg, exp_avg_sq, grad, param_out, *_scalars(hyper), self.isa, self.mkl_sqrt)
+
+    def step_split(self, low: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad: Tensor, lowp: Tensor, param_out: Tensor, hyper: AdamWHyper) -> None:
+        """`torch_adamw_step_split` (kernels/split_masters.py), bit for bit: the masters joined from `low`
+        (int16, rewritten), the model's bf16 params `lowp` (read only) and `exp_avg_sq`'s sign bits, a block
+        at a time in cache, stepped, the new bf16 params written to `param_out` (which may alias `grad`
+        element for element, not `lowp`), and split again. A NaN master may differ from the reference's in
+        its bits (param_out's NaN is 0x7fc0 here, torch's conversion writes 0xffff), never in being NaN."""
+        check_split_args(low, exp_avg, exp_avg_sq, grad, lowp, param_out, "cpu")
+        self._extension.adamw_step_split(low, exp_avg, exp_avg_sq, grad, lowp, param_out, *_scalars(hyper), self.isa, self.mkl_sqrt)
 
 
 def supported_isas() -> tuple[str, ...]:
