@@ -11,7 +11,7 @@ ranks of one node (each rank one GPU):
   host                   this product: `scripts/train.py offload=host` (FP32 state in host memory)
   disk                   `offload=disk`: state on --tier-dir behind --host-budget-gb of host memory a rank
   multipath              `offload=multipath`: --tier-dir and --shm-dir, same host budget
-  host_noclip, host_sync, host_gpu0, disk_sync, disk_gpu0, disk_gpu0_host_grads, disk_grads_on_gpu, ...
+  host_noclip, host_sync, host_gpu0, disk_sync, disk_gpu0, disk_gpu0_whole, disk_gpu0_host_grads, disk_grads_on_gpu, ...
                          variants of the product (one option each: see bench_peers_systems.py)
   fsdp_cpu_offload_clip  FSDP2 CPUOffloadPolicy + torch fused AdamW on CPU + clip_grad_norm_
   fsdp_cpu_offload       the same without clipping

@@ -23,6 +23,8 @@ RATIOS = {
     "ratio_host_gpu0_vs_zero_offload": ("zero_offload", "host_gpu0"),
     "ratio_disk_gpu0_vs_zero_infinity": ("zero_infinity", "disk_gpu0"),
     "ratio_disk_gpu0_host_grads_vs_zero_infinity": ("zero_infinity", "disk_gpu0_host_grads"),
+    "ratio_disk_gpu0_whole_vs_zero_infinity": ("zero_infinity", "disk_gpu0_whole"),
+    "ratio_split_vs_whole_disk_gpu0": ("disk_gpu0_whole", "disk_gpu0"),
 }
 MODEL_TFLOPS_FORMULA = "(6 * params + 12 * n_layers * dim * seq) * tokens_per_step / iteration_s / 1e12"
 

@@ -73,6 +73,9 @@ SYSTEMS = {
         System("disk_gpu0", "this product, offload=disk, no state on the GPU (offload.gpu_fraction=0): every byte of state "
                "streams through the disk (grad_path=auto: the grads wait on the GPU where the cache would spill)", "train.py",
                offload="disk", disk=True, overrides=("++offload.gpu_fraction=0",)),  # fmt: skip
+        System("disk_gpu0_whole", "disk_gpu0 with the masters whole (offload.split_masters=false: 12 bytes a param in the "
+               "cache and on the disk, not 10)", "train.py", offload="disk", disk=True,
+               overrides=("++offload.gpu_fraction=0", "++offload.split_masters=false")),  # fmt: skip
         System("disk_gpu0_host_grads", "disk_gpu0 with the grads in host memory (offload.grad_path=host_bf16, the default "
                "before grad_path=auto)", "train.py", offload="disk", disk=True,
                overrides=("++offload.gpu_fraction=0", "++offload.grad_path=host_bf16")),  # fmt: skip
