@@ -85,9 +85,10 @@ def test_grad_path_auto_keeps_the_grads_on_the_gpu_where_the_cache_would_spill(t
         (tmp_path / path).mkdir()
         params = [torch.nn.Parameter(t.cuda()) for t in init]
         # gpu_fraction=0.5 keeps 6 of the 11 subgroups on the GPU; the budget holds the 5 others' bf16 grads
-        # and 3 slots and a bit (3 slots), or two windows of one subgroup's grads and 4 slots (auto's choice)
+        # and 3 slots and a bit (3 slots), or two windows of one subgroup's grads and 4 slots (auto's choice);
+        # the masters whole (12 bytes a param), which this sizing is of
         budget = (2 * 5 * SG + 3 * 12 * SG + 11 * SG) / 2**30
-        offload = config(tmp_path / path, grad_path=path, host_budget_gb=budget)
+        offload = config(tmp_path / path, grad_path=path, host_budget_gb=budget, split_masters=False)
         opts[path] = (OffloadAdamW(params, lr=LR, weight_decay=0.1, offload=offload), params)
     (auto, auto_params), (host, host_params) = opts["auto"], opts["host_bf16"]
     assert (auto.grad_path, host.grad_path) == ("gpu_bf16", "host_bf16")
