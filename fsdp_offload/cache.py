@@ -87,16 +87,17 @@ def host_cache_slots(
     return slots
 
 
-def resolve_split_masters(mode: bool | str, param_dtype: str, whole_slots: int | None, streamed: int) -> bool:
+def resolve_split_masters(mode: bool | str, param_dtype: str, whole_slots: int | None, streamed: int, saves: bool) -> bool:
     """`offload.split_masters` made concrete: bf16 masters are split where it says so, or for "auto" where
     the host cache holds fewer than all `streamed` subgroups whole (`whole_slots`; None: the budget is
-    short of the pipeline's minimum whole). Split, a subgroup takes 10 bytes a param, not 12; whole, its
+    short of the pipeline's minimum whole) and a split subgroup is smaller (`saves`: not at 1024 params,
+    whose low halves take a 4 KiB page). Split, a subgroup takes 10 bytes a param, not 12; whole, its
     update is the cheaper kernel, so a cache that holds every subgroup either way keeps them whole."""
     if param_dtype != "bfloat16":
         return False  # (split_masters=true with other params is refused by the config)
     if mode != "auto":
         return bool(mode)
-    return whole_slots is None or whole_slots < streamed
+    return saves and (whole_slots is None or whole_slots < streamed)
 
 
 _MADV_DONTNEED = 4  # Linux: the pages go back to the OS; touched again, they read as zeros

@@ -42,10 +42,11 @@ class CpuRate:
     subgroup_s: float | None = None
 
 
-def kernel_label(kernel: object) -> str:
-    """The CPU kernel as a rate is kept for: the fused one with its instruction set, or torch's."""
+def kernel_label(kernel: object, split: bool = False) -> str:
+    """The CPU kernel as a rate is kept for: the fused one with its instruction set, or torch's; "-split"
+    for its step on split masters (more work a param: its rate is kept apart)."""
     isa = getattr(kernel, "isa", None)
-    return f"fused-{isa}" if isa else "torch"
+    return (f"fused-{isa}" if isa else "torch") + ("-split" if split else "")
 
 
 def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dtype, subgroup_numel: int) -> str:

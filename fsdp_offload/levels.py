@@ -99,7 +99,8 @@ def build_levels(
             except ValueError:
                 return None
 
-        split = resolve_split_masters(cfg.split_masters, cfg.param_dtype, slots(layout.with_split(False).slot_bytes, off_gpu_grads), streamed)
+        whole = slots(layout.with_split(False).slot_bytes, off_gpu_grads)
+        split = resolve_split_masters(cfg.split_masters, cfg.param_dtype, whole, streamed, layout.split_saves)
         layout = layout.with_split(split)
         params_windows = split_windows(layout, device, streamed, param_dtype)
         warn_over_memory(cfg, streamed * layout.slot_bytes + off_gpu_grads + params_windows + sums_host_bytes, local, place == 0)  # the node's first says it

@@ -158,7 +158,7 @@ def _plan_rank(
                                  host_grads + fp32_grads + sums_host, cfg.prefetch, len(cfg.tiers))  # fmt: skip
     except ValueError:
         whole = None
-    layout = layout.with_split(resolve_split_masters(cfg.split_masters, cfg.param_dtype, whole, len(host_sgs)))
+    layout = layout.with_split(resolve_split_masters(cfg.split_masters, cfg.param_dtype, whole, len(host_sgs), layout.split_saves))
     # grad_path="gpu_bf16": the two host windows that CPU-updated subgroups' grads and params pass through
     staging = (windows_bytes(layout, itemsize) if host_sgs else 0) if grads_on_gpu else host_grads
     if layout.split_masters and gpu_bytes is not None and host_sgs:  # and the two the model's params come down through

@@ -167,16 +167,12 @@ class LowpStaging:
                              non_blocking=True)  # fmt: skip
         return part
 
-    def model_params(self, sg: int, params: list[torch.Tensor], updated: bool = False) -> torch.Tensor:
+    def model_params(self, sg: int, params: list[torch.Tensor]) -> torch.Tensor:
         """Subgroup `sg`'s low-precision params (padded with zeros, in host memory) as the model holds them:
-        the high halves of its split masters. `updated`: its new params may not have reached the model yet,
-        and are taken from here (those of params that took grads)."""
+        the high halves of its split masters."""
         out = torch.zeros(self.layout.subgroups[sg].padded, dtype=self.dtype)
         for seg in self.layout.subgroups[sg].segments:
-            if updated and self.staged[seg.param]:
-                out[seg.in_subgroup].copy_(self.view(sg)[seg.in_subgroup])
-            else:
-                out[seg.in_subgroup].copy_(params[seg.param].view(-1)[seg.in_param])
+            out[seg.in_subgroup].copy_(params[seg.param].view(-1)[seg.in_param])
         return out
 
     def model_params_for_update(self, sg: int, params: list[torch.Tensor]) -> torch.Tensor:

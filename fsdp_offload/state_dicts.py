@@ -160,6 +160,9 @@ class OptimizerStates:
                     raise ValueError(
                         f"state_dict param {i} ({keys[i]!r}) {key}: local shape {got}, expected {want} (another model or sharding?)"
                     )
+            if bool((local_data(state[i]["exp_avg_sq"]) < 0).any()):  # (refused before anything is overwritten)
+                raise ValueError(f"state_dict param {i} ({keys[i]!r}) exp_avg_sq holds negative values (a mean of squares "
+                                 "never is): the state is corrupt")  # fmt: skip
 
         def flat(key: str) -> Callable[[int], torch.Tensor]:
             return lambda i: local_data(state[i][key]).reshape(-1).to(torch.float32)

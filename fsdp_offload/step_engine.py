@@ -325,9 +325,10 @@ class StepEngine:
             staging.after_cpu_update(sg, out)
 
     def model_lowp(self, sg: int) -> torch.Tensor:
-        """Subgroup `sg`'s params as the model holds them (or will, once the copies of a step that stopped
-        part-way land): its split masters' high halves."""
-        return self.grads.staging.model_params(sg, [local_data(p) for p in self.params], updated=sg in self.unwritten)
+        """Subgroup `sg`'s params, the last step's copies landed (on the caller's stream): its split masters' high halves."""
+        assert not self.unwritten, "a step that stopped part-way is finished before its state is read"
+        self.copies.current_waits()
+        return self.grads.staging.model_params(sg, [local_data(p) for p in self.params])
 
     @traced("fsdp_offload.copy_back")
     def _copy_back(self, sg: int, params: list[torch.Tensor]) -> None:
@@ -358,7 +359,7 @@ class StepEngine:
         (updated, subgroups, threads, grad_dtype), self._cpu_kernel_run = self._cpu_kernel_run, (0, 0, 0, None)
         if self.rate_learner is not None and updated:
             # (an update started in backward waits there for its grads: its walk is not a step's alone)
-            self.rate_learner.observe(kernel_label(self.cpu_kernel), threads, grad_dtype, updated, m.cpu_kernel_s,
+            self.rate_learner.observe(kernel_label(self.cpu_kernel, self.layout.split_masters), threads, grad_dtype, updated, m.cpu_kernel_s,
                                       None if self.during_backward else step_walk(m, subgroups))  # fmt: skip
         self._finished = m
         for i, has in enumerate(self.grads.staged):

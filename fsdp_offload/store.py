@@ -80,7 +80,6 @@ class SubgroupStore:
         self._lock_wait_seen: dict[str, float] = {}
         # subgroup -> its bf16 params as the model holds them (host, padded): the split masters' high halves
         self.lowp_of: Callable[[int], torch.Tensor] | None = None
-        self._fp32: torch.Tensor | None = None  # a host buffer to join a split subgroup into
 
     # -- split masters ---------------------------------------------------------------------------------
 
@@ -88,23 +87,26 @@ class SubgroupStore:
         """Whether subgroup `sg` is held split now (off the GPU, where the layout splits masters)."""
         return self.layout.subgroups[sg].split and sg not in self.gpu_state
 
-    def _fp32_buffer(self, sg: int) -> torch.Tensor:
-        if self._fp32 is None:
-            self._fp32 = aligned_host_buffer(max(s.state_bytes for s in self.layout.subgroups))
-        return self._fp32[: self.layout.subgroups[sg].state_bytes]
+    def _fp32_buffer(self) -> torch.Tensor:
+        """A host buffer to join split subgroups into, for one pass (outside the host budget, as a
+        checkpoint's writer buffers are: held while a fill, a gather or a load runs)."""
+        return aligned_host_buffer(max(s.state_bytes for s in self.layout.subgroups))
+
+    def _lowp(self, sg: int) -> torch.Tensor:
+        if self.lowp_of is None:
+            raise RuntimeError("split masters are read before the optimizer gave the store its model's params")
+        return self.lowp_of(sg)
 
     def join(self, sg: int, stored: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Subgroup `sg`'s FP32 state in `out`, from `stored` as a host slot holds it; returns `out`."""
         subgroup = self.layout.subgroups[sg]
         if not self.splits(sg):
             return out.copy_(stored)
-        if self.lowp_of is None:
-            raise RuntimeError("split masters are read before the optimizer gave the store its model's params")
         low, m, v = subgroup.stored_parts(stored)
         master, m_out, v_out = subgroup.parts(out)
         m_out.copy_(m)
         v_out.copy_(v)
-        join_masters(low, self.lowp_of(sg), v_out, master)
+        join_masters(low, self._lowp(sg), v_out, master)
         return out
 
     def split(self, sg: int, state: torch.Tensor, stored: torch.Tensor) -> None:
@@ -140,10 +142,15 @@ class SubgroupStore:
         subgroup of the prefetch window goes before its turn (see SubgroupPipeline.run). The GPU-resident
         subgroups (the last ones) come after the others, so an ascending `order` stays ascending."""
 
+        scratch: list[torch.Tensor] = []  # made at the first split subgroup, freed with the pass
+
         def fp32(sg: int, stored: torch.Tensor) -> None:
             if not self.splits(sg):
                 return visit(sg, stored)
-            state = self.join(sg, stored, self._fp32_buffer(sg)) if load else self._fp32_buffer(sg)
+            scratch[:] = scratch or [self._fp32_buffer()]
+            state = scratch[0][: self.layout.subgroups[sg].state_bytes]
+            if load:
+                self.join(sg, stored, state)
             visit(sg, state)
             if dirty:
                 self.split(sg, state, stored)
@@ -217,7 +224,7 @@ class SubgroupStore:
                     held = bounce[: self.layout.subgroups[sg].stored_bytes]
                     self.pipeline.read_stored(sg, held)
                 if self.splits(sg):
-                    held = self.join(sg, held, self._fp32_buffer(sg))
+                    held = self.join(sg, held, self._fp32_buffer()[: self.layout.subgroups[sg].state_bytes])
                 copies[sg] = held.to(device)  # from pageable memory: done when it returns
         except BaseException:
             if lent_by is not None:
@@ -288,7 +295,7 @@ class SubgroupStore:
             self.pipeline.read_stored(sg, stored)
             low = subgroup.stored_parts(stored)[0].clone()  # the masters are joined over it
             master, _, v = subgroup.parts(out)
-            join_masters(low, self.lowp_of(sg), v, master)
+            join_masters(low, self._lowp(sg), v, master)
         else:
             self.pipeline.read_stored(sg, out)
 

@@ -149,6 +149,11 @@ class SubgroupLayout:
     def __len__(self) -> int:
         return len(self.subgroups)
 
+    @property
+    def split_saves(self) -> bool:
+        """Whether its largest subgroup takes fewer bytes split than whole."""
+        return self.with_split(True).slot_bytes < self.with_split(False).slot_bytes
+
     def with_split(self, split_masters: bool) -> SubgroupLayout:
         """This layout, its subgroups held split (or whole) off the GPU."""
         return self if split_masters == self.split_masters else SubgroupLayout(self.numels, self.subgroup_numel, split_masters)

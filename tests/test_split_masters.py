@@ -117,15 +117,22 @@ def test_a_tier_file_holds_10_bytes_a_param(tmp_path):
     opt.close()
 
 
-def test_a_state_with_negative_exp_avg_sq_is_refused(tmp_path):
+@pytest.mark.parametrize("split", [True, False])
+def test_a_state_with_negative_exp_avg_sq_is_refused_before_anything_changes(split):
+    """Its sign bit would carry a rounding bit when split, and torch's sqrt of it is NaN: refused either
+    way, before the load begins, so the optimizer steps on as it was."""
     p = torch.nn.Parameter(torch.randn(N))
-    opt = OffloadAdamW([p], offload=OffloadConfig(kernel="torch", subgroup_numel=SG, split_masters=True))
+    opt = OffloadAdamW([p], offload=OffloadConfig(kernel="torch", subgroup_numel=SG, split_masters=split))
     p.grad = torch.randn(N).bfloat16()
     opt.step()
     state = opt.state_dict()
-    state["state"][0]["exp_avg_sq"][5] = -1.0
-    with pytest.raises(ValueError, match="exp_avg_sq holds negative values"):
-        opt.load_state_dict(state)
+    bad = {**state, "state": {0: {**state["state"][0], "exp_avg_sq": state["state"][0]["exp_avg_sq"].clone()}}}
+    bad["state"][0]["exp_avg_sq"][5] = -1.0
+    with pytest.raises(ValueError, match=r"state_dict param 0 \(0\) exp_avg_sq holds negative values"):
+        opt.load_state_dict(bad)
+    p.grad = torch.randn(N).bfloat16()
+    opt.step()  # not left half-loaded
+    assert opt.state_dict()["state"][0]["step"] == 2
     opt.close()
 
 
@@ -169,3 +176,17 @@ def test_a_param_written_behind_the_optimizer_is_taken_at_bf16_precision(tmp_pat
     opt.step()  # lr=0: the step keeps them
     assert opt.state_dict()["state"][0]["master_param"].abs().max() < 1e-37 and not p.data.any()
     opt.close()
+
+
+def test_auto_keeps_whole_what_splitting_would_not_shrink():
+    """Subgroups of 1024 params take 12 KiB split too (their low halves fill a 4 KiB page): auto keeps
+    them whole, whatever the cache holds; fp16 params are never split."""
+    from fsdp_offload.cache import resolve_split_masters
+
+    assert not SubgroupLayout([4096], 1024).split_saves and SubgroupLayout([4096], 2048).split_saves
+    assert not resolve_split_masters("auto", "bfloat16", 1, 4, saves=False)
+    assert resolve_split_masters("auto", "bfloat16", 1, 4, saves=True)
+    assert resolve_split_masters("auto", "bfloat16", None, 4, saves=True)  # short of the minimum whole
+    assert not resolve_split_masters("auto", "bfloat16", 4, 4, saves=True)
+    assert not resolve_split_masters("auto", "float16", 1, 4, saves=True)
+    assert resolve_split_masters(True, "bfloat16", 4, 4, saves=False)

@@ -40,6 +40,9 @@ namespace arith = fsdp_offload_cpu_adamw;
 // between its passes. The split step joins and splits its masters a block at a time.
 constexpr int64_t kBlock = 2048;
 constexpr int64_t kChunk = 8;  // blocks a thread takes at a time
+// The split step's blocks: half of one, so that its masters, moments, grads, params and low halves all stay
+// in L1 between its join, arithmetic and split (faster than blocks of 2048 on a 2-core AVX-512 machine).
+constexpr int64_t kSplitBlock = kBlock / 2;
 
 // One op's arguments, checked. `low` and `lowp` (bf16) are the split step's masters (param is null).
 struct Step {
@@ -125,7 +128,7 @@ SPLIT_MASTERS_FOR(scalar, )
 // The split step on block [lo, hi): its masters joined into an array of this thread's (in cache), the
 // arithmetic on it, the new masters split again.
 void step_split_block(const Step& a, int64_t lo, int64_t hi) {
-  alignas(64) float master[kBlock];
+  alignas(64) float master[kSplitBlock];
   const int64_t n = hi - lo;
   const auto* out = reinterpret_cast<const uint16_t*>(a.param_out) + lo;
   float* v = a.exp_avg_sq + lo;
@@ -158,7 +161,7 @@ void run(const Step& a) {
         step(a, lo, hi);
         continue;
       }
-      for (int64_t b = lo; b < hi; b += 1024) step_split_block(a, b, std::min<int64_t>(b + 1024, hi));
+      for (int64_t b = lo; b < hi; b += kSplitBlock) step_split_block(a, b, std::min(b + kSplitBlock, hi));
     }
     if (own_mkl_threads) MKL_Set_Num_Threads_Local(mkl_threads_before);
   }
