@@ -166,8 +166,8 @@ class OffloadConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"offload.{name}={getattr(self, name)!r}: choose one of {allowed}")
         self.check_types()
-        if self.split_masters not in ("auto", True, False):
-            raise ValueError(f"offload.split_masters={self.split_masters!r}: choose 'auto', true or false")
+        if not (self.split_masters == "auto" or isinstance(self.split_masters, bool)):
+            raise ValueError(f"offload.split_masters={self.split_masters!r}: choose 'auto', true or false (True or False in Python)")
         if self.split_masters is True and self.param_dtype != "bfloat16":
             raise ValueError(f"offload.split_masters=true keeps the masters' high halves in bf16 params, but offload.param_dtype="
                              f"{self.param_dtype!r}: use bfloat16, or split_masters='auto'")  # fmt: skip

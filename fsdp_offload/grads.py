@@ -98,6 +98,10 @@ class SquareSums:
         squares = self._values.double().square() if self._norms_on_gpu else self._values
         return squares.sum().reshape(1)
 
+    def forget(self, index: int) -> None:
+        """Param `index`'s grad was dropped: it counts in no norm."""
+        self._slots[index].zero_()
+
     def clear(self) -> None:
         self._values.zero_()
 
@@ -363,6 +367,8 @@ class StepGrads:
         self.backwards[index] = 0
         self._accumulated.discard(index)
         self._param_grads_seen.pop(index, None)
+        if self._square_sums is not None:
+            self._square_sums.forget(index)
         self._total = None
 
     def plan_cpu_updates(self, order: list[int], params: list[torch.Tensor]) -> None:

@@ -79,6 +79,11 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         where = "on the GPU (in train~)" if r.grad_accumulation == "gpu" else "in host memory (in the host columns' total)"
         lines.append(f"grad accumulation: {cfg.micro_batches} micro-batches summed in FP32 {where}, "
                      f"{(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes) / GIB:.2f} GiB a rank (offload.grad_accumulation={cfg.grad_accumulation!r})")  # fmt: skip
+    split = [r.rank for r in plan.ranks if r.split_masters]
+    if split:  # (the kernel's rate in the prediction is the whole one's)
+        which = "every rank" if len(split) == len(plan.ranks) else "rank(s) " + ", ".join(map(str, split))
+        lines.append(f"split masters on {which}: the subgroups off the GPU held as their masters' low halves, 10 bytes a "
+                     f"param in the cache and on the tiers (offload.split_masters={cfg.split_masters!r})")  # fmt: skip
     if cfg.grad_path == "auto" and plan.ranks[0].grad_path == "gpu_bf16":
         lines.append("grad path: the low-precision grads wait for their update in GPU memory (offload.grad_path='auto': "
                      "their host memory goes to the cache, which would spill subgroups to the tiers otherwise)")  # fmt: skip

@@ -155,8 +155,9 @@ def test_auto_splits_where_the_cache_would_not_hold_every_subgroup_whole(tmp_pat
     assert layout(param_dtype="float16", loss_scale_init=1.0, host_budget_gb=(STAGING + 6 * 12 * SG) / 2**30, **tier) == (False, 6)
     with pytest.raises(ValueError, match=r"offload.split_masters=true keeps the masters' high halves in bf16 params.*use bfloat16"):
         OffloadConfig(split_masters=True, param_dtype="float16")
-    with pytest.raises(ValueError, match=r"offload.split_masters='yes': choose 'auto', true or false"):
-        OffloadConfig(split_masters="yes")
+    for bad in ("yes", "true", 1):  # (1 == True in Python: refused, not taken as true)
+        with pytest.raises(ValueError, match=r"offload.split_masters=.*: choose 'auto', true or false \(True or False in Python\)"):
+            OffloadConfig(split_masters=bad)
 
 
 def test_a_param_written_behind_the_optimizer_is_taken_at_bf16_precision(tmp_path):
@@ -190,3 +191,13 @@ def test_auto_keeps_whole_what_splitting_would_not_shrink():
     assert not resolve_split_masters("auto", "bfloat16", 4, 4, saves=True)
     assert not resolve_split_masters("auto", "float16", 1, 4, saves=True)
     assert resolve_split_masters(True, "bfloat16", 4, 4, saves=False)
+
+
+def test_the_plan_command_says_where_masters_are_split(tmp_path, capsys):
+    from fsdp_offload.plan import main
+
+    common = [f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64", "machine.cpu_mparams_per_s=500"]
+    assert main([*common, "offload.split_masters=true"]) == 0
+    assert "split masters on every rank: the subgroups off the GPU held as their masters' low halves" in capsys.readouterr().out
+    assert main([*common, "offload.split_masters=false"]) == 0
+    assert "split masters" not in capsys.readouterr().out

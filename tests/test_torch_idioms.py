@@ -189,6 +189,31 @@ def cleared_before_step(rank: int, world: int, tmp: str) -> None:
     opt.close()
 
 
+def cleared_grad_leaves_the_norm(rank: int, world: int, tmp: str) -> None:
+    """With clipping, a p.grad set to None between backward and step() counts in no norm: the step clips by
+    the same norm as with that grad zeroed (`p.grad.zero_()`), and every other param takes the same step."""
+
+    def run(clear: str) -> tuple[float, list[torch.Tensor]]:
+        model = build_model(rank)
+        opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
+                           offload=OffloadConfig(kernel="torch", subgroup_numel=SG, max_grad_norm=0.5))  # fmt: skip
+        loss_of(model, batch(rank, 0)).backward()
+        cleared = list(model.parameters())[3]
+        if clear == "set to None":
+            cleared.grad = None
+        else:
+            cleared.grad.zero_()
+        opt.step()
+        opt.finish_update()
+        out = (opt.last_grad_norm, raw_params(model))
+        opt.close()
+        return out
+
+    (norm, params), (want_norm, want) = run("set to None"), run("zeroed")
+    assert norm == want_norm, (norm, want_norm)
+    same(params[:3] + params[4:], want[:3] + want[4:], "the params beside one whose grad was set to None, with clipping")
+
+
 def no_sync_accumulation(rank: int, world: int, tmp: str) -> None:
     model = build_model(rank)
     opt = OffloadAdamW(model.parameters(), lr=3e-3, model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG, micro_batches=2))
@@ -317,6 +342,10 @@ def test_a_backward_after_step_needs_a_zero_grad_of_either_kind_first(tmp_path):
 
 def test_grads_the_model_clears_between_backward_and_step_are_followed_as_torch_would(tmp_path):
     run_ranks(2, cleared_before_step, str(tmp_path))
+
+
+def test_a_grad_set_to_none_before_step_counts_in_no_clipping_norm(tmp_path):
+    run_ranks(2, cleared_grad_leaves_the_norm, str(tmp_path))
 
 
 def test_fsdp2_gradient_sync_off_is_refused_naming_the_optimizers_own_accumulation(tmp_path):
