@@ -2,8 +2,8 @@
 
 A CPU update of a subgroup whose grads (FP32 micro-batch sums, or the bf16 grads of
 grad_path="gpu_bf16") stay in GPU memory reads them from a host window, as an update of split masters
-reads the model's params. With two windows, while one
-subgroup is updated from one, the next subgroup's data comes down into the other, so the copy is off
+reads the model's params. With two windows, while one subgroup is updated from one, the next
+subgroup's data comes down into the other, so the copy is off
 the update's critical path (where the update is planned with every grad in: with overlap="backward" each
 subgroup's data comes down when it is asked for). Copies go on the caller's current stream (the
 update's: the copy stream after backward when it runs in flight), so anything queued there after a

@@ -160,20 +160,20 @@ class LowpStaging:
         part = self.view(sg)
         return window[: part.numel()].copy_(part, non_blocking=True)
 
+    def _copy_params(self, sg: int, params: list[torch.Tensor], into: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        """Subgroup `sg`'s pieces of the model's `params` into `into` (its padded length), one copy call."""
+        segments = self.layout.subgroups[sg].segments
+        torch._foreach_copy_([into[seg.in_subgroup] for seg in segments],
+                             [params[seg.param].view(-1)[seg.in_param] for seg in segments], non_blocking=non_blocking)  # fmt: skip
+        return into
+
     def _params_down(self, sg: int, window: torch.Tensor) -> torch.Tensor:
-        part = window[: self.layout.subgroups[sg].padded]
-        dsts = [part[seg.in_subgroup] for seg in self.layout.subgroups[sg].segments]
-        torch._foreach_copy_(dsts, [self._params[seg.param].view(-1)[seg.in_param] for seg in self.layout.subgroups[sg].segments],
-                             non_blocking=True)  # fmt: skip
-        return part
+        return self._copy_params(sg, self._params, window[: self.layout.subgroups[sg].padded], non_blocking=True)
 
     def model_params(self, sg: int, params: list[torch.Tensor]) -> torch.Tensor:
         """Subgroup `sg`'s low-precision params (padded with zeros, in host memory) as the model holds them:
         the high halves of its split masters."""
-        out = torch.zeros(self.layout.subgroups[sg].padded, dtype=self.dtype)
-        for seg in self.layout.subgroups[sg].segments:
-            out[seg.in_subgroup].copy_(params[seg.param].view(-1)[seg.in_param])
-        return out
+        return self._copy_params(sg, params, torch.zeros(self.layout.subgroups[sg].padded, dtype=self.dtype), non_blocking=False)
 
     def model_params_for_update(self, sg: int, params: list[torch.Tensor]) -> torch.Tensor:
         """`model_params` for a CPU update of subgroup `sg` (landed; a window's until `after_cpu_update`)."""

@@ -10,6 +10,7 @@ memory and in checkpoints it is FP32.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Callable
@@ -152,7 +153,8 @@ class SubgroupLayout:
     @property
     def split_saves(self) -> bool:
         """Whether its largest subgroup takes fewer bytes split than whole."""
-        return self.with_split(True).slot_bytes < self.with_split(False).slot_bytes
+        largest = max(self.subgroups, key=lambda sg: sg.padded)
+        return dataclasses.replace(largest, split=True).stored_bytes < largest.state_bytes
 
     def with_split(self, split_masters: bool) -> SubgroupLayout:
         """This layout, its subgroups held split (or whole) off the GPU."""

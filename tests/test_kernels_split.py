@@ -28,6 +28,7 @@ import torch
 from fsdp_offload.kernels import cpu_adamw, torch_adamw_step
 from fsdp_offload.kernels.contract import AdamWHyper, check_split_args
 from fsdp_offload.kernels.split_masters import join_masters, split_masters, torch_adamw_step_split
+from test_kernels import _fused, extension  # noqa: F401 (the fixture, shared with the whole kernel's tests)
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SIZES = (7, 3 * 2048 + 37, 100_003)  # none a multiple of 16; the largest spans several chunks of blocks
@@ -144,22 +145,6 @@ def _split_around(step_fn):
         split_masters(master, low, exp_avg_sq)
 
     return step_split
-
-
-@pytest.fixture(scope="module")
-def extension():
-    missing = cpu_adamw.missing_toolchain()
-    if missing is not None:
-        pytest.skip(f"fused CPU AdamW cannot be built here: {missing}")
-    return cpu_adamw.load_extension()  # a build failure with a toolchain present is a test failure
-
-
-def _fused(extension, isa: str, **kwargs) -> cpu_adamw.FusedCpuAdamW:
-    """The fused kernel on `isa`; skips, naming what the CPU lacks, where it cannot run here."""
-    if not extension.isa_supported(isa):
-        needs = " ".join(cpu_adamw.ISA_FEATURES[isa])
-        pytest.skip(f"this CPU lacks {isa} (needs {needs}); it has {', '.join(cpu_adamw.supported_isas())}")
-    return cpu_adamw.load_fused_adamw(isa, **kwargs)
 
 
 # ---- the reference ----
