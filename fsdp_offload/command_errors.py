@@ -9,12 +9,11 @@ import difflib
 import os
 import re
 import sys
-import time
 
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from .job_errors import LET_RANK0_SAY_S
+from .job_errors import wait_for_rank0_to_say_it
 
 
 def refuse_bad_overrides(overrides: list[str]) -> None:
@@ -36,7 +35,7 @@ def refuse_bad_overrides(overrides: list[str]) -> None:
                     "this one (its host memory: train.host_memory_gb)") if machine else did_you_mean(exc, overrides)  # fmt: skip
             print(f"error: {hydra_error_line(exc)}{hint}", file=sys.stderr)
         else:
-            time.sleep(LET_RANK0_SAY_S)  # rank 0 says it: leave it the time to
+            wait_for_rank0_to_say_it()
         sys.exit(2)
 
 

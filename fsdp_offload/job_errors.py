@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import signal
+import time
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -46,10 +48,35 @@ def raise_on_every_rank(error: str | None, group: dist.ProcessGroup | None) -> N
         raise JobError(errors[failed[0]] + where)
 
 
-# Seconds a rank other than 0 waits before it exits on an error rank 0 prints: under torchrun, the first
-# rank to exit with an error has the launcher stop the others, rank 0 with its line unprinted (it lost
-# that race on a busy machine)
+# Seconds a rank other than 0 waits at most before it exits on an error rank 0 prints: under torchrun, the
+# first rank to exit with an error has the launcher stop the others, rank 0 with its line unprinted (it
+# lost that race on a busy machine)
 LET_RANK0_SAY_S = 10.0
+
+
+class _LauncherEnded(Exception):
+    """The launcher's SIGTERM, taken by `wait_for_rank0_to_say_it`."""
+
+
+def _launcher_ended(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one leaves the exit's cleanup whole
+    raise _LauncherEnded
+
+
+def wait_for_rank0_to_say_it() -> bool:
+    """On a rank other than 0, after an error rank 0 prints for the job: waits until the launcher ends
+    this rank (torchrun's SIGTERM, sent once rank 0 has exited, its line said) or LET_RANK0_SAY_S at
+    most, under a launcher that sends none. Whether the SIGTERM came. SIGTERM is ignored from then on,
+    so that the exit's own cleanup is not cut short."""
+    signal.signal(signal.SIGTERM, _launcher_ended)
+    try:
+        try:
+            time.sleep(LET_RANK0_SAY_S)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except _LauncherEnded:
+        return True
+    return False
 
 
 def printed_by_another_rank(exc: BaseException) -> bool:

@@ -34,7 +34,8 @@ from .checkpoint import (
 )  # fmt: skip
 from .config import register_recipe_resolvers
 from .data import TokenBatches
-from .job_errors import LET_RANK0_SAY_S, JobError, a_collective_timed_out, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank
+from .job_errors import (JobError, a_collective_timed_out, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank,
+                         wait_for_rank0_to_say_it)
 from .models import compile_blocks, num_params, preset_name
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
@@ -320,7 +321,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise
         if printed_by_another_rank(exc):
-            time.sleep(LET_RANK0_SAY_S)  # rank 0 says it: leave it the time to
+            wait_for_rank0_to_say_it()
         else:
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)

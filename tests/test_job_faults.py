@@ -250,3 +250,31 @@ def test_a_sigterm_is_taken_once_so_a_second_leaves_the_cleanup_whole():
         assert ended.value.code == 128 + signal.SIGTERM and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+_WAITS_FOR_RANK0 = """
+import os, signal, sys
+from fsdp_offload.job_errors import wait_for_rank0_to_say_it
+signal.signal(signal.SIGTERM, lambda *_: None)  # the test's SIGTERMs before the wait began: let be
+os.write(1, b"waiting\\n")
+ended = wait_for_rank0_to_say_it()
+os.kill(os.getpid(), signal.SIGTERM)  # a second one, during the exit's cleanup: ignored
+print("ended by the launcher" if ended else "waited it out", flush=True)
+sys.exit(2)
+"""
+
+
+def test_a_rank_that_lets_rank0_say_the_error_ends_with_the_launchers_sigterm():
+    """A rank other than 0 waits for rank 0 to print the job's error until torchrun, which rank 0's exit
+    has stop the others, sends it SIGTERM: it exits then as it would have after the wait, and ignores a
+    second SIGTERM. (SIGTERM is sent until the child ends: one sent before its wait began is let be.)"""
+    child = subprocess.Popen([sys.executable, "-c", _WAITS_FOR_RANK0], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "waiting\n"
+    while child.poll() is None:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+    out = child.stdout.read()
+    assert child.returncode == 2 and out == "ended by the launcher\n", (child.returncode, out)
