@@ -313,11 +313,20 @@ class SubgroupPipeline:
         self._chain(retry, f.read_tier)
         return True
 
+    def _keep_but_furthest(self, sg: int, keep: set[int]) -> set[int]:
+        """`keep` less the resident subgroup the pass visits last after `sg`: where the window holds every
+        resident subgroup (all but the few not in host memory, which come first), the one needed now
+        takes the slot of the one needed latest."""
+        later = [s for s in keep if s != sg and self.cache.is_resident(s)]
+        if not later:
+            return keep
+        return keep - {max(later, key=lambda s: self._position.get(s, -1))}
+
     def _acquire(self, sg: int, load: bool, keep: set[int]) -> torch.Tensor:
         if self.cache.is_resident(sg):
             self.hits += sg not in self._read_ahead  # else its fetch was settled early, by another's
         else:
-            if not self._start(sg, load, keep):
+            if not self._start(sg, load, keep) and not self._start(sg, load, self._keep_but_furthest(sg, keep)):
                 raise RuntimeError(f"no host cache slot free for subgroup {sg}: the cache is below its minimum")
             error = self._settle(sg)
             if error is not None:
