@@ -35,6 +35,7 @@ class OptimizerStates:
         self.units = units  # the FSDP units holding the params (none without model=)
         self.store, self.params = engine.store, engine.params
         self.param_states = [ParamState(self, i) for i in range(len(self.params))]  # `opt.state[p]`, in param order
+        self.state_map: ParamStates | None = None  # `opt.state`, set by the optimizer
         self.restored_at: int | None = None  # the step count at the last load of this optimizer's state
 
     def pass_order(self) -> list[int]:
@@ -226,6 +227,25 @@ class OptimizerStates:
         self.store.check_layout(meta["layout"])
         self.check_groups(meta["group_sizes"])
         self.end_load(meta["param_groups"], meta["steps"], meta["offload"])
+
+
+class ParamStates(dict):
+    """`opt.state` of an OffloadAdamW: each param's ParamState, read only. Clearing it or deleting a param's
+    entry, as code resetting torch AdamW's moments does, would change nothing here (the state lives in
+    the store): it raises, naming the way that does reset them. A param it does not hold reads as {}, as
+    torch's defaultdict reads, and is not added."""
+
+    def __missing__(self, key: object) -> dict:
+        return {}
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "opt.state is read-only: OffloadAdamW's state lives out of core, and changing opt.state would not change it "
+            "(a cleared or deleted entry would not restart the moments as torch AdamW's would). To reset the moments, set "
+            "'exp_avg', 'exp_avg_sq' and 'step' to zeros in opt.state_dict() and load it with opt.load_state_dict()"
+        )
+
+    __setitem__ = __delitem__ = clear = pop = popitem = update = setdefault = __ior__ = _refuse
 
 
 class ParamState(Mapping):

@@ -13,6 +13,7 @@ refuses writes, copy/pickle refuse clearly.
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import logging
@@ -406,10 +407,19 @@ def test_opt_state_is_read_only():
     with pytest.raises(TypeError, match="read-only"):
         state["exp_avg"] = torch.zeros_like(exp_avg)
     assert torch.equal(opt.state[params[0]]["exp_avg"], exp_avg) and float(opt.state[params[0]]["step"]) == 1.0
+    # what resets torch AdamW's moments would reset nothing here: refused, naming what does (helper-70)
+    for reset in (lambda: opt.state.clear(), lambda: opt.state.pop(params[0]), lambda: opt.state.update({}),
+                  lambda: opt.state.__delitem__(params[0]), lambda: opt.state.__setitem__(params[0], {})):  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"opt.state is read-only.*'exp_avg', 'exp_avg_sq' and 'step' to zeros"):
+            reset()
+    assert len(opt.state) == len(params) and opt.state[torch.nn.Parameter(torch.zeros(1))] == {}  # as torch's reads
     buffer = io.BytesIO()
     torch.save(dict(state), buffer)  # saves plain tensors
     buffer.seek(0)
     assert type(torch.load(buffer)["exp_avg"]) is torch.Tensor
+    opt.state = collections.defaultdict(dict)  # replaced: refused at the next call, before it changes anything
+    with pytest.raises(RuntimeError, match="opt.state is read-only"):
+        opt.step()
     opt.close()
 
 
