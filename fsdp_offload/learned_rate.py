@@ -57,21 +57,22 @@ def update_rate_key(kernel: str, ranks: int, threads: int, grad_dtype: torch.dty
     return f"{kernel} {ranks} ranks x {threads} threads, {grads} grads, subgroups of {subgroup_numel}"
 
 
-def rate_key_for(cfg: OffloadConfig, ranks: int, threads: int) -> str:
+def rate_key_for(cfg: OffloadConfig, ranks: int, threads: int, split: bool = False) -> str:
     """The key a run of `cfg` with `ranks` on the node, `threads` each, saves its rate under (the kernel's
-    grads: FP32 where micro-batches are summed or the FP32 grad path is taken, else the params' dtype)."""
+    grads: FP32 where micro-batches are summed or the FP32 grad path is taken, else the params' dtype), for
+    the step on whole masters or on `split` ones."""
     grads = torch.float32 if cfg.micro_batches > 1 or cfg.grad_path == "tier_fp32" else getattr(torch, cfg.param_dtype)
-    return update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1]), ranks, threads, grads, cfg.subgroup_numel)
+    return update_rate_key(kernel_label(get_adamw_kernel(cfg.kernel)[1], split), ranks, threads, grads, cfg.subgroup_numel)
 
 
-def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate | None:
+def learned_rate_for(cfg: OffloadConfig, ranks: int, threads: int, split: bool = False) -> CpuRate | None:
     """The slowest local rank's rate (a step's update is its slowest rank's) that the last run here with
     that key saved in cfg.bandwidth_profile; None without a profile, without such a run, where that
     run saved fewer than `ranks` ranks' (it ended before its fourth step), or where its entry is broken
     (a hand edit: the profile warns of it). Reads only: a profile not there yet is not made."""
     if cfg.bandwidth_profile is None or not os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
         return None
-    key = rate_key_for(cfg, ranks, threads)
+    key = rate_key_for(cfg, ranks, threads, split)
     with locked_profile(cfg.bandwidth_profile) as profile:
         _, rates, updated = profile.update_rate_entry(key)
         walks = profile.update_rate_walks(key)
@@ -93,12 +94,12 @@ def step_walk(metrics, cpu_subgroups: int) -> float | None:
     return max(0.0, metrics.update_s - metrics.cpu_kernel_s - metrics.norm_s) / cpu_subgroups
 
 
-def unlearned_note(cfg: OffloadConfig, ranks: int, threads: int) -> str:
+def unlearned_note(cfg: OffloadConfig, ranks: int, threads: int, split: bool = False) -> str:
     """For a plan that found no learned rate in cfg.bandwidth_profile: what would give it one ("" without
     a profile), naming a run of this key that ended before every rank saved, and the keys of other runs."""
     if cfg.bandwidth_profile is None:
         return ""
-    key = rate_key_for(cfg, ranks, threads)
+    key = rate_key_for(cfg, ranks, threads, split)
     parts = [f"a run here of {LEARN_STEPS + 1} steps or more saves its own to {cfg.bandwidth_profile}, and the next plan uses it"]
     if os.path.isfile(os.path.expanduser(cfg.bandwidth_profile)):
         with locked_profile(cfg.bandwidth_profile) as profile:

@@ -176,19 +176,30 @@ SHARED_FILE_SYSTEM_NOTE = ("are on one file system: they share its bandwidth, wh
 QUIET_TRIES = 3  # timings of the CPU rate, at most, while the rest of the node keeps it busy
 
 
-def timed_rate(cfg: OffloadConfig, ranks: int, threads: int) -> CpuRate:
+def timed_rate(cfg: OffloadConfig, ranks: int, threads: int, split: bool = False) -> CpuRate:
     """The kernel timed here as the node's ranks run it. Where the rest of the node took a core or more
     meanwhile (update_rate.OtherLoad), which slows the kernel, it is timed again, up to QUIET_TRIES times in
     all, and the reading beside the least load kept (on nvidia-h200-x4, a timing beside 1.8 cores of steal
     predicted 1.18x the measured update, session 30); the detail says where even that one was busy."""
     readings = []
     for _ in range(QUIET_TRIES):
-        readings.append(timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks)))
+        readings.append(timed_beside_load(lambda: node_update_rate(cfg.kernel, cfg.subgroup_numel, threads, ranks, split)))
         if readings[-1][1] is None or not readings[-1][1].busy:
             break
     rate, load = min(readings, key=lambda reading: 0.0 if reading[1] is None else reading[1].cores)
-    notes = [load.warning() if load is not None else "", unlearned_note(cfg, ranks, threads)]
+    notes = [load.warning() if load is not None else "", unlearned_note(cfg, ranks, threads, split)]
     return CpuRate(rate, "timed", "; ".join(n for n in notes if n))
+
+
+def split_step_rate(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> CpuRate:
+    """Each rank's CPU update speed on split masters (a plan that splits them predicts its kernel from it), found
+    as measured_speeds finds the whole step's: machine.cpu_mparams_per_s, which states one rate for both; else
+    the split step's learned here; else the split step timed here."""
+    if machine.cpu_mparams_per_s is not None:
+        return CpuRate(machine.cpu_mparams_per_s * 1e6, "given")
+    ranks = machine.ranks_per_node
+    threads = cpu_threads_per_rank(cpu_threads, ranks)
+    return learned_rate_for(cfg, ranks, threads, split=True) or timed_rate(cfg, ranks, threads, split=True)
 
 
 def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[CpuRate, list[TierSpeed] | None]:

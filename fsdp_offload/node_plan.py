@@ -113,9 +113,10 @@ def _plan_rank(
     args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, *, grad_path: str,
     world_size: int, gpu_bytes: int | None, host_budget: int | None,
     budget_name: str, speeds: list[TierSpeed] | None, placement_speeds: list[TierSpeed] | None, cpu_rate: float | None,
-    seq_len: int, micro_batch: int, costs: UpdateCosts,
+    split_cpu_rate: float | None, seq_len: int, micro_batch: int, costs: UpdateCosts,
 ) -> RankPlan:  # fmt: skip
-    """One rank's plan with the low-precision grads at `grad_path` (resolved)."""
+    """One rank's plan with the low-precision grads at `grad_path` (resolved); its kernel at `split_cpu_rate`
+    where it splits the masters and that rate is known, else at `cpu_rate` (make_plan says which)."""
     itemsize = 2  # bf16 and fp16 alike
     layout = SubgroupLayout(shapes.local_numels(world_size, rank), cfg.subgroup_numel)  # whole, until the cache is sized
     local = sum(layout.numels)
@@ -207,8 +208,9 @@ def _plan_rank(
     else:  # the host cache holds every subgroup off the GPU: no tier is ever written
         plan.tiers = [TierPlan(spec, 0, 0, 0.0, 0.0, machine.tier_free_bytes(i, s.dir)) for i, (spec, s) in enumerate(zip(cfg.tiers, cfg.tier_specs))]
         plan.io_s, first_read = 0.0, 0.0
-    if cpu_rate is not None:
-        plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / cpu_rate
+    rate = split_cpu_rate if layout.split_masters and split_cpu_rate is not None else cpu_rate
+    if rate is not None:
+        plan.cpu_s = sum(layout.subgroups[sg].numel for sg in host_sgs) / rate
     plan.walk_s, plan.step_s = costs.walk_seconds(streamed, transfers), costs.step_s
     plan.gpu_s = sum(layout.subgroups[sg].numel for sg in on_gpu) * 28 / (machine.gpu_update_gbps * 1e9)
     if plan.io_s is not None and plan.cpu_s is not None:  # the kernel and the walk are one thread's, the I/O the tiers'
@@ -224,12 +226,13 @@ def plan_speeds(cfg: OffloadConfig, given: list[TierSpeed] | None) -> list[TierS
 def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: MachineConfig, seq_len: int, micro_batch: int,
               device_type: str, cpu_rate: float | None = None, speeds: list[TierSpeed] | None = None,
               host_budget: tuple[int | None, str] | None = None, costs: UpdateCosts | None = None,
-              node_ranks: Sequence[int] | None = None, world_size: int | None = None) -> Plan:  # fmt: skip
+              node_ranks: Sequence[int] | None = None, world_size: int | None = None,
+              split_cpu_rate: float | None = None) -> Plan:  # fmt: skip
     """Plans every rank of a node that trains on `device_type` and checks that it fits: the GPU, the host
     (budget or memory), and each file system's free space (shared by the node's ranks and by the tiers on
     it). Raises PlanError naming the level that is short, ValueError for options the target cannot run.
     `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
-    predicted), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
+    predicted), `split_cpu_rate` the kernel's on split masters (None: at `cpu_rate`, which the plan says), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
     plan_speeds gets them once for every rank's placement. `args` checkpoint and reshard or not ('auto':
     step_memory.plan_step_memory). `node_ranks`: the node's ranks in the job of `world_size` ranks, each
     planned for its own shard (None: the first node's of machine.world_size; nodes may hold unlike counts)."""
@@ -259,10 +262,11 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     shapes = ModelShapes.of(args)
     ranks = [plan_rank(args, shapes, cfg, machine, r, world_size=world, gpu_bytes=gpu_bytes, host_budget=host_budget,
                        budget_name=budget_name, speeds=rank_speeds, placement_speeds=speeds, cpu_rate=cpu_rate,
-                       seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
+                       split_cpu_rate=split_cpu_rate, seq_len=seq_len, micro_batch=micro_batch, costs=costs or UpdateCosts())
              for r in node]  # fmt: skip
     plan = Plan(model_name, num_params(args), world, ranks, None if cpu_rate is None else cpu_rate / 1e6,
                 gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing,
-                reshard_after_forward=args.reshard_after_forward)  # fmt: skip
+                reshard_after_forward=args.reshard_after_forward,
+                split_cpu_mparams_per_s=None if split_cpu_rate is None else split_cpu_rate / 1e6)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan

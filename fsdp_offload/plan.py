@@ -38,7 +38,8 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes,
+from .learned_rate import CpuRate
+from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, split_step_rate,
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
@@ -50,6 +51,16 @@ from .units import GIB, SIZE_UNITS, format_count, format_seconds, parse_size, re
 from .update_costs import measured_costs
 
 
+def split_rate_words(plan: Plan) -> str:
+    """What the plan's split masters were predicted at ("" where no rank splits them)."""
+    if not plan.splits:
+        return ""
+    if plan.split_cpu_mparams_per_s is None:
+        return " (on split masters too: their step's rate is not known here)"
+    source = f", {plan.split_cpu_rate_source}" if plan.split_cpu_rate_source else ""
+    return f" ({plan.split_cpu_mparams_per_s:.0f} on split masters{source})"
+
+
 def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     g = lambda n: f"{n / GIB:.1f}"  # noqa: E731
     # training on the CPU, the model's columns are host memory
@@ -57,7 +68,8 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
     memory = f"GPU {g(plan.gpu_bytes)} GiB per rank" if plan.gpu_bytes is not None else "trains on the CPU"
     lines = [
         (f"{plan.model}: {format_count(plan.params)} params over {plan.world_size} rank(s); CPU update "
-         f"{plan.cpu_mparams_per_s:.0f} M params/s per rank; {memory}, host {g(plan.host_bytes)} GiB for the node"),
+         f"{plan.cpu_mparams_per_s:.0f} M params/s per rank{split_rate_words(plan)}; {memory}, host {g(plan.host_bytes)} GiB "
+         "for the node"),
         "",
         f"rank  params  subgroups  state GiB | {device}: subgroups GiB  params GiB  start-up~ train~ | host: staging "
         "cache(slots) GiB | " + "".join(f"{t}: placed sg, file GiB at most (read/written GiB a step) | " for t in cfg.tiers)
@@ -205,15 +217,21 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
                              f"be read here (planning for another machine?); state its tiers: {unstated} (one entry per tier), or "
                              "make the dir")  # fmt: skip
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
+    split: list[CpuRate] = []  # the split step's rate, found where the plan splits the masters
     planned = lambda costs, args: make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch,  # noqa: E731
-                                            device, rate.params_per_s, speeds, costs=costs)  # fmt: skip
+                                            device, rate.params_per_s, speeds, costs=costs,
+                                            split_cpu_rate=split[0].params_per_s if split else None)  # fmt: skip
     # one that does not fit says so before seconds of timing; one that writes no tier times none
     plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
+    if plan.splits:
+        split.append(split_step_rate(ocfg, machine, train.cpu_threads))
+        plan = dataclasses.replace(planned(None, args), step_memory_why=plan.step_memory_why)
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
     costs = measured_costs(ocfg, machine, train.cpu_threads, rate, streams=streams)
     if costs is not None:  # (the same plan, its prediction now with the fixed costs)
         plan = dataclasses.replace(planned(costs, args), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
+    plan.split_cpu_rate_source = split[0].source if split else None
     return plan, ocfg
 
 

@@ -83,6 +83,13 @@ class Plan:
     activation_checkpointing: bool = False  # the model's, as planned
     reshard_after_forward: bool = True  # the model's, as planned
     step_memory_why: str = ""  # why the two above (step_memory.plan_step_memory)
+    split_cpu_mparams_per_s: float | None = None  # the kernel's on split masters (None: those ranks at cpu_mparams_per_s)
+    split_cpu_rate_source: str | None = None  # where it came from, as cpu_rate_source
+
+    @property
+    def splits(self) -> bool:
+        """Whether any rank holds its masters split off the GPU (its kernel: the split step's)."""
+        return any(r.split_masters for r in self.ranks)
 
     @property
     def predicted_update_s(self) -> float | None:

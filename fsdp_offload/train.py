@@ -44,7 +44,7 @@ from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
 from .node_plan import make_plan
 from .command_errors import refuse_bad_overrides
-from .plan import plan_summary
+from .plan import plan_summary, split_rate_words
 from .resume_config import follow_config, train_hyper
 from .recipe import read_config
 from .run_setup import check_writable_dir, init_distributed, lr_lambda, rng_state, run_dir, set_rng_state
@@ -134,7 +134,8 @@ def _run(cfg: DictConfig) -> list[dict]:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
         # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
-        learned = learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local))
+        learned, learned_split = (learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local), split)
+                                  for split in (False, True))  # fmt: skip
         # this node's ranks, each planned for its own shard of the job's (another node's may be smaller)
         node = node_peers(group) if group is not None else [0]
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local),
@@ -142,7 +143,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         costs = None if learned is None else learned_walk(learned)  # (nothing timed here: it would slow the start)
         planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
                                          device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
-                                         costs=costs, node_ranks=node, world_size=world)  # fmt: skip
+                                         costs=costs, node_ranks=node, world_size=world,
+                                         split_cpu_rate=None if learned_split is None else learned_split.params_per_s)  # fmt: skip
         # a plan short on one node alone (its free space, its memory) is said once, by every rank
         settle = lambda short: raise_on_every_rank(None if short is None else str(short), group)  # noqa: E731
         plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree, settle)
@@ -152,8 +154,9 @@ def _run(cfg: DictConfig) -> list[dict]:
             if step_overflow(plan):
                 log.warning("plan: %s", step_overflow(plan))
             if plan.predicted_update_s is not None:
-                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)%s",
-                         format_seconds(plan.predicted_update_s), learned.detail,
+                log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)%s%s",
+                         format_seconds(plan.predicted_update_s), "; ".join(r.detail for r in (learned, learned_split) if r),
+                         split_rate_words(plan),
                          (" and its steps' walk a subgroup; the grad norm and tier transfers not counted" if costs else
                           "; the update's fixed costs not counted") + " (the plan command times them)")  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its

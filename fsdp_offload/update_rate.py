@@ -26,9 +26,10 @@ _NODE_NUMEL = 128 << 20  # params all teams time at once, at most (14 bytes each
 COLD_BYTES = 64 << 20
 
 
-def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks: int) -> float:
+def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks: int, split: bool = False) -> float:
     """Params per second of each rank's CPU update while the node's `ranks` update at once, `threads`
-    intra-op threads each.
+    intra-op threads each: the step on whole masters, or on `split` ones (kernels/split_masters.py: the
+    masters' low halves, joined with the model's bf16 params, 14 bytes a param in memory as well).
 
     The ranks are timed as they run: `ranks` kernels side by side in this process, each called from its
     own Python thread with its own `threads` (the kernels release the GIL, and the intra-op thread count
@@ -47,9 +48,10 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     The kernel alone, called back to back: a step's update also walks its subgroups, wakes the kernel's
     threads once a subgroup and copies the new params to the model (update_costs.py times what those
     add), and runs beside the next forward."""
-    from .kernels import get_adamw_kernel
+    from .kernels import get_adamw_kernel, split_step_of
 
     _, kernel = get_adamw_kernel(kernel_name)
+    split_step = split_step_of(kernel) if split else None
     n = max(1, min(subgroup_numel, 64 << 20, _NODE_NUMEL // ranks))
     durations = [0.0] * ranks
     rounds: list[float] = []
@@ -68,17 +70,23 @@ def node_update_rate(kernel_name: str, subgroup_numel: int, threads: int, ranks:
     def team(i: int) -> None:
         try:
             use_cpu_threads(threads)
-            copies = [(torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16)) for _ in range(-(-COLD_BYTES // (14 * n)))]
+            # (split: the low halves, of 2 bytes, in the first row's place, and the model's bf16 params beside them)
+            copies = [(torch.zeros(3, n), torch.empty(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.int16) if split else None,
+                       torch.zeros(n, dtype=torch.bfloat16) if split else None) for _ in range(-(-COLD_BYTES // (14 * n)))]  # fmt: skip
             step = 0
             while True:
-                state, grads = copies[step % len(copies)]
+                state, grads, low, lowp = copies[step % len(copies)]
                 grads.fill_(1e-3)  # the step before wrote new params over them
                 barrier.wait()  # every team starts a round together
                 if done[0]:
                     return
                 step += 1
+                hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step)
                 t0 = time.perf_counter()
-                kernel(state[0], state[1], state[2], grads, grads, AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, step))
+                if split_step is None:
+                    kernel(state[0], state[1], state[2], grads, grads, hyper)
+                else:
+                    split_step(low, state[1], state[2], grads, lowp, grads, hyper)
                 durations[i] = time.perf_counter() - t0
         except threading.BrokenBarrierError:
             raise

@@ -71,7 +71,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                    predicted_walk_s=mine.walk_s, predicted_step_s=mine.step_s,
                    predicted_gpu_startup_gib=mine.gpu_startup_bytes / 2**30, predicted_gpu_train_gib=mine.gpu_train_bytes / 2**30,
                    planned=dataclasses.asdict(mine), cpu_mparams_per_s=plan.cpu_mparams_per_s, cpu_rate_source=plan.cpu_rate_source,
-                   cpu_rate_detail=plan.cpu_rate_detail)  # fmt: skip
+                   cpu_rate_detail=plan.cpu_rate_detail, split_cpu_mparams_per_s=plan.split_cpu_mparams_per_s,
+                   split_cpu_rate_source=plan.split_cpu_rate_source)  # fmt: skip
     out_dir = os.path.join(args.log_dir, f"case{index}")
     os.makedirs(out_dir, exist_ok=True)
     launch = [sys.executable, TRAIN] if nproc == 1 else [

@@ -408,7 +408,8 @@ def test_the_cpu_update_is_timed_as_the_nodes_ranks_run_it(monkeypatch):
 
 def test_the_real_kernels_time_as_two_teams():
     for kernel in ("torch", "auto"):
-        assert 0 < update_rate.node_update_rate(kernel, 1 << 12, 1, 2) < math.inf
+        for split in (False, True):  # the step on whole masters, and on split ones
+            assert 0 < update_rate.node_update_rate(kernel, 1 << 12, 1, 2, split) < math.inf
 
 
 def test_a_team_whose_kernel_fails_raises_its_error_and_stops_the_others(monkeypatch):

@@ -201,3 +201,27 @@ def test_the_plan_command_says_where_masters_are_split(tmp_path, capsys):
     assert "split masters on every rank: the subgroups off the GPU held as their masters' low halves" in capsys.readouterr().out
     assert main([*common, "offload.split_masters=false"]) == 0
     assert "split masters" not in capsys.readouterr().out
+
+
+def test_a_split_plan_predicts_its_kernel_at_the_split_steps_rate(tmp_path, capsys, monkeypatch):
+    """The split step does more a param than the whole one: a plan that splits the masters predicts its kernel
+    at the rate an earlier run's split steps had here (else the split step timed), and says which."""
+    from fsdp_offload import update_costs as update_costs_module
+    from fsdp_offload.plan import compose_plan_config, main, plan_from_config
+    from fsdp_offload.update_costs import UpdateCosts
+    from test_update_rate_learned import learn
+
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: UpdateCosts())
+    path, threads, numel = str(tmp_path / "p.json"), torch.get_num_threads(), 16384  # (the default recipe's, tiny_disk)
+    learn(path, 1e9, threads=threads, numel=numel)
+    learn(path, 0.25e9, threads=threads, numel=numel, kernel="torch-split", run="run-b")
+    common = [f"offload.tiers=[posix:{tmp_path}]", "train.device=cpu", "machine.host_gib=64", "offload.kernel=torch",
+              f"offload.bandwidth_profile={path}", f"train.cpu_threads={threads}"]  # fmt: skip
+    assert main([*common, "offload.split_masters=true"]) == 0
+    assert "CPU update 1000 M params/s per rank (250 on split masters, learned)" in capsys.readouterr().out
+    plan, _ = plan_from_config(*compose_plan_config([*common, "offload.split_masters=true"]))
+    assert plan.ranks[0].cpu_s == pytest.approx(plan.params / 0.25e9)  # every param updated on the CPU, split
+    assert main([*common, "offload.split_masters=false"]) == 0
+    assert "on split masters" not in capsys.readouterr().out
+    assert main([*common, "offload.split_masters=true", "machine.cpu_mparams_per_s=500"]) == 0  # one stated rate for both
+    assert "CPU update 500 M params/s per rank (500 on split masters, given)" in capsys.readouterr().out
