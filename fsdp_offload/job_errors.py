@@ -68,9 +68,9 @@ def wait_for_rank0_to_say_it() -> bool:
     this rank (torchrun's SIGTERM, sent once rank 0 has exited, its line said) or LET_RANK0_SAY_S at
     most, under a launcher that sends none. Whether the SIGTERM came. SIGTERM is ignored from then on,
     so that the exit's own cleanup is not cut short."""
-    signal.signal(signal.SIGTERM, _launcher_ended)
     try:
         try:
+            signal.signal(signal.SIGTERM, _launcher_ended)  # (inside: one taken the moment it is installed is caught)
             time.sleep(LET_RANK0_SAY_S)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

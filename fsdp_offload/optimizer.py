@@ -35,7 +35,7 @@ from .optimizer_args import (
 )  # fmt: skip
 from .order import forward_order, order_ending_with
 from .overlap import UpdateAborted, UpdateInFlight
-from .state_dicts import OptimizerStates, ParamStates
+from .state_dicts import OptimizerStates, ParamStates, ReadOnlyStateAttr
 from .step_engine import StepEngine
 from .subgroups import SubgroupLayout
 from .torch_idioms import NoGradSteps, check_params_unswapped, follow_cleared_grads, hand_over_held_grads, has_step_post_hooks, refuse_copy, step_has_grads  # noqa: E501
@@ -44,7 +44,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
 
 
-class OffloadAdamW(torch.optim.Optimizer):
+class OffloadAdamW(ReadOnlyStateAttr, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with out-of-core FP32 state.
 
     Build it on the model's FP32 params: it takes their values as master weights and then casts those
@@ -181,7 +181,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 setattr(p, CAST_MARK, True)
         # `self.state[p]` answers as torch's AdamW's does; a non-empty `state` also tells torch's
         # distributed state-dict API that the state exists (it would otherwise run a zero-lr step)
-        self.state = self._states.state_map = ParamStates(zip(self._params, self._states.param_states))
+        self.state = ParamStates(zip(self._params, self._states.param_states))  # (read-only: ReadOnlyStateAttr)
 
     def placement(self) -> dict[str, Any]:
         """Where this rank's subgroups live now: on the GPU, in host cache slots, and by tier (the one
@@ -385,8 +385,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         if not self._owned.open:
             raise RuntimeError("this OffloadAdamW was closed (its tier files and buffers are gone): build a new one, and load "
                                "a checkpoint into it to go on")  # fmt: skip
-        if self.state is not self._states.state_map:
-            ParamStates._refuse(self.state)  # replaced, as `opt.state = defaultdict(dict)` resets torch AdamW's moments
 
     def _settle(self) -> None:
         """Between steps: the update in flight finished, and no step stopped part-way."""

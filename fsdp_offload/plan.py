@@ -92,7 +92,7 @@ def format_plan(plan: Plan, cfg: OffloadConfig) -> str:
         lines.append(f"grad accumulation: {cfg.micro_batches} micro-batches summed in FP32 {where}, "
                      f"{(r.grad_sums_gpu_bytes + r.grad_sums_host_bytes) / GIB:.2f} GiB a rank (offload.grad_accumulation={cfg.grad_accumulation!r})")  # fmt: skip
     split = [r.rank for r in plan.ranks if r.split_masters]
-    if split:  # (the kernel's rate in the prediction is the whole one's)
+    if split:  # (the kernel predicted at the split step's rate: the first line's)
         which = "every rank" if len(split) == len(plan.ranks) else "rank(s) " + ", ".join(map(str, split))
         lines.append(f"split masters on {which}: the subgroups off the GPU held as their masters' low halves, 10 bytes a "
                      f"param in the cache and on the tiers (offload.split_masters={cfg.split_masters!r})")  # fmt: skip
@@ -227,11 +227,14 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
         split.append(split_step_rate(ocfg, machine, train.cpu_threads))
         plan = dataclasses.replace(planned(None, args), step_memory_why=plan.step_memory_why)
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
-    costs = measured_costs(ocfg, machine, train.cpu_threads, rate, streams=streams)
+    # the fixed costs beside the rate the kernel is predicted at: a timed one leaves out a call's cost, a learned one
+    # holds it and may hold its run's walk (where only some ranks split, beside the whole step's)
+    kernel_rate = split[0] if split and all(r.split_masters for r in plan.ranks) else rate
+    costs = measured_costs(ocfg, machine, train.cpu_threads, kernel_rate, streams=streams)
     if costs is not None:  # (the same plan, its prediction now with the fixed costs)
         plan = dataclasses.replace(planned(costs, args), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
-    plan.split_cpu_rate_source = split[0].source if split else None
+    plan.split_cpu_rate_source, plan.split_cpu_rate_detail = (split[0].source, split[0].detail) if split else (None, "")
     return plan, ocfg
 
 
@@ -287,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
               "another machine, state its rate a rank: machine.cpu_mparams_per_s=<M params/s>")  # fmt: skip
         if plan.cpu_rate_detail:
             print(f"  {plan.cpu_rate_detail}")
+    if plan.split_cpu_rate_detail:  # (learned: the run it came from; timed: what would give a learned one)
+        print(f"CPU update rate on split masters, {plan.split_cpu_rate_source}: {plan.split_cpu_rate_detail}")
     if machine.tier_read_gbps is None and all(os.path.isdir(spec.dir) for spec in ocfg.tier_specs):  # measured here
         for shared in tiers_sharing_a_file_system(ocfg.tier_specs):
             print(f"note: offload.tiers {' and '.join(shared)} {SHARED_FILE_SYSTEM_NOTE}")

@@ -85,6 +85,7 @@ class Plan:
     step_memory_why: str = ""  # why the two above (step_memory.plan_step_memory)
     split_cpu_mparams_per_s: float | None = None  # the kernel's on split masters (None: those ranks at cpu_mparams_per_s)
     split_cpu_rate_source: str | None = None  # where it came from, as cpu_rate_source
+    split_cpu_rate_detail: str = ""  # as cpu_rate_detail
 
     @property
     def splits(self) -> bool:

@@ -35,7 +35,6 @@ class OptimizerStates:
         self.units = units  # the FSDP units holding the params (none without model=)
         self.store, self.params = engine.store, engine.params
         self.param_states = [ParamState(self, i) for i in range(len(self.params))]  # `opt.state[p]`, in param order
-        self.state_map: ParamStates | None = None  # `opt.state`, set by the optimizer
         self.restored_at: int | None = None  # the step count at the last load of this optimizer's state
 
     def pass_order(self) -> list[int]:
@@ -246,6 +245,25 @@ class ParamStates(dict):
         )
 
     __setitem__ = __delitem__ = clear = pop = popitem = update = setdefault = __ior__ = _refuse
+
+    def __reduce__(self) -> tuple:  # a copy (copy.copy, deepcopy, pickle) is a plain dict of the same views
+        return dict, (dict(self),)
+
+
+class ReadOnlyStateAttr:
+    """`opt.state` as an attribute that takes torch's own map at construction and then the optimizer's
+    ParamStates, and refuses to be replaced after that (`opt.state = defaultdict(dict)`, as code resetting
+    torch AdamW's moments does), at that line, leaving the optimizer as it was."""
+
+    @property
+    def state(self) -> Any:
+        return self.__dict__["_state_map"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if isinstance(self.__dict__.get("_state_map"), ParamStates):
+            ParamStates._refuse(value)
+        self.__dict__["_state_map"] = value
 
 
 class ParamState(Mapping):

@@ -225,3 +225,11 @@ def test_a_split_plan_predicts_its_kernel_at_the_split_steps_rate(tmp_path, caps
     assert "on split masters" not in capsys.readouterr().out
     assert main([*common, "offload.split_masters=true", "machine.cpu_mparams_per_s=500"]) == 0  # one stated rate for both
     assert "CPU update 500 M params/s per rank (500 on split masters, given)" in capsys.readouterr().out
+    # the fixed costs go beside the rate the kernel is predicted at: a learned one already holds a call's cost
+    beside = []
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: beside.append(a[6]) or UpdateCosts())
+    only_split = str(tmp_path / "q.json")
+    learn(only_split, 0.25e9, threads=threads, numel=numel, kernel="torch-split")
+    assert main([*common, "offload.split_masters=true", f"offload.bandwidth_profile={only_split}"]) == 0
+    out = capsys.readouterr().out
+    assert "(250 on split masters, learned)" in out and "CPU update rate: timed" in out and beside == [None], beside
