@@ -232,7 +232,8 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     (budget or memory), and each file system's free space (shared by the node's ranks and by the tiers on
     it). Raises PlanError naming the level that is short, ValueError for options the target cannot run.
     `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
-    predicted), `split_cpu_rate` the kernel's on split masters (None: at `cpu_rate`, which the plan says), `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
+    predicted), `split_cpu_rate` the kernel's on split masters (None: at `cpu_rate`, which the plan says),
+    `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
     plan_speeds gets them once for every rank's placement. `args` checkpoint and reshard or not ('auto':
     step_memory.plan_step_memory). `node_ranks`: the node's ranks in the job of `world_size` ranks, each
     planned for its own shard (None: the first node's of machine.world_size; nodes may hold unlike counts)."""

@@ -223,15 +223,14 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
                                             split_cpu_rate=split[0].params_per_s if split else None)  # fmt: skip
     # one that does not fit says so before seconds of timing; one that writes no tier times none
     plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
-    if plan.splits:
+    if plan.splits:  # (whether a rank splits does not depend on the rates: the prediction is made again below)
         split.append(split_step_rate(ocfg, machine, train.cpu_threads))
-        plan = dataclasses.replace(planned(None, args), step_memory_why=plan.step_memory_why)
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
     # the fixed costs beside the rate the kernel is predicted at: a timed one leaves out a call's cost, a learned one
     # holds it and may hold its run's walk (where only some ranks split, beside the whole step's)
     kernel_rate = split[0] if split and all(r.split_masters for r in plan.ranks) else rate
     costs = measured_costs(ocfg, machine, train.cpu_threads, kernel_rate, streams=streams)
-    if costs is not None:  # (the same plan, its prediction now with the fixed costs)
+    if costs is not None or split:  # (the same plan, its prediction now with the fixed costs and the split step's rate)
         plan = dataclasses.replace(planned(costs, args), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     plan.split_cpu_rate_source, plan.split_cpu_rate_detail = (split[0].source, split[0].detail) if split else (None, "")
