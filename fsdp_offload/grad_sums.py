@@ -157,10 +157,10 @@ class GradSums:
         starts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, first values) copied first
         adds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (sums, grads) added after
         for index, grad in zip(indices, grads):
-            flat = grad.reshape(-1)
             starting = not self.summed[index]
-            for sums, sg, seg, landing in self._pieces[index]:
-                src = flat[seg.in_param]
+            pieces = self._pieces[index]
+            for sums, sg, seg, landing in pieces:
+                src = grad if len(pieces) == 1 and landing is None else grad.reshape(-1)[seg.in_param]  # (runs() flattens)
                 if landing is None:  # the sums are where the grad is: add in stream order
                     if starting and self.first_grad_starts_sum:
                         _append(starts, sums, src)

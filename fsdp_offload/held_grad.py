@@ -71,7 +71,8 @@ class HeldGrad(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        held = next(a for a in _flat(args, kwargs) if isinstance(a, HeldGrad))
+        first = args[0] if args else None  # (FSDP2's `+=`, once a param every backward: no search)
+        held = first if isinstance(first, HeldGrad) else next(a for a in _flat(args, kwargs) if isinstance(a, HeldGrad))
         if func in _METADATA_OPS:
             return HeldGrad(held, held.hold)
         if func is _ADD_IN_PLACE and args[0] is held and _takeable(args[1], held, kwargs):

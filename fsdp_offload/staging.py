@@ -45,28 +45,36 @@ def resolve_grad_path(mode: str, device_type: str, fixed_gpu_share: bool, host_s
     return "host_bf16"
 
 
-def _continues(t: torch.Tensor, run: torch.Tensor, run_numel: int) -> bool:
-    """Whether `t`, contiguous, starts where a run of `run_numel` elements from `run` ends, in the same allocation."""
-    root = run if run._base is None else run._base
-    return (t.is_contiguous() and (t if t._base is None else t._base) is root
-            and t.data_ptr() == run.data_ptr() + run_numel * run.element_size())  # fmt: skip
+def _storage_start(t: torch.Tensor) -> int:
+    """The address of the start of `t`'s storage (the same for every tensor on one allocation)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The pairs (`dsts[k]`, `srcs[k]`) (1-D, of one dtype each side), contiguous ones that continue each
-    other in both sides merged into one pair: on the GPU each op on a pair is a launch the backward's
-    thread pays, and an elementwise op gives each element the same bits merged or not."""
+    """The pairs (`dsts[k]`, `srcs[k]`) (of one dtype each side, `dsts[k]` 1-D, `srcs[k]` of any shape with as
+    many elements) as 1-D pairs, contiguous ones that continue each other in both sides merged into one
+    pair: on the GPU each op on a pair is a launch the backward's thread pays, and an elementwise op gives
+    each element the same bits merged or not. Runs are found by address, on one storage each side (FSDP2
+    views its grads out of the reduce-scatter output below autograd, where a view's `_base` is not set)."""
     k = 0
     while k < len(dsts):
         dst, src = dsts[k], srcs[k]
         n, end = dst.numel(), k + 1
-        merges = dst.is_contiguous() and src.is_contiguous()  # (a strided view starting at a run's end is no part of it)
-        while merges and end < len(dsts) and _continues(dsts[end], dst, n) and _continues(srcs[end], src, n):
-            n += dsts[end].numel()
-            end += 1
-        if end > k + 1:
-            dst, src = dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))
-        yield dst, src
+        if not (dst.is_contiguous() and src.is_contiguous()):  # (a strided view starting at a run's end is no part of it)
+            yield dst, src.reshape(-1)
+            k = end
+            continue
+        dst_size, src_size = dst.element_size(), src.element_size()
+        dst_end, src_end = dst.data_ptr() + n * dst_size, src.data_ptr() + n * src_size
+        dst_storage, src_storage = _storage_start(dst), _storage_start(src)
+        while end < len(dsts):
+            d, s = dsts[end], srcs[end]
+            if not (d.data_ptr() == dst_end and s.data_ptr() == src_end and d.is_contiguous() and s.is_contiguous()
+                    and _storage_start(d) == dst_storage and _storage_start(s) == src_storage):  # fmt: skip
+                break
+            m = d.numel()
+            n, end, dst_end, src_end = n + m, end + 1, dst_end + m * dst_size, src_end + m * src_size
+        yield dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))
         k = end
 
 
@@ -220,10 +228,9 @@ class LowpStaging:
         reduce-scatter output, and its params' parts of a subgroup follow each other)."""
         dsts, srcs = [], []
         for param, grad in zip(params, grads):
-            flat = grad.reshape(-1)
             for dst, part in self._pieces[param]:
                 dsts.append(dst)
-                srcs.append(flat if part is None else flat[part])
+                srcs.append(grad if part is None else grad.reshape(-1)[part])
         copy_in_runs(dsts, srcs)
         for param in params:
             self.staged[param] = True

@@ -17,7 +17,8 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import cast_params, local_data
 from fsdp_offload.grads import square_sum
-from fsdp_offload.staging import copy_in_runs
+from fsdp_offload.held_grad import held_like, is_held
+from fsdp_offload.staging import copy_in_runs, runs
 from fsdp_offload.unit_grads import UnitGrads
 
 
@@ -48,6 +49,38 @@ def test_a_strided_piece_is_not_merged_into_the_run_it_starts_after():
     strided = src[1:, 0]  # starts where src[0] ends, a stride of 8
     copy_in_runs([dst[:8], dst[8:]], [src[0], strided])
     assert torch.equal(dst, torch.cat([src[0], strided]))
+
+
+def _an_fsdp_units_grads_are_one_run(rank: int, world_size: int) -> None:
+    net = sharded_net(2, per_block=True)
+    cast_params(net, torch.bfloat16)
+    lin = net.blocks[0].lin
+    grads: dict[int, list[torch.Tensor]] = {0: [], 1: []}  # a unit's grads in each backward, as the optimizer takes them
+
+    def take(grad: torch.Tensor) -> None:  # in the HeldGrad's dispatch, where a view made is not tracked (no `_base`)
+        grads[1].append(grad.reshape(-1)[: grad.numel()])
+
+    for p in (lin.weight, lin.bias):  # the first backward's from p.grad; then a HeldGrad there takes the second's
+        p.register_post_accumulate_grad_hook(lambda p: is_held(p.grad) or grads[0].append(local_data(p.grad)))
+    for micro in range(2):
+        x, y = data(rank, micro)
+        F.cross_entropy(net(x.bfloat16()).float(), y).backward()
+        for p in (lin.weight, lin.bias):
+            if not is_held(p.grad):
+                p.grad = held_like(p.grad, 2, take, take)
+    for taken in grads.values():
+        sums = torch.zeros(sum(g.numel() for g in taken))
+        pieces = list(sums.split([g.numel() for g in taken]))
+        assert len(list(runs(pieces, taken))) == 1
+        copy_in_runs(pieces, taken)
+        assert torch.equal(sums, torch.cat([g.reshape(-1).float() for g in taken]))
+
+
+def test_an_fsdp_units_grads_are_one_run():
+    """FSDP2 views a unit's grads out of its reduce-scatter output. The grad it adds to a HeldGrad is taken in
+    the HeldGrad's dispatch, below autograd, where a view of it has no `_base`. Both kinds are found to lie
+    end to end: a unit's grads are one copy (or one add), not one a param."""
+    run_ranks(2, _an_fsdp_units_grads_are_one_run)
 
 
 def test_a_unit_goes_over_when_its_last_grad_comes():
