@@ -14,7 +14,7 @@ predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the plann
 host for the same ranks and threads; cpu_rate_detail, the plan's note on that rate (for a timed one, where other
 processes or the hypervisor took the node's CPUs while it was timed); the update's fixed costs as predicted, predicted_walk_s and
 predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
-median step's, which a shared machine's bursts move less than the mean; activation_checkpointing and
+median step's, which a shared machine's bursts move less than the mean, and iteration_s_median likewise; activation_checkpointing and
 reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
 planned_reshard_after_forward, as the plan here did), the logs under --log-dir.
 Steps after the first are averaged. A case with offload=none (plain FSDP2, torch's AdamW on the device) is the
@@ -100,7 +100,8 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
 
     slowest_update = slowest("update_s")
     placement = json.loads(Path(out_dir, "placement.json").read_text())
-    row.update(iteration_s=mean("step_s"), update_s=slowest_update, exposed_update_s=mean("exposed_update_s"),
+    row.update(iteration_s=mean("step_s"), iteration_s_median=statistics.median(r["step_s"] for r in steady),
+               update_s=slowest_update, exposed_update_s=mean("exposed_update_s"),
                forward_s=mean("forward_s"), backward_s=mean("backward_s"),
                gpu_peak_gib=max(r.get("gpu_peak_gib", 0.0) for r in rows), host_peak_gib=max(r["host_peak_gib"] for r in rows),
                gpu_peak_startup_gib=placement.get("gpu_peak_startup_gib"), startup_s=placement["startup_s"],

@@ -53,7 +53,7 @@ def test_a_plain_fsdp2_case_is_the_control_with_no_plan(tmp_path):
     assert "error" not in row, row
     assert "predicted_update_s" not in row and "placement_equal" not in row and "cpu_kernel_s" not in row, row
     assert row["control"] is True and row["model"] == "tiny" and row["world_size"] == 1 and row["params_billion"] > 0, row
-    assert row["iteration_s"] > 0 and row["backward_s"] > 0 and len(row["losses"]) == 2, row
+    assert row["iteration_s"] > 0 and row["iteration_s_median"] > 0 and row["backward_s"] > 0 and len(row["losses"]) == 2, row
     assert row["reshard_after_forward"] in (True, False), row
     line = bench_scale.table_line(row)  # the printed table names it where a plan's figures would be
     assert line[58:].split()[:5] == ["control", *format_seconds(row["update_s"]).split(), "control", "-"], line
