@@ -159,8 +159,10 @@ class GradSums:
         for index, grad in zip(indices, grads):
             starting = not self.summed[index]
             pieces = self._pieces[index]
+            whole = len(pieces) == 1  # (the param lies in one subgroup)
+            flat = grad if whole and pieces[0][3] is None else grad.reshape(-1)  # (runs() flattens the grads it merges)
             for sums, sg, seg, landing in pieces:
-                src = grad if len(pieces) == 1 and landing is None else grad.reshape(-1)[seg.in_param]  # (runs() flattens)
+                src = flat if whole else flat[seg.in_param]
                 if landing is None:  # the sums are where the grad is: add in stream order
                     if starting and self.first_grad_starts_sum:
                         _append(starts, sums, src)

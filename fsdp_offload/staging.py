@@ -54,14 +54,15 @@ def runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Iterator[tuple[t
     """The pairs (`dsts[k]`, `srcs[k]`) (of one dtype each side, `dsts[k]` 1-D, `srcs[k]` of any shape with as
     many elements) as 1-D pairs, contiguous ones that continue each other in both sides merged into one
     pair: on the GPU each op on a pair is a launch the backward's thread pays, and an elementwise op gives
-    each element the same bits merged or not. Runs are found by address, on one storage each side (FSDP2
-    views its grads out of the reduce-scatter output below autograd, where a view's `_base` is not set)."""
+    each element the same bits merged or not. A run is told by address, on one storage each side: views
+    made in the HeldGrad's dispatch (below autograd), as the hand-over of a later micro-batch's grads makes
+    them, have no `_base`, and the storage's start tells apart allocations that lie end to end."""
     k = 0
     while k < len(dsts):
         dst, src = dsts[k], srcs[k]
         n, end = dst.numel(), k + 1
-        if not (dst.is_contiguous() and src.is_contiguous()):  # (a strided view starting at a run's end is no part of it)
-            yield dst, src.reshape(-1)
+        if not (dst.is_contiguous() and src.is_contiguous() and src.numel() == n):  # (as_strided flattens only these)
+            yield dst, src.reshape(-1)  # (a pair of unequal sizes fails in the op, as unmerged)
             k = end
             continue
         dst_size, src_size = dst.element_size(), src.element_size()
@@ -69,10 +70,11 @@ def runs(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> Iterator[tuple[t
         dst_storage, src_storage = _storage_start(dst), _storage_start(src)
         while end < len(dsts):
             d, s = dsts[end], srcs[end]
-            if not (d.data_ptr() == dst_end and s.data_ptr() == src_end and d.is_contiguous() and s.is_contiguous()
-                    and _storage_start(d) == dst_storage and _storage_start(s) == src_storage):  # fmt: skip
-                break
             m = d.numel()
+            # (a strided view starting at a run's end is no part of it)
+            if not (d.data_ptr() == dst_end and s.data_ptr() == src_end and s.numel() == m and d.is_contiguous()
+                    and s.is_contiguous() and _storage_start(d) == dst_storage and _storage_start(s) == src_storage):  # fmt: skip
+                break
             n, end, dst_end, src_end = n + m, end + 1, dst_end + m * dst_size, src_end + m * src_size
         yield dst.as_strided((n,), (1,)), src.as_strided((n,), (1,))
         k = end

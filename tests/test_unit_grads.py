@@ -1,5 +1,4 @@
-"""The grad hooks hand an FSDP unit's grads over together (unit_grads.UnitGrads), and the staging buffer
-copies them one run at a time (staging.copy_in_runs). No grad is lost or taken twice where a unit's
+"""The grad hooks hand an FSDP unit's grads over together (unit_grads.UnitGrads). No grad is lost or taken twice where a unit's
 params do not all get a grad: a unit left incomplete goes over when the next unit's grad comes, or before
 the step reads the grads; a second backward's grad for a param still held hands the first over first."""
 
@@ -17,70 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdp_offload import OffloadAdamW, OffloadConfig
 from fsdp_offload.fsdp import cast_params, local_data
 from fsdp_offload.grads import square_sum
-from fsdp_offload.held_grad import held_like, is_held
-from fsdp_offload.staging import copy_in_runs, runs
 from fsdp_offload.unit_grads import UnitGrads
-
-
-def copies_made(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
-
-
-def test_pieces_end_to_end_on_both_sides_are_one_copy():
-    src, dst = torch.arange(40.0), torch.zeros(40)
-    srcs = [src[0:10], src[10:25], src[25:40]]
-    dsts = [dst[0:10], dst[10:25], dst[25:40]]
-    assert copies_made(lambda: copy_in_runs(dsts, srcs)) == 1
-    assert torch.equal(dst, src)
-
-
-def test_a_gap_or_another_allocation_starts_a_new_copy():
-    src, dst, other = torch.arange(40.0), torch.zeros(40), torch.arange(100.0, 110.0)
-    srcs = [src[0:10], src[10:20], src[25:35], other]  # a gap in the source after the second piece
-    dsts = [dst[0:10], dst[10:20], dst[20:30], dst[30:40]]
-    assert copies_made(lambda: copy_in_runs(dsts, srcs)) == 3
-    assert torch.equal(dst, torch.cat([src[0:20], src[25:35], other]))
-
-
-def test_a_strided_piece_is_not_merged_into_the_run_it_starts_after():
-    src, dst = torch.arange(72.0).view(9, 8), torch.zeros(16)
-    strided = src[1:, 0]  # starts where src[0] ends, a stride of 8
-    copy_in_runs([dst[:8], dst[8:]], [src[0], strided])
-    assert torch.equal(dst, torch.cat([src[0], strided]))
-
-
-def _an_fsdp_units_grads_are_one_run(rank: int, world_size: int) -> None:
-    net = sharded_net(2, per_block=True)
-    cast_params(net, torch.bfloat16)
-    lin = net.blocks[0].lin
-    grads: dict[int, list[torch.Tensor]] = {0: [], 1: []}  # a unit's grads in each backward, as the optimizer takes them
-
-    def take(grad: torch.Tensor) -> None:  # in the HeldGrad's dispatch, where a view made is not tracked (no `_base`)
-        grads[1].append(grad.reshape(-1)[: grad.numel()])
-
-    for p in (lin.weight, lin.bias):  # the first backward's from p.grad; then a HeldGrad there takes the second's
-        p.register_post_accumulate_grad_hook(lambda p: is_held(p.grad) or grads[0].append(local_data(p.grad)))
-    for micro in range(2):
-        x, y = data(rank, micro)
-        F.cross_entropy(net(x.bfloat16()).float(), y).backward()
-        for p in (lin.weight, lin.bias):
-            if not is_held(p.grad):
-                p.grad = held_like(p.grad, 2, take, take)
-    for taken in grads.values():
-        sums = torch.zeros(sum(g.numel() for g in taken))
-        pieces = list(sums.split([g.numel() for g in taken]))
-        assert len(list(runs(pieces, taken))) == 1
-        copy_in_runs(pieces, taken)
-        assert torch.equal(sums, torch.cat([g.reshape(-1).float() for g in taken]))
-
-
-def test_an_fsdp_units_grads_are_one_run():
-    """FSDP2 views a unit's grads out of its reduce-scatter output. The grad it adds to a HeldGrad is taken in
-    the HeldGrad's dispatch, below autograd, where a view of it has no `_base`. Both kinds are found to lie
-    end to end: a unit's grads are one copy (or one add), not one a param."""
-    run_ranks(2, _an_fsdp_units_grads_are_one_run)
 
 
 def test_a_unit_goes_over_when_its_last_grad_comes():
