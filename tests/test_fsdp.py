@@ -182,6 +182,10 @@ def bad_input_worker(rank: int, world: int, tmp: str) -> None:
     assert all(is_held(p.grad) for p in model.parameters())
     with pytest.raises(RuntimeError, match=r"opt\.clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # (makes the scaler's scale, as scaling a loss does)
+    with pytest.raises(RuntimeError, match=r"GradScaler cannot unscale .* opt\.scale_loss\(loss\)\.backward\(\)"):
+        scaler.step(opt)  # (bf16 grads: its unscale_ reads them)
     opt.step()
     opt.close()
     with pytest.raises(ValueError, match="mixed device types"):
