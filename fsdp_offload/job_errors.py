@@ -63,14 +63,26 @@ def _launcher_ended(signum: int, frame: object) -> None:
     raise _LauncherEnded
 
 
+_sigterm_noted = False  # a SIGTERM came while `note_sigterm` held it
+
+
+def note_sigterm(signum: int, frame: object) -> None:
+    """A SIGTERM handler that lets it be, as SIG_IGN would, and notes it: a rank that then waits for rank 0
+    to say the job's error (`wait_for_rank0_to_say_it`) ends at once where the launcher's SIGTERM came first."""
+    global _sigterm_noted
+    _sigterm_noted = True
+
+
 def wait_for_rank0_to_say_it() -> bool:
     """On a rank other than 0, after an error rank 0 prints for the job: waits until the launcher ends
-    this rank (torchrun's SIGTERM, sent once rank 0 has exited, its line said) or LET_RANK0_SAY_S at
-    most, under a launcher that sends none. Whether the SIGTERM came. SIGTERM is ignored from then on,
-    so that the exit's own cleanup is not cut short."""
+    this rank (torchrun's SIGTERM, sent once rank 0 has exited, its line said; or sent before the wait,
+    while `note_sigterm` held it) or LET_RANK0_SAY_S at most, under a launcher that sends none. Whether
+    the SIGTERM came. SIGTERM is ignored from then on, so that the exit's own cleanup is not cut short."""
     try:
         try:
             signal.signal(signal.SIGTERM, _launcher_ended)  # (inside: one taken the moment it is installed is caught)
+            if _sigterm_noted:
+                raise _LauncherEnded
             time.sleep(LET_RANK0_SAY_S)
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)

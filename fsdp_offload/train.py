@@ -34,8 +34,8 @@ from .checkpoint import (
 )  # fmt: skip
 from .config import register_recipe_resolvers
 from .data import TokenBatches
-from .job_errors import (JobError, a_collective_timed_out, a_peer_stopped, error_line, printed_by_another_rank, raise_on_every_rank,
-                         wait_for_rank0_to_say_it)
+from .job_errors import (JobError, a_collective_timed_out, a_peer_stopped, error_line, note_sigterm, printed_by_another_rank,
+                         raise_on_every_rank, wait_for_rank0_to_say_it)
 from .models import compile_blocks, num_params, preset_name
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
@@ -319,7 +319,7 @@ def run_from_hydra(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, OSError, TierError) as exc:  # bad input, a full or read-only dir: one line, once a job
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the launcher's SIGTERM to the ranks left leaves their cleanup whole
+        signal.signal(signal.SIGTERM, note_sigterm)  # the launcher's SIGTERM to the ranks left leaves their cleanup whole
         line = error_line(exc, cfg)
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise

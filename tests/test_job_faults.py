@@ -264,6 +264,22 @@ sys.exit(2)
 """
 
 
+_SIGTERM_BEFORE_THE_WAIT = """
+import os, signal
+from fsdp_offload.job_errors import note_sigterm, wait_for_rank0_to_say_it
+signal.signal(signal.SIGTERM, note_sigterm)  # as train.py holds it from the error on
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, before the wait began
+print("ended by the launcher" if wait_for_rank0_to_say_it() else "waited it out", flush=True)
+"""
+
+
+def test_the_launchers_sigterm_before_the_wait_began_ends_it_at_once():
+    """A SIGTERM that comes between the error and the wait for rank 0 (train.py notes it) is not lost: the
+    wait ends at once, as with one that comes during it."""
+    out = subprocess.run([sys.executable, "-c", _SIGTERM_BEFORE_THE_WAIT], capture_output=True, text=True, check=True)
+    assert out.stdout == "ended by the launcher\n", out
+
+
 def test_a_rank_that_lets_rank0_say_the_error_ends_with_the_launchers_sigterm():
     """A rank other than 0 waits for rank 0 to print the job's error until torchrun, which rank 0's exit
     has stop the others, sends it SIGTERM: it exits then as it would have after the wait, and ignores a
