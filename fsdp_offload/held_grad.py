@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 _METADATA_OPS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 _ADD_IN_PLACE = torch.ops.aten.add_.Tensor
 _ZERO_IN_PLACE = torch.ops.aten.zero_.default
-_AMP_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default  # torch.amp.GradScaler's unscale_
+_AMP_UNSCALE = torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default  # a GradScaler's unscale_
 
 
 class GradHold:
@@ -85,9 +85,10 @@ class HeldGrad(torch.Tensor):
         when = "the step has used" if held.hold.consumed else "OffloadAdamW took"
         if func is _AMP_UNSCALE:
             raise RuntimeError(
-                f"torch.amp.GradScaler cannot unscale the params' grads: {when} this step's grads during backward. "
-                "Leave GradScaler out: bf16 needs no loss scaling, and with offload.param_dtype=float16 the optimizer keeps "
-                "a loss scale of its own: opt.scale_loss(loss).backward(), then opt.step()"
+                f"GradScaler (torch.amp's, or FSDP's ShardedGradScaler) cannot unscale the params' grads: {when} this "
+                "step's grads during backward. Leave GradScaler out: bf16 needs no loss scaling, and with "
+                "offload.param_dtype=float16 the optimizer keeps a loss scale of its own: opt.scale_loss(loss).backward(), "
+                "then opt.step()"
             )
         raise RuntimeError(
             f"{func.__name__} on a param's grad: {when} this step's grads during backward (summed in FP32 "

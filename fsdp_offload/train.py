@@ -319,7 +319,9 @@ def run_from_hydra(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (ValueError, OSError, TierError) as exc:  # bad input, a full or read-only dir: one line, once a job
-        signal.signal(signal.SIGTERM, note_sigterm)  # the launcher's SIGTERM to the ranks left leaves their cleanup whole
+        # the launcher's SIGTERM to the ranks left leaves their cleanup whole; one that comes before a rank's wait for
+        # rank 0 is noted, and ends the wait at once (the wait puts SIG_IGN back)
+        signal.signal(signal.SIGTERM, note_sigterm if printed_by_another_rank(exc) else signal.SIG_IGN)
         line = error_line(exc, cfg)
         if line is None:  # an OSError of no dir the options chose: its traceback says more
             raise
