@@ -22,6 +22,9 @@ TORCH_OPTIONS = {
     "fused": "torch's implementation choice: OffloadAdamW always runs its own kernels (choose with offload.kernel)",
     "capturable": "the update runs on the CPU and storage, outside any CUDA graph",
     "differentiable": "the update is not part of autograd",
+    # (a group key of torch's AdamW, True there; False is torch.optim.Adam's L2 decay)
+    "decoupled_weight_decay": "AdamW decouples its weight decay from the gradient; False asks for Adam's L2 decay, which the "
+                              "kernels do not implement (leave it True: with weight_decay=0 the two are the same)",
 }
 
 
@@ -29,7 +32,7 @@ def refuse_torch_options(**given: Any) -> None:
     """torch AdamW's options other than the math ones: their defaults are accepted, any other value is
     refused by name with why."""
     for name, value in given.items():
-        if value:
+        if (not value) if name == "decoupled_weight_decay" else value:
             raise ValueError(f"OffloadAdamW does not support {name}={value!r}: {TORCH_OPTIONS[name]}")
 
 
@@ -66,6 +69,14 @@ def check_hyperparameters(values: dict[str, Any], where: str) -> None:
             pair = []
         if not (len(pair) == 2 and all(0.0 <= b < 1.0 for b in pair)):
             raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
+    tensors = [name for name in ("lr", "betas") if name in values
+               and any(isinstance(v, torch.Tensor) for v in (values[name], *(values[name] if name == "betas" else ())))]  # fmt: skip
+    if tensors and says_once():
+        log.warning(
+            "%s: %s given as a tensor: each step reads its value as a float, as torch AdamW steps a float %s; torch AdamW "
+            "given the tensor does that arithmetic in FP32 tensors, so the two can differ in the last bits",
+            where, " and ".join(tensors), " and ".join(tensors),
+        )
 
 
 def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], param_dtype: torch.dtype, dtype_name: str,

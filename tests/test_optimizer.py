@@ -6,6 +6,7 @@ The pure-torch kernel is the bit-exact one; the fused kernel has its own bound (
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import subprocess
 import sys
@@ -580,6 +581,10 @@ def test_torch_adamw_options_are_accepted_at_defaults_and_refused_by_name_otherw
             OffloadAdamW(leaf_params(), **{name: True})
         with pytest.raises(ValueError, match=f"does not support {name}=True"):
             OffloadAdamW([{"params": leaf_params(), name: True}])
+    # a group key of torch's AdamW, True there: False is torch.optim.Adam's L2 decay, which would be stepped as AdamW's
+    with pytest.raises(ValueError, match="does not support decoupled_weight_decay=False: .*Adam's L2 decay"):
+        OffloadAdamW([{"params": leaf_params(), "decoupled_weight_decay": False}])
+    OffloadAdamW([{"params": leaf_params(), "decoupled_weight_decay": True}], offload=OffloadConfig(kernel="torch", subgroup_numel=SG)).close()
 
 
 def test_a_torch_adamw_option_set_on_a_group_after_construction_is_refused_at_the_step():
@@ -595,9 +600,34 @@ def test_a_torch_adamw_option_set_on_a_group_after_construction_is_refused_at_th
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(opt), before))
     opt.param_groups[0]["maximize"] = False
+    opt.param_groups[0]["decoupled_weight_decay"] = False
+    with pytest.raises(ValueError, match="does not support decoupled_weight_decay=False"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_tensors(opt), before))
+    opt.param_groups[0]["decoupled_weight_decay"] = True
     opt.step()
     assert opt.step_count == 1 and not all(torch.equal(a, b) for a, b in zip(optimizer_tensors(opt), before))
     opt.close()
+
+
+def test_a_tensor_lr_or_betas_is_stepped_as_its_float_and_said_so(caplog):
+    """torch AdamW given a tensor lr does its step-size arithmetic in FP32 tensors; here the value is read as a
+    float, as torch steps a float lr: the same bits as that, and a warning that says so."""
+    grads = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(SHAPES)]
+    stepped = []
+    as_tensors = (torch.tensor(1e-2), (torch.tensor(0.9), torch.tensor(0.99)))  # (FP32 values: 1e-2 is 0.00999999977...)
+    as_floats = (float(as_tensors[0]), tuple(float(b) for b in as_tensors[1]))
+    for lr, betas in (as_floats, as_tensors):
+        params = leaf_params()
+        with caplog.at_level(logging.WARNING):
+            opt = OffloadAdamW(params, lr=lr, betas=betas, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype)
+        opt.step()
+        stepped.append([t.clone() for t in optimizer_tensors(opt)])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*stepped))
+    assert "lr and betas given as a tensor: each step reads its value as a float" in caplog.text
 
 
 def test_a_second_optimizer_on_a_cast_model_says_what_happened():
