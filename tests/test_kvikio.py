@@ -18,7 +18,7 @@ from fsdp_offload.cache import aligned_host_buffer, host_buffer, unpin
 from fsdp_offload.storage import CorruptSubgroupError, TierError, Transfer, make_tier
 from fsdp_offload.storage import kvikio as kvikio_tier
 
-from test_optimizer import SG, assert_same_as_reference, budget_for, run_pair
+from test_optimizer import SG, assert_same_as_reference, budget_for, run_pair, step_lr
 
 pytestmark = pytest.mark.gpu  # keeps the GPU visible to what it starts (conftest.py)
 gpu = pytest.mark.skipif(
@@ -163,9 +163,9 @@ def test_optimizer_bit_exact_with_posix(tmp_path, where):
     def config(tier_spec: str) -> OffloadConfig:
         return OffloadConfig(kernel="torch", tiers=[tier_spec], subgroup_numel=SG, prefetch=prefetch, host_budget_gb=budget_for(slots))
 
-    posix_opt, *_ = run_pair(config(f"posix:{tmp_path / 'posix'}"), scheduler=True)
+    posix_opt, *_ = run_pair(config(f"posix:{tmp_path / 'posix'}"), scheduler=step_lr)
     cfg = config(spec(tmp_path / "kvikio"))
-    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=step_lr)
     assert opt.last_metrics.bytes_read[cfg.tiers[0]] > 0  # state really went through KvikIO
     assert_same_as_reference(opt, ref_opt, mine, ref)
     for a, b in zip(opt.state_dict()["state"].values(), posix_opt.state_dict()["state"].values()):
@@ -241,7 +241,7 @@ def test_a_kvikio_tier_that_fails_writes_is_dropped_for_the_other(tmp_path, fake
     cfg = OffloadConfig(kernel="torch", tiers=[spec(tmp_path / "kvikio"), f"posix:{tmp_path / 'posix'}"], subgroup_numel=SG,
                         host_budget_gb=budget_for(3), placement="fixed")  # fmt: skip
     fake_kvikio.failing = True  # every write to the KvikIO tier fails from the start
-    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=step_lr)
     assert_same_as_reference(opt, ref_opt, mine, ref)
     assert opt.store.pipeline.failed_tiers == {0}
     opt.close()

@@ -11,10 +11,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.optim import lr_scheduler
+from torch.optim.lr_scheduler import LRScheduler
 from dist_utils import optimizer_tensors
 
 from fsdp_offload import OffloadAdamW, OffloadConfig
@@ -55,15 +58,17 @@ def groups(params: list[torch.Tensor]) -> list[dict]:
     ]
 
 
-def run_pair(cfg: OffloadConfig, steps: int = 6, scheduler: bool = False):
+def step_lr(opt: torch.optim.Optimizer) -> LRScheduler:
+    return lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def run_pair(cfg: OffloadConfig, steps: int = 6, scheduler: Callable[[torch.optim.Optimizer], LRScheduler] | None = None):
     init = make_params()
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     mine = [torch.nn.Parameter(t.clone()) for t in init]
     ref_opt = torch.optim.AdamW(groups(ref), foreach=False)
     opt = OffloadAdamW(groups(mine), offload=cfg)
-    scheds = []
-    if scheduler:
-        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (ref_opt, opt)]
+    scheds = [scheduler(o) for o in (ref_opt, opt)] if scheduler else []
     for s in range(steps):
         for p, r, g in zip(mine, ref, grads_for(s)):
             p.grad, r.grad = g, g.float()
@@ -102,7 +107,7 @@ def test_bit_exact_with_torch_adamw(tmp_path, where):
         "fixed_order": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, update_order="fixed", host_budget_gb=budget_for(4)),
         "fp32_grads_on_tier": OffloadConfig(kernel="torch", tiers=[f"posix:{tmp_path}"], subgroup_numel=SG, grad_path="tier_fp32", host_budget_gb=budget_for(4)),
     }[where]
-    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=step_lr)
     assert_same_as_reference(opt, ref_opt, mine, ref)
     if cfg.tiers:
         assert opt.last_metrics.bytes_read[cfg.tiers[0]] > 0  # state really went through the disk
@@ -568,6 +573,23 @@ def test_fp32_grad_buffer_counts_towards_the_host_budget(tmp_path):
     assert (plain.store.cache.num_slots, fp32.store.cache.num_slots) == (5, 4)
     plain.close()
     fp32.close()
+
+
+SCHEDULERS = {  # (OneCycleLR and CyclicLR cycle betas[0] as well as lr)
+    "one_cycle": lambda o: lr_scheduler.OneCycleLR(o, max_lr=[1e-2, 3e-3], total_steps=10),
+    "cyclic": lambda o: lr_scheduler.CyclicLR(o, base_lr=1e-4, max_lr=1e-2, step_size_up=2, base_momentum=0.8, max_momentum=0.95),
+    "warm_restarts": lambda o: lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3, T_mult=2, eta_min=1e-5),
+    "warmup_then_cosine": lambda o: lr_scheduler.SequentialLR(
+        o, [lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3), lr_scheduler.CosineAnnealingLR(o, T_max=5)], milestones=[3]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_lr_schedulers_step_as_torch_adamw(name):
+    opt, ref_opt, mine, ref = run_pair(OffloadConfig(kernel="torch", subgroup_numel=SG), steps=8, scheduler=SCHEDULERS[name])
+    assert_same_as_reference(opt, ref_opt, mine, ref)
+    assert [g["betas"] for g in opt.param_groups] == [g["betas"] for g in ref_opt.param_groups]
+    opt.close()
 
 
 def test_torch_adamw_options_are_accepted_at_defaults_and_refused_by_name_otherwise():
