@@ -57,10 +57,14 @@ def load_torch_adamw(model: torch.nn.Module, opt, checkpoint_id: str, key: str =
     Collective: every rank calls it."""
     osd = get_optimizer_state_dict(model, opt)  # the masters, and the shapes and shards to read into
     masters = {name: state["master_param"] for name, state in osd["state"].items()}
+    saved_keys = SafeFileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    # torch >= 2.7 saves whether a group's weight decay is decoupled (AdamW) or L2 (Adam); older checkpoints lack the key
+    decoupled = [f"{key}.param_groups.{i}.decoupled_weight_decay" in saved_keys for i in range(len(osd["param_groups"]))]
     template = {
         "state": {name: {k: state[k] for k in TORCH_KEYS} for name, state in osd["state"].items()},
-        "param_groups": [{**{k: g[k] for k in HYPER_KEYS if k in g}, "amsgrad": False, "maximize": False, "params": g["params"]}
-                         for g in osd["param_groups"]],
+        "param_groups": [{**{k: g[k] for k in HYPER_KEYS if k in g}, "amsgrad": False, "maximize": False,
+                          **({"decoupled_weight_decay": True} if decoupled[i] else {}), "params": g["params"]}
+                         for i, g in enumerate(osd["param_groups"])],
     }  # fmt: skip
     dcp.load({key: template}, storage_reader=SafeFileSystemReader(checkpoint_id))
     groups = []
@@ -69,6 +73,10 @@ def load_torch_adamw(model: torch.nn.Module, opt, checkpoint_id: str, key: str =
             if saved.get(option):
                 raise ValueError(f"{checkpoint_id}: the torch optimizer's param group {i} has {option}=True, which OffloadAdamW "
                                  "does not support (an AdamW with that option cannot be continued here)")  # fmt: skip
+        if not saved.get("decoupled_weight_decay", True) and saved["weight_decay"] != 0:
+            raise ValueError(f"{checkpoint_id}: the torch optimizer's param group {i} decays its weights as Adam does (L2, "
+                             f"decoupled_weight_decay=False, weight_decay={saved['weight_decay']}): OffloadAdamW is AdamW, whose "
+                             "decay is decoupled, so that run cannot be continued here as it was")  # fmt: skip
         groups.append({**mine, **{k: saved[k] for k in HYPER_KEYS[:4]}})
     state = {name: {**s, "master_param": masters[name]} for name, s in template["state"].items()}
     set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups})

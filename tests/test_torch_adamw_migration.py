@@ -78,3 +78,26 @@ def worker(rank: int, world: int, tmp: str) -> None:
 
 def test_torch_adamw_checkpoints_migrate_both_ways(tmp_path):
     run_ranks(2, worker, str(tmp_path))
+
+
+def adam_worker(rank: int, world: int, tmp: str) -> None:
+    for wd in (WD, 0.0):  # torch.optim.Adam: L2 decay (decoupled_weight_decay=False), the same as AdamW's with none
+        torch_model = build_model(rank)
+        torch_opt = torch.optim.Adam(torch_model.parameters(), lr=TORCH_LR, weight_decay=wd, foreach=False)
+        torch_steps(torch_model, torch_opt, rank, range(1))
+        dcp.save({"optim": get_optimizer_state_dict(torch_model, torch_opt)}, checkpoint_id=f"{tmp}/adam{wd}")
+        model = build_model(rank)
+        opt = OffloadAdamW(model.parameters(), model=model, offload=OffloadConfig(kernel="torch", subgroup_numel=SG))
+        if wd:
+            with pytest.raises(ValueError, match=r"param group 0 decays its weights as Adam does \(L2, decoupled_weight_decay=False"):
+                load_torch_adamw(model, opt, f"{tmp}/adam{wd}")
+        else:
+            load_torch_adamw(model, opt, f"{tmp}/adam{wd}")
+            assert opt.param_groups[0]["weight_decay"] == 0.0 and float(opt.state[opt._params[0]]["step"]) == 1.0
+        opt.close()
+
+
+def test_a_torch_adam_checkpoint_with_l2_weight_decay_is_refused(tmp_path):
+    """torch.optim.Adam's weight decay is L2 (in the grad); continued as AdamW's, the run would differ silently.
+    Without weight decay the two are the same, and the checkpoint loads."""
+    run_ranks(2, adam_worker, str(tmp_path))
