@@ -30,7 +30,7 @@ from dist_utils import run_ranks, spy_step_transfers
 from test_fsdp import ARGS as FSDP_ARGS
 from test_fsdp import SG as FSDP_SG
 from test_optimizer import SG as SMALL_SG
-from test_optimizer import assert_same_as_reference, budget_for, run_pair
+from test_optimizer import assert_same_as_reference, budget_for, run_pair, step_lr
 
 SG = 65536  # elements per subgroup in the timing tests: 768 KiB of state
 
@@ -243,7 +243,7 @@ def test_state_over_two_tiers_is_bit_exact(tmp_path, placement):
         kernel="torch", tiers=tiers, subgroup_numel=SMALL_SG, prefetch=2, host_budget_gb=budget_for(4),
         placement=placement, tier_ratios=[1.0, 2.0] if placement == "fixed" else None, bandwidth_profile=profile,
     )  # fmt: skip
-    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=True)
+    opt, ref_opt, mine, ref = run_pair(cfg, scheduler=step_lr)
     assert_same_as_reference(opt, ref_opt, mine, ref)
     used = set(opt.store.pipeline.location.values())
     # the profile's 2:1 speeds split the state over both tiers; a learned placement may then gather it on one,
