@@ -152,6 +152,12 @@ def refuse_backwards_after_step(params: list[torch.Tensor]) -> None:
         )
 
 
+def holds_used_grads(params: list[torch.Tensor]) -> bool:
+    """Whether any of `params` still holds grads the last step used (no zero_grad() since): torch would step
+    with them again."""
+    return any((held := _held(p.grad)) is not None and held.hold.consumed and not held.hold.cleared for p in params)
+
+
 def consume_held_grads(params: list[torch.Tensor]) -> None:
     """Marks the HeldGrads of `params` consumed: the step has used their grads, and a backward before
     the next zero_grad() would have torch sum into them."""

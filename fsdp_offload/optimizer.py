@@ -216,7 +216,8 @@ class OffloadAdamW(ReadOnlyStateAttr, torch.optim.Optimizer):
         if getattr(self, "_frozen", False):
             raise RuntimeError(
                 "OffloadAdamW lays out its subgroups when it is built; params cannot be added later. "
-                "Pass every param group to its constructor (OffloadAdamW([{'params': ...}, {'params': ..., 'lr': ...}], ...))"
+                "Pass every param group to its constructor (OffloadAdamW([{'params': ...}, {'params': ..., 'lr': ...}], ...)); "
+                "a param to unfreeze later goes in trainable, frozen after with p.requires_grad_(False)"
             )
         refuse_torch_options(**{k: param_group[k] for k in TORCH_OPTIONS if k in param_group})
         check_hyperparameters(param_group, f"param group {len(self.param_groups)}")
@@ -296,7 +297,7 @@ class OffloadAdamW(ReadOnlyStateAttr, torch.optim.Optimizer):
         elif step_has_grads(self.engine):
             self.engine.step()
         else:
-            self._no_grad_steps.skip()
+            self._no_grad_steps.skip(self._params)
             self.grads.clear()  # (a clip taken on grads dropped since goes with them)
         if has_step_post_hooks(self):  # they read params as torch leaves them: updated
             self.engine.finish_update()

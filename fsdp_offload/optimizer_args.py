@@ -116,7 +116,9 @@ def check_params(params: list[torch.Tensor], models: list[torch.nn.Module], para
             raise ValueError(
                 f"{param_label(i, p, names)} does not require grad: a frozen param takes no step. Leave it "
                 "out of the optimizer (OffloadAdamW([p for p in model.parameters() if p.requires_grad], ...)); "
-                "it then keeps its dtype and values, and full_fp32_state_dict() still exports it"
+                "it then keeps its dtype and values, and full_fp32_state_dict() still exports it. To unfreeze it later, pass "
+                "it in trainable and freeze it with p.requires_grad_(False) once the optimizer is built: frozen, it takes no "
+                "step, as with torch AdamW (params cannot be added to an OffloadAdamW later)"
             )
         if not local_data(p).is_contiguous():
             raise ValueError(f"{param_label(i, p, names)} is not contiguous")

@@ -16,7 +16,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 from .fsdp import local_data
-from .held_grad import is_zeroed, zeros_taken
+from .held_grad import holds_used_grads, is_zeroed, zeros_taken
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +38,21 @@ def step_has_grads(engine) -> bool:
 
 
 class NoGradSteps:
-    """`step()` without any grad (a skipped batch) does nothing, as torch's optimizers do; said once."""
+    """`step()` without any grad (a skipped batch) does nothing, as torch's optimizers do; said once. One
+    right after another step, with no zero_grad() between, is refused: torch would step again with the
+    grads in p.grad, which the last step used here and let go (the staging buffer took the new params)."""
 
     def __init__(self) -> None:
         self.logged = False
 
-    def skip(self) -> None:
+    def skip(self, params: list[torch.Tensor]) -> None:
+        if holds_used_grads(params):
+            raise RuntimeError(
+                "step() again on the grads the last step used, with no zero_grad() and backward between: torch AdamW "
+                "would apply them a second time, but OffloadAdamW let them go at that step and nothing was updated now. "
+                "Call opt.zero_grad() after step(), and run a backward before the next step() (to step twice on one "
+                "batch, run its backward again)"
+            )
         if not self.logged:
             self.logged = True
             log.warning("OffloadAdamW.step() with no grads (no backward since the last step): nothing updated, "

@@ -139,6 +139,9 @@ def backward_after_step(rank: int, world: int, tmp: str) -> None:
             losses.append(loss.item())
             opt.step()
             assert all(is_held(p.grad) for p in model.parameters())  # consumed, not None: torch would still hold them
+            if name == "no zero_grad()" and step == 2:  # a second step(): torch would step with them again. Refused, and
+                with pytest.raises(RuntimeError, match=r"step\(\) again on the grads the last step used.*opt\.zero_grad\(\)"):
+                    opt.step()  # nothing changed: this run equals the others below, bit for bit
             if clear is not None:
                 clear(model, opt)
         opt.finish_update()
