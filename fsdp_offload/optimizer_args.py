@@ -69,8 +69,9 @@ def check_hyperparameters(values: dict[str, Any], where: str) -> None:
             pair = []
         if not (len(pair) == 2 and all(0.0 <= b < 1.0 for b in pair)):
             raise ValueError(f"{where}: invalid betas {betas!r}: give two numbers in [0, 1), e.g. (0.9, 0.999)")
-    tensors = [name for name in ("lr", "betas") if name in values
-               and any(isinstance(v, torch.Tensor) for v in (values[name], *(values[name] if name == "betas" else ())))]  # fmt: skip
+    as_tensor = {"lr": lambda v: isinstance(v, torch.Tensor),
+                 "betas": lambda v: isinstance(v, torch.Tensor) or any(isinstance(b, torch.Tensor) for b in v)}  # fmt: skip
+    tensors = [name for name, test in as_tensor.items() if name in values and test(values[name])]
     if tensors and says_once():
         log.warning(
             "%s: %s given as a tensor: each step reads its value as a float, as torch AdamW steps a float %s; torch AdamW "

@@ -38,7 +38,6 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .learned_rate import CpuRate
 from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, split_step_rate,
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
@@ -217,23 +216,22 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
                              f"be read here (planning for another machine?); state its tiers: {unstated} (one entry per tier), or "
                              "make the dir")  # fmt: skip
     rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
-    split: list[CpuRate] = []  # the split step's rate, found where the plan splits the masters
-    planned = lambda costs, args: make_plan(preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch,  # noqa: E731
-                                            device, rate.params_per_s, speeds, costs=costs,
-                                            split_cpu_rate=split[0].params_per_s if split else None)  # fmt: skip
+    planned = lambda costs, args, split=None: make_plan(preset_name(args), args, ocfg, machine, data.seq_len,  # noqa: E731
+                                                        data.micro_batch, device, rate.params_per_s, speeds, costs=costs,
+                                                        split_cpu_rate=None if split is None else split.params_per_s)  # fmt: skip
     # one that does not fit says so before seconds of timing; one that writes no tier times none
     plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
-    if plan.splits:  # (whether a rank splits does not depend on the rates: the prediction is made again below)
-        split.append(split_step_rate(ocfg, machine, train.cpu_threads))
+    # the split step's rate where a rank splits its masters (which does not depend on the rates: predicted again below)
+    split = split_step_rate(ocfg, machine, train.cpu_threads) if plan.splits else None
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
     # the fixed costs beside the rate the kernel is predicted at: a timed one leaves out a call's cost, a learned one
     # holds it and may hold its run's walk (where only some ranks split, beside the whole step's)
-    kernel_rate = split[0] if split and all(r.split_masters for r in plan.ranks) else rate
+    kernel_rate = split if split is not None and all(r.split_masters for r in plan.ranks) else rate
     costs = measured_costs(ocfg, machine, train.cpu_threads, kernel_rate, streams=streams)
-    if costs is not None or split:  # (the same plan, its prediction now with the fixed costs and the split step's rate)
-        plan = dataclasses.replace(planned(costs, args), step_memory_why=plan.step_memory_why)
+    if costs is not None or split is not None:  # (the same plan, predicted with the fixed costs and the split step's rate)
+        plan = dataclasses.replace(planned(costs, args, split), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
-    plan.split_cpu_rate_source, plan.split_cpu_rate_detail = (split[0].source, split[0].detail) if split else (None, "")
+    plan.split_cpu_rate_source, plan.split_cpu_rate_detail = (split.source, split.detail) if split else (None, "")
     return plan, ocfg
 
 

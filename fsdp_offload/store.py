@@ -215,7 +215,7 @@ class SubgroupStore:
         # host buffer for the stored ones: a free slot, else the slot of a cached one already copied
         # (restored from its copy if the move fails), else one of its own
         bounce, lent_by = None, None
-        scratch: list[torch.Tensor] = []  # split ones are joined into one FP32 buffer, made at the first
+        scratch = None  # split ones are joined into one FP32 buffer, made at the first
         try:
             for sg in sorted(chosen, key=lambda sg: not self.cache.is_resident(sg)):  # cached ones first
                 held = self.pipeline.resident_state(sg)
@@ -225,8 +225,8 @@ class SubgroupStore:
                     held = bounce[: self.layout.subgroups[sg].stored_bytes]
                     self.pipeline.read_stored(sg, held)
                 if self.splits(sg):
-                    scratch[:] = scratch or [self._fp32_buffer()]
-                    held = self.join(sg, held, scratch[0][: self.layout.subgroups[sg].state_bytes])
+                    scratch = self._fp32_buffer() if scratch is None else scratch
+                    held = self.join(sg, held, scratch[: self.layout.subgroups[sg].state_bytes])
                 copies[sg] = held.to(device)  # from pageable memory: done when it returns
         except BaseException:
             if lent_by is not None:
