@@ -325,8 +325,15 @@ def _sync_off_error(module: nn.Module, when: str, micro_batches: int) -> Runtime
         f"{type(module).__name__}: {when} with FSDP2's gradient sync off (set_requires_gradient_sync(False), or "
         "accelerate's accumulate()/no_sync): FSDP2 would sum the micro-batches' grads in the params' low precision, "
         "not in FP32 as OffloadAdamW sums them. Leave the sync on and let the optimizer sum the backwards "
-        f"(offload.micro_batches, now {micro_batches}); with accelerate, GradientAccumulationPlugin(sync_each_batch=True)"
+        f"(offload.micro_batches, now {micro_batches}; with accelerate, GradientAccumulationPlugin(sync_each_batch=True)), "
+        "or have FSDP2 sum them in FP32: fully_shard(..., mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))"
     )
+
+
+def sums_in_fp32(module: nn.Module) -> bool:
+    """Whether FSDP2 sums a unit's grads in FP32 while its gradient sync is off: it reduces in float32
+    (MixedPrecisionPolicy.reduce_dtype), so it keeps the unsharded sums in float32 from backward to backward."""
+    return all(getattr(g.mp_policy, "reduce_dtype", None) is torch.float32 for g in _param_groups(module))
 
 
 def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> list:
@@ -335,14 +342,17 @@ def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> lis
     `accumulate()` and `no_sync` call), or while a unit still holds grads that a backward with the sync
     off left (the sync turned off around backward alone): FSDP2 would sum the micro-batches' unsharded
     grads in the params' low precision and reduce-scatter once, where the optimizer sums every backward's
-    grads in FP32, as torch AdamW's FP32 grads are. (`check_grads_synced` catches the sync turned off
-    after the last forward, at the step.)"""
+    grads in FP32, as torch AdamW's FP32 grads are. A unit that reduces in float32 (`sums_in_fp32`) sums
+    them in FP32 itself: let be. (`check_grads_synced` catches the sync turned off through the last
+    backward, at the step.)"""
     for modules in units:
         _param_groups(modules[0])
 
     def check(module: nn.Module, _args: tuple) -> None:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return  # an eval forward; or activation checkpointing's recompute in backward, the unit's later grads in
+        if sums_in_fp32(module):
+            return
         if any(not g.reduce_grads for g in _param_groups(module)):
             raise _sync_off_error(module, "a forward", micro_batches)
         _check_unit_synced(module, micro_batches)
@@ -351,8 +361,9 @@ def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> lis
 
 
 def check_grads_synced(units: list[list[nn.Module]], micro_batches: int) -> None:
-    """Raises where a backward left grads unreduced in a unit (its sync turned off after the forward):
-    the optimizer never got them, and FSDP2 would add the next backward's to them in low precision."""
+    """Raises where a backward left grads unreduced in a unit (its sync off through the step's last
+    backward): the optimizer never got them (and without FP32 sums, FSDP2 would add the next backward's
+    to them in low precision)."""
     for modules in units:
         _check_unit_synced(modules[0], micro_batches)
 
@@ -362,8 +373,12 @@ def _check_unit_synced(module: nn.Module, micro_batches: int) -> None:
         for fsdp_param in group.fsdp_params:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                why = (f"{type(module).__name__}: a backward with FSDP2's gradient sync off left its grads unreduced: FSDP2 "
+                       "sums them in FP32 and reduce-scatters them in the first backward with the sync on; turn it on "
+                       "for the step's last backward (set_requires_gradient_sync(True))" if sums_in_fp32(module)
+                       else str(_sync_off_error(module, "a backward", micro_batches)))  # fmt: skip
                 raise RuntimeError(
-                    f"{_sync_off_error(module, 'a backward', micro_batches)}. Or a backward raised part-way and "
+                    f"{why}. Or a backward raised part-way and "
                     "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward). "
                     "opt.zero_grad() drops the grads such a backward left, and this step's"
                 )

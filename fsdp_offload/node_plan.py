@@ -27,6 +27,7 @@ from .config import OffloadConfig
 from .grads import TierFP32Grads
 from .machine import CUDA_CONTEXT_BYTES, MachineConfig, planned_gpu_bytes, planned_host_bytes, tier_room_subgroups
 from .models import LlamaArgs, Transformer, num_params
+from .models.llama import STEP_CHOICES
 from .placement import planned_split
 from .plan_fit import check_fit
 from .plans import Plan, PlanError, RankPlan, TierPlan
@@ -50,7 +51,7 @@ class ModelShapes:
     @classmethod
     def of(cls, args: LlamaArgs) -> ModelShapes:
         with torch.device("meta"):
-            model = Transformer(dataclasses.replace(args, activation_checkpointing=False, reshard_after_forward=True))  # the shapes alone
+            model = Transformer(dataclasses.replace(args, activation_checkpointing=False, reshard_after_forward=True, sum_grads_unsharded=False))  # the shapes alone
         return cls([p.shape for p in model.parameters()],
                    max(sum(p.numel() for p in m.parameters()) for _, m in model.init_modules()))  # fmt: skip
 
@@ -68,7 +69,8 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     """Estimated GPU peak of a step beside the resident state: the sharded low-precision params, two
     unsharded units (the one running and the one prefetched; every unit where they are not resharded
     after forward) with the grads of one, the checkpointed block inputs (or every block's activations
-    without checkpointing) and the logits with their FP32 loss and grad."""
+    without checkpointing), the logits with their FP32 loss and grad, and the unsharded FP32 grad sums
+    where the step keeps them."""
     tokens = seq_len * micro_batch
     # unchecked, a block keeps ~12 dim- and 4 ffn-wide values a token (the 1.35B: 4.1 GiB more, as measured in session 26)
     per_block = tokens * itemsize * (args.dim if args.activation_checkpointing else 12 * args.dim + 4 * args.ffn_dim)
@@ -76,7 +78,15 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
     # gathered params: two units at a time, or every unit from its forward to its backward (not resharded)
     gathered = 2 * shapes.largest_module if args.reshard_after_forward else sum(math.prod(s) for s in shapes.param_shapes)
-    return local_params * itemsize + (gathered + shapes.largest_module) * itemsize + args.n_layers * per_block + block_work + logits
+    # the micro-batches' grads summed unsharded in FP32, every unit's from the first backward to the last
+    sums = 4 * sum(math.prod(s) for s in shapes.param_shapes) if args.sum_grads_unsharded is True else 0
+    return local_params * itemsize + (gathered + shapes.largest_module) * itemsize + args.n_layers * per_block + block_work + logits + sums
+
+
+def optimizer_config(cfg: OffloadConfig, args: LlamaArgs) -> OffloadConfig:
+    """The optimizer's config for a step resolved as `args`: where FSDP2 sums the micro-batches unsharded
+    (`model.sum_grads_unsharded`), the optimizer takes one grad a step, as from one micro-batch."""
+    return dataclasses.replace(cfg, micro_batches=1) if args.sum_grads_unsharded is True else cfg
 
 
 def plan_rank(args: LlamaArgs, shapes: ModelShapes, cfg: OffloadConfig, machine: MachineConfig, rank: int, **kw) -> RankPlan:
@@ -240,9 +250,10 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     world, node = world_size or machine.world_size, list(range(machine.ranks_per_node) if node_ranks is None else node_ranks)
     if len(node) != machine.ranks_per_node or not all(0 <= r < world for r in node):
         raise ValueError(f"node_ranks={node} must be machine.ranks_per_node={machine.ranks_per_node} ranks of the job's {world}")
-    for name in ("activation_checkpointing", "reshard_after_forward"):
+    for name in STEP_CHOICES:
         if getattr(args, name) == "auto":  # planned every way there
             raise ValueError(f"model.{name}='auto' is planned by fsdp_offload.step_memory.plan_step_memory")
+    cfg = optimizer_config(cfg, args)
     gpu_bytes = planned_gpu_bytes(cfg, machine, device_type)
     host = planned_host_bytes(machine)
     if host_budget is not None:  # measured on the node (train.py: memory.resolve_host_budget), in bytes and named
@@ -267,7 +278,7 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
              for r in node]  # fmt: skip
     plan = Plan(model_name, num_params(args), world, ranks, None if cpu_rate is None else cpu_rate / 1e6,
                 gpu_bytes, host, speeds, update_costs=costs, activation_checkpointing=args.activation_checkpointing,
-                reshard_after_forward=args.reshard_after_forward,
+                reshard_after_forward=args.reshard_after_forward, sum_grads_unsharded=args.sum_grads_unsharded,
                 split_cpu_mparams_per_s=None if split_cpu_rate is None else split_cpu_rate / 1e6)  # fmt: skip
     check_fit(plan, cfg, machine)
     return plan

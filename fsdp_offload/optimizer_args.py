@@ -142,8 +142,9 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
     grads together): a param that requires grad but is not this optimizer's stays as it is, so it must
     not share a unit with params this optimizer casts to another dtype. (Frozen params may: FSDP2
     all-gathers a unit of mixed dtypes as bytes.) Says once, by rank 0, which of its units reduce in
-    another dtype (`MixedPrecisionPolicy(reduce_dtype=torch.float32)`, torchtitan's default): FSDP2 casts
-    the reduced grads back to the params' dtype, so the optimizer takes them in that dtype still."""
+    another dtype (`MixedPrecisionPolicy(reduce_dtype=torch.float32)`, torchtitan's default, and the
+    recipes' where FSDP2 sums the micro-batches): FSDP2 casts the reduced grads back to the params' dtype,
+    so the optimizer takes them in that dtype still."""
     mine = {id(p) for p in params}
     names = param_names([model])
     reduced_in: dict[str, list[str]] = {}
@@ -162,10 +163,11 @@ def check_unit_dtypes(model: torch.nn.Module, units: list[tuple[list[torch.nn.Mo
                     "(p.requires_grad_(False)), or give it an FSDP unit of its own (fully_shard on its module)"
                 )
     if reduced_in and says_once():
-        log.warning(
+        log.info(
             "FSDP units of this optimizer's params reduce their grads in %s (MixedPrecisionPolicy.reduce_dtype): FSDP2 "
-            "then casts the reduced grads to the params' dtype, %s, once this optimizer keeps the params in it, so the "
-            "optimizer takes %s grads either way (it sums micro-batches in FP32 itself); units: %s",
+            "casts the reduced grads to the params' dtype, %s, so the optimizer takes %s grads. With FSDP2's gradient "
+            "sync off between a step's micro-batches it sums them in FP32 first and reduces once a step; with the sync "
+            "on, each micro-batch reduces (the optimizer sums them in FP32); units: %s",
             " and ".join(reduced_in), dtype_name, dtype_name, "; ".join(f"{d}: {', '.join(sorted(set(u)))}" for d, u in reduced_in.items()),
         )  # fmt: skip
 

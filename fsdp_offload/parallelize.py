@@ -13,6 +13,7 @@ this rank's shard of it: the weights depend on the seed only, not on the world s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,15 @@ def shard_units(model: Transformer, **kw) -> None:
     are reduced (and can be updated) as soon as backward has run it, first, instead of with the
     root's at the very end; it stays unsharded from its forward to its backward, which follows at once.
     Tied embeddings keep the shared weight in the root unit. The embedding and the blocks reshard after
-    forward as `model.args.reshard_after_forward` says."""
+    forward as `model.args.reshard_after_forward` says. Where `model.args.sum_grads_unsharded`, every
+    unit reduces in float32 (MixedPrecisionPolicy.reduce_dtype, `kw`'s policy's or one of its own): FSDP2
+    then sums the micro-batches' grads in FP32 while the training loop keeps its gradient sync off."""
+    if model.args.sum_grads_unsharded is True:
+        policy = kw.get("mp_policy") or MixedPrecisionPolicy()
+        if policy.reduce_dtype not in (None, torch.float32):
+            raise ValueError(f"model.sum_grads_unsharded=true sums the grads in FP32, and the given mp_policy reduces in "
+                             f"{policy.reduce_dtype}: give reduce_dtype=torch.float32, or set model.sum_grads_unsharded=false")  # fmt: skip
+        kw = {**kw, "mp_policy": dataclasses.replace(policy, reduce_dtype=torch.float32)}
     units = {**kw, "reshard_after_forward": model.args.reshard_after_forward}
     if model.output is not None:
         fully_shard(model.tok_embeddings, **units)

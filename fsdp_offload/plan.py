@@ -42,7 +42,7 @@ from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measu
                       planned_host_bytes, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
-from .node_plan import make_plan, plan_speeds
+from .node_plan import make_plan, optimizer_config, plan_speeds
 from .plans import Plan, PlanError, RankPlan
 from .recipe import read_config, read_host_memory
 from .storage import TierError
@@ -220,7 +220,8 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
                                                         data.micro_batch, device, rate.params_per_s, speeds, costs=costs,
                                                         split_cpu_rate=None if split is None else split.params_per_s)  # fmt: skip
     # one that does not fit says so before seconds of timing; one that writes no tier times none
-    plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb)
+    plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb, micro_batches=train.micro_batches)
+    ocfg = optimizer_config(ocfg, args)  # the optimizer's, as the plan has it (one grad a step where FSDP2 sums them)
     # the split step's rate where a rank splits its masters (which does not depend on the rates: predicted again below)
     split = split_step_rate(ocfg, machine, train.cpu_threads) if plan.splits else None
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
@@ -238,12 +239,13 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
 def largest_for(cfg, machine: MachineConfig, speeds: list | None = None) -> str | None:
     """The largest preset that fits a composed config's recipe on `machine` (None: not even the smallest),
     up to the first that does not (every level's need grows with the size). `auto` activation
-    checkpointing and resharding are planned as the frugal step (a run resolves them to what fits)."""
+    checkpointing, resharding and grad sums are planned as the frugal step (a run resolves them to what fits)."""
     train, step, data, recipe, _ = read_config(cfg)
     speeds, device, best = plan_speeds(recipe.config, speeds), target_device(train.device, machine), None  # speeds once
     for name, args in sorted(MODEL_PRESETS.items(), key=lambda kv: num_params(kv[1])):
         args = dataclasses.replace(args, activation_checkpointing=step.activation_checkpointing is not False,
-                                   reshard_after_forward=step.reshard_after_forward is not False)
+                                   reshard_after_forward=step.reshard_after_forward is not False,
+                                   sum_grads_unsharded=step.sum_grads_unsharded is True)
         try:
             make_plan(name, args, recipe.config, machine, data.seq_len, data.micro_batch, device, speeds=speeds)
         except PlanError:

@@ -69,9 +69,11 @@ def check_fit(plan: Plan, cfg: OffloadConfig, machine: MachineConfig) -> None:
 
 
 def frugal_step_fix(plan: Plan | LlamaArgs) -> str:
-    """Where a plan (or the args it is made from) keeps a step's activations or gathered units on its
-    device as stated, the options that let the entry keep them only where they fit ("": it keeps neither)."""
+    """Where a plan (or the args it is made from) keeps a step's activations, gathered units or unsharded
+    grad sums on its device as stated, the options that let the entry keep them only where they fit ("":
+    it keeps none)."""
     kept = [f"model.{name}" for name, frugal in (("activation_checkpointing", plan.activation_checkpointing),
-                                                ("reshard_after_forward", plan.reshard_after_forward)) if not frugal]  # fmt: skip
+                                                ("reshard_after_forward", plan.reshard_after_forward),
+                                                ("sum_grads_unsharded", plan.sum_grads_unsharded is not True)) if not frugal]  # fmt: skip
     return f"set {' and '.join(kept)} to auto" if kept else ""
 

@@ -82,7 +82,8 @@ class Plan:
     update_costs: UpdateCosts | None = None  # the fixed costs in the prediction (None: none, as for a stated CPU rate)
     activation_checkpointing: bool = False  # the model's, as planned
     reshard_after_forward: bool = True  # the model's, as planned
-    step_memory_why: str = ""  # why the two above (step_memory.plan_step_memory)
+    sum_grads_unsharded: bool = False  # the model's, as planned (the optimizer then planned for one grad a step)
+    step_memory_why: str = ""  # why the three above (step_memory.plan_step_memory)
     split_cpu_mparams_per_s: float | None = None  # the kernel's on split masters (None: those ranks at cpu_mparams_per_s)
     split_cpu_rate_source: str | None = None  # where it came from, as cpu_rate_source
     split_cpu_rate_detail: str = ""  # as cpu_rate_detail

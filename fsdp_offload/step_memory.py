@@ -1,7 +1,8 @@
-"""What a training step keeps on its device from forward to backward, resolved once at the entry
-(train.py, the plan CLI) before the model is built: every block's activations
-(`model.activation_checkpointing`, off keeps them) and every FSDP unit's gathered params
-(`model.reshard_after_forward`, false keeps them). Either may be `auto`, every preset's default.
+"""What a training step keeps on its device, resolved once at the entry (train.py, the plan CLI) before
+the model is built: every block's activations (`model.activation_checkpointing`, off keeps them), every
+FSDP unit's gathered params (`model.reshard_after_forward`, false keeps them) and, with several
+micro-batches a step, their grads summed unsharded in FP32 (`model.sum_grads_unsharded`, true keeps
+them: one reduce-scatter a unit a step, not one a micro-batch). Each may be `auto`, every preset's default.
 
 Keeping them saves work where the device has the room (the 1.35B at seq 2048, micro-batch 1, all
 state in host memory, 4 ranks):
@@ -15,12 +16,15 @@ state in host memory, 4 ranks):
   1. the activations and the gathered units kept;
   2. the activations kept, the units resharded;
   3. the activations recomputed, the gathered units kept;
-  4. neither kept (the frugal step: checkpointing on, units resharded).
+  4. neither kept (the frugal step: checkpointing on, units resharded);
+each first with the unsharded grad sums, then without (FSDP2's reduce-scatter a unit a micro-batch is what
+made a step at 4 ranks slower than at 1: docs/benchmarks.md, session 37).
 An option is kept only where the plan with it still fits (on the CPU the step is host memory the plan
 counts), on a GPU every rank's estimated step stays under its memory less `offload.gpu_headroom_gb`,
 and the optimizer's state is placed as with the frugal step: the same subgroups on the GPU, host cache
-slots, grad path, grad sums and tier traffic. A stated value is kept as stated. A job's ranks take one
-answer: where they differ, the frugal step.
+slots, grad path, grad sums and tier traffic. (With the unsharded sums the optimizer takes one grad a
+step and keeps no sums of its own: such an option is held to the frugal step planned that way.) A stated
+value is kept as stated. A job's ranks take one answer: where they differ, the frugal step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .models import LlamaArgs
+from .models.llama import STEP_CHOICES
 from .node_plan import ModelShapes, train_gpu_bytes
 from .plan_fit import frugal_step_fix
 from .plans import Plan, PlanError
@@ -41,40 +46,45 @@ from .units import GIB, readable_size
 PREFERENCE = ((False, False), (False, True), (True, False), (True, True))
 
 
-def resolved(args: LlamaArgs, checkpointing: bool, reshard: bool) -> LlamaArgs:
-    return dataclasses.replace(args, activation_checkpointing=checkpointing, reshard_after_forward=reshard)
+def resolved(args: LlamaArgs, checkpointing: bool, reshard: bool, sums: bool = False) -> LlamaArgs:
+    return dataclasses.replace(args, activation_checkpointing=checkpointing, reshard_after_forward=reshard, sum_grads_unsharded=sums)
 
 
-def options(args: LlamaArgs) -> list[LlamaArgs]:
-    """`args` resolved every way its `auto`s allow, in PREFERENCE order: the last is the frugal step."""
+def options(args: LlamaArgs, micro_batches: int = 1) -> list[LlamaArgs]:
+    """`args` resolved every way its `auto`s allow, in PREFERENCE order, each with the unsharded grad sums
+    first where a step has several micro-batches to sum: the last is the frugal step."""
     stated = lambda value, choice: value == "auto" or value is choice  # noqa: E731
-    return [resolved(args, c, r) for c, r in PREFERENCE
-            if stated(args.activation_checkpointing, c) and stated(args.reshard_after_forward, r)]  # fmt: skip
+    sums = (True, False) if micro_batches > 1 or args.sum_grads_unsharded is True else (False,)
+    return [resolved(args, c, r, g) for c, r in PREFERENCE for g in sums
+            if stated(args.activation_checkpointing, c) and stated(args.reshard_after_forward, r) and stated(args.sum_grads_unsharded, g)]  # fmt: skip
 
 
 def describe(args: LlamaArgs | Plan) -> str:
     """A resolved step (a model's args or the plan of them) in words, as the run's log and the plan say it."""
     units = "units resharded after forward" if args.reshard_after_forward else "units kept gathered from forward to backward"
-    return f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, {units}"
+    sums = ", micro-batch grads summed unsharded in FP32 (one reduce-scatter a step)" if args.sum_grads_unsharded else ""
+    return f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, {units}{sums}"
 
 
 def kept(args: LlamaArgs, frugal: LlamaArgs) -> str:
     """What step `args` keeps on its device that the frugal step does not."""
     held = [name for name, more in (("the activations", args.activation_checkpointing != frugal.activation_checkpointing),
-                                    ("the gathered units", args.reshard_after_forward != frugal.reshard_after_forward)) if more]  # fmt: skip
-    return " and ".join(held)
+                                    ("the gathered units", args.reshard_after_forward != frugal.reshard_after_forward),
+                                    ("the unsharded grad sums", args.sum_grads_unsharded != frugal.sum_grads_unsharded)) if more]  # fmt: skip
+    return ", ".join(held[:-1]) + " and " + held[-1] if len(held) > 1 else "".join(held)
 
 
-def stated_why(args: LlamaArgs) -> str:
-    """What of `args` was stated, not `auto`, as the reason gives it ("" where both are `auto`)."""
-    stated = [f"model.{name}={str(getattr(args, name)).lower()}" for name in ("activation_checkpointing", "reshard_after_forward")
-              if getattr(args, name) != "auto"]  # fmt: skip
+def stated_why(args: LlamaArgs, micro_batches: int) -> str:
+    """What of `args` was stated, not `auto`, as the reason gives it ("" where none is stated; the grad
+    sums left unsaid where a step of one micro-batch has none to sum)."""
+    stated = [f"model.{name}={str(getattr(args, name)).lower()}" for name in STEP_CHOICES if getattr(args, name) != "auto"
+              and (name != "sum_grads_unsharded" or micro_batches > 1 or args.sum_grads_unsharded is True)]  # fmt: skip
     return f"set: {', '.join(stated)}" if stated else ""
 
 
-def auto_why(args: LlamaArgs, reasons: list[str]) -> str:
+def auto_why(args: LlamaArgs, micro_batches: int, reasons: list[str]) -> str:
     """The reason an `auto` resolution gives: what was stated beside it, then why."""
-    return "; ".join(filter(None, (stated_why(args), "auto: " + "; ".join(reasons))))
+    return "; ".join(filter(None, (stated_why(args, micro_batches), "auto: " + "; ".join(reasons))))
 
 
 def state_placement(plan: Plan) -> list[tuple]:
@@ -101,13 +111,14 @@ def raise_if_short(short: PlanError | None) -> None:
 
 def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroom_gb: float,
                      agree: Callable[[int], bool] = lambda choice: True,
-                     settle: Callable[[PlanError | None], None] = raise_if_short) -> tuple[Plan, LlamaArgs]:  # fmt: skip
+                     settle: Callable[[PlanError | None], None] = raise_if_short, micro_batches: int = 1) -> tuple[Plan, LlamaArgs]:  # fmt: skip
     """The plan `make` gives for `args` with its `auto`s resolved (see the module's note), and those
-    args; `agree(choice)` says whether the job's ranks all made this one (train.py: same_on_every_rank),
-    else they take the frugal step. The plan says why (`step_memory_why`). Where even the frugal step
-    does not fit, its PlanError goes to `settle` (None where it fits), first: train.py raises one rank's
-    on every rank, since a node's own free space or memory may leave the others' plans fitting."""
-    choices = options(args)
+    args (`make`: node_plan.make_plan's, which plans the optimizer as `optimizer_config` says). `agree(choice)` says whether the job's
+    ranks all made this one (train.py: same_on_every_rank), else they take the frugal step. The plan says
+    why (`step_memory_why`). Where even the frugal step does not fit, its PlanError goes to `settle` (None
+    where it fits), first: train.py raises one rank's on every rank, since a node's own free space or
+    memory may leave the others' plans fitting. `micro_batches`: the backwards a step (train.micro_batches)."""
+    choices = options(args, micro_batches)
     frugal_args = choices[-1]
     try:
         frugal, short = make(frugal_args), None
@@ -115,14 +126,18 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
         short = exc
     settle(short)
     if len(choices) == 1:
-        frugal.step_memory_why = stated_why(args)
+        frugal.step_memory_why = stated_why(args, micro_batches)
         return frugal, frugal_args
     mine, plan, reasons = len(choices) - 1, frugal, []
+    held_to = {frugal_args.sum_grads_unsharded: frugal}  # the frugal step, planned with the optimizer summing or not
     for i, option in enumerate(choices[:-1]):
         what = kept(option, frugal_args)
         try:
             kept_plan = make(option)
-            reason = refusal(frugal, kept_plan, headroom_gb)
+            sums = option.sum_grads_unsharded
+            if sums not in held_to:
+                held_to[sums] = make(dataclasses.replace(frugal_args, sum_grads_unsharded=sums))
+            reason = refusal(held_to[sums], kept_plan, headroom_gb)
         except PlanError as exc:  # the step takes the host memory the state needs (a run on the CPU)
             # (its advice to set the options to auto, which they are, left out)
             reason = "the plan does not fit: " + str(exc).replace(f", or {frugal_step_fix(option)}", "")
@@ -135,7 +150,7 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
         reasons.append("so none of it is kept")
     if not agree(mine):
         mine, plan, reasons = len(choices) - 1, frugal, ["the ranks differ: none of it is kept"]
-    plan.step_memory_why = auto_why(args, reasons)
+    plan.step_memory_why = auto_why(args, micro_batches, reasons)
     return plan, choices[mine]
 
 
@@ -186,30 +201,30 @@ def step_overflow(plan: Plan) -> str | None:
 
 
 def fsdp_step_memory(args: LlamaArgs, step_bytes: Callable[[LlamaArgs], int], room_bytes: int,
-                     agree: Callable[[int], bool] = lambda choice: True) -> tuple[LlamaArgs, str]:  # fmt: skip
+                     agree: Callable[[int], bool] = lambda choice: True, micro_batches: int = 1) -> tuple[LlamaArgs, str]:  # fmt: skip
     """`args` resolved for plain FSDP2 (torch AdamW, no planner), and why: the first option (module
     note) whose `step_bytes` (a rank's estimated peak: its state, params, grads and step) fits in
     `room_bytes` (the GPU's memory less its headroom; on the CPU, the host memory available to the rank);
     the frugal step where the job's ranks chose otherwise (`agree`, as plan_step_memory's)."""
-    choices = options(args)
+    choices = options(args, micro_batches)
     if len(choices) == 1:
-        return choices[0], stated_why(args)
+        return choices[0], stated_why(args, micro_batches)
     frugal = choices[-1]
     mine = next((i for i, a in enumerate(choices[:-1]) if step_bytes(a) <= room_bytes), len(choices) - 1)
     if not agree(mine):
-        return frugal, auto_why(args, ["the ranks differ: none of it is kept"])
+        return frugal, auto_why(args, micro_batches, ["the ranks differ: none of it is kept"])
     room = readable_size(room_bytes)
     if mine < len(choices) - 1:
-        return choices[mine], auto_why(args, [f"about {readable_size(step_bytes(choices[mine]))} a rank keeping "
+        return choices[mine], auto_why(args, micro_batches, [f"about {readable_size(step_bytes(choices[mine]))} a rank keeping "
                                               f"{kept(choices[mine], frugal)}, {room} of room"])  # fmt: skip
     least = choices[-2]  # the option that keeps least
-    return frugal, auto_why(args, [f"keeping {kept(least, frugal)} would take about {readable_size(step_bytes(least))} a rank, "
+    return frugal, auto_why(args, micro_batches, [f"keeping {kept(least, frugal)} would take about {readable_size(step_bytes(least))} a rank, "
                                    f"above {room} of room; so none of it is kept"])  # fmt: skip
 
 
 def fsdp_step_bytes(args: LlamaArgs, world: int, seq_len: int, micro_batch: int) -> int:
     """A plain FSDP2 rank's estimated peak: its shard's FP32 params, grads and Adam moments (16 bytes a
-    param) and the bf16 step beside them (node_plan.train_gpu_bytes)."""
+    param) and the bf16 step beside them (node_plan.train_gpu_bytes, with the unsharded grad sums)."""
     shapes = ModelShapes.of(args)
     local = sum(shapes.local_numels(world, 0))
     return 16 * local + train_gpu_bytes(args, shapes, local, seq_len, micro_batch, itemsize=2)

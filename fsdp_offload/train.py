@@ -37,12 +37,13 @@ from .data import TokenBatches
 from .job_errors import (JobError, a_collective_timed_out, a_peer_stopped, error_line, note_sigterm, printed_by_another_rank,
                          raise_on_every_rank, wait_for_rank0_to_say_it)
 from .models import compile_blocks, num_params, preset_name
+from .models.llama import STEP_CHOICES
 from .node import node_peers, node_ranks
 from .optimizer import OffloadAdamW
 from .memory import node_host_bytes, resolve_host_budget, stated_host_problem
 from .parallelize import build_fsdp_model, build_offloaded_model
 from .machine import MachineConfig
-from .node_plan import make_plan
+from .node_plan import make_plan, optimizer_config
 from .command_errors import refuse_bad_overrides
 from .plan import plan_summary, split_rate_words
 from .resume_config import follow_config, train_hyper
@@ -147,7 +148,9 @@ def _run(cfg: DictConfig) -> list[dict]:
                                          split_cpu_rate=None if learned_split is None else learned_split.params_per_s)  # fmt: skip
         # a plan short on one node alone (its free space, its memory) is said once, by every rank
         settle = lambda short: raise_on_every_rank(None if short is None else str(short), group)  # noqa: E731
-        plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree, settle)
+        plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree, settle, tcfg.micro_batches)
+        # the optimizer's config as planned: one grad a step where FSDP2 sums the micro-batches unsharded
+        recipe = dataclasses.replace(recipe, config=optimizer_config(recipe.config, margs))
         mine, step_memory_why = plan.ranks[node.index(rank)], plan.step_memory_why
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))
@@ -173,7 +176,7 @@ def _run(cfg: DictConfig) -> list[dict]:
         room = (torch.cuda.mem_get_info(device)[1] - int(recipe.config.gpu_headroom_gb * GIB) if device.type == "cuda"
                 else node_host_bytes(tcfg.host_memory_bytes) // local)  # fmt: skip
         margs, step_memory_why = fsdp_step_memory(margs, lambda args: fsdp_step_bytes(args, world, dcfg.seq_len, dcfg.micro_batch),
-                                                      room, agree)  # fmt: skip
+                                                      room, agree, tcfg.micro_batches)  # fmt: skip
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = build_fsdp_model(margs, device, seed=tcfg.seed, mp_policy=mp)
         optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=tuple(tcfg.betas), weight_decay=tcfg.weight_decay,
@@ -210,8 +213,8 @@ def _run(cfg: DictConfig) -> list[dict]:
         # what the step keeps on its device and, for this optimizer, what the planner said and what was built
         built = {"plan": dataclasses.asdict(plan.ranks[0]), "built": optimizer.placement()} if recipe.optimizer == "offload" else {}
         with open(os.path.join(out_dir, "placement.json"), "w") as f:
-            json.dump({**built, "activation_checkpointing": margs.activation_checkpointing, "reshard_after_forward":
-                       margs.reshard_after_forward, "step_memory_why": step_memory_why, **startup}, f, indent=1)  # fmt: skip
+            json.dump({**built, **{name: getattr(margs, name) for name in STEP_CHOICES}, "step_memory_why": step_memory_why,
+                       **startup}, f, indent=1)  # fmt: skip
     metrics_path = rows_file(out_dir, tcfg.metrics_file, rank)
     tokens_per_step = world * tcfg.micro_batches * dcfg.micro_batch * dcfg.seq_len
     if rank == 0:

@@ -44,10 +44,17 @@ def gathered_between_micro_batches(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule) and model.args.reshard_after_forward is False
 
 
+def sums_grads_unsharded(model: torch.nn.Module) -> bool:
+    """Whether the model's FSDP2 units sum a step's micro-batch grads unsharded in FP32 (they reduce in
+    float32, `model.sum_grads_unsharded`): the gradient sync stays off until the step's last backward, so
+    each unit reduce-scatters once a step, and the optimizer takes one grad."""
+    return isinstance(model, FSDPModule) and model.args.sum_grads_unsharded is True
+
+
 def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_grad_norm: float | None, device: torch.device) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     row = {"loss": 0.0, "forward_s": 0.0, "backward_s": 0.0}
-    keep_gathered = gathered_between_micro_batches(model)
+    keep_gathered, sum_unsharded = gathered_between_micro_batches(model), sums_grads_unsharded(model)
     start = time.perf_counter()
     for micro in range(tcfg.micro_batches):
         tokens = next(batches).to(device)
@@ -58,6 +65,8 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
         t1 = time.perf_counter()
         if keep_gathered:  # the last backward reshards: the update writes the shards, which the next forward gathers
             model.set_reshard_after_backward(micro == tcfg.micro_batches - 1)
+        if sum_unsharded:  # the last backward reduce-scatters the sums
+            model.set_requires_gradient_sync(micro == tcfg.micro_batches - 1)
         (optimizer.scale_loss(loss) if isinstance(optimizer, OffloadAdamW) else loss).backward()
         sync()
         row["forward_s"] += t1 - t0

@@ -14,9 +14,9 @@ predicted_cpu_s, and predicted_cpu_over_kernel; cpu_rate_source, where the plann
 host for the same ranks and threads; cpu_rate_detail, the plan's note on that rate (for a timed one, where other
 processes or the hypervisor took the node's CPUs while it was timed); the update's fixed costs as predicted, predicted_walk_s and
 predicted_step_s, beside the slowest rank's norm_s; update_s_median and predicted_over_median, the
-median step's, which a shared machine's bursts move less than the mean, and iteration_s_median likewise; activation_checkpointing and
-reshard_after_forward, as the run resolved them, beside planned_activation_checkpointing and
-planned_reshard_after_forward, as the plan here did), the logs under --log-dir.
+median step's, which a shared machine's bursts move less than the mean, and iteration_s_median likewise; activation_checkpointing,
+reshard_after_forward and sum_grads_unsharded, as the run resolved them, beside planned_activation_checkpointing,
+planned_reshard_after_forward and planned_sum_grads_unsharded, as the plan here did), the logs under --log-dir.
 Steps after the first are averaged. A case with offload=none (plain FSDP2, torch's AdamW on the device) is the
 control beside them (`control`: true): nothing planned or predicted, its row the model, the step's times, peaks and
 losses.
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_offload.models.llama import num_params, preset_name
+from fsdp_offload.models import num_params, preset_name
 from fsdp_offload.plans import PlanError
 from fsdp_offload.plan import compose_plan_config, plan_from_config
 from fsdp_offload.recipe import read_config
@@ -107,13 +107,14 @@ def run_case(case: str, args: argparse.Namespace, index: int) -> dict:
                gpu_peak_startup_gib=placement.get("gpu_peak_startup_gib"), startup_s=placement["startup_s"],
                activation_checkpointing=placement.get("activation_checkpointing"),  # as the run resolved it
                reshard_after_forward=placement.get("reshard_after_forward"),
+               sum_grads_unsharded=placement.get("sum_grads_unsharded"),
                update_s_median=slowest("update_s", statistics.median), losses=[r["loss"] for r in rows])  # fmt: skip
     if mine is None:  # torch's AdamW on the device: no placement, tiers or CPU kernel to set beside a plan
         return row
     built = placement["built"]
     row.update(effective_io_gbps=mean("effective_io_gbps"), subgroups_on_gpu=rows[-1]["subgroups_on_gpu"], built=built,
                planned_activation_checkpointing=plan.activation_checkpointing,  # as this plan did (its budget may differ)
-               planned_reshard_after_forward=plan.reshard_after_forward,
+               planned_reshard_after_forward=plan.reshard_after_forward, planned_sum_grads_unsharded=plan.sum_grads_unsharded,
                tier_bytes={t.spec: t.bytes for t in mine.tiers},
                bytes_read_per_step=statistics.fmean(sum(r["bytes_read"].values()) for r in steady),
                bytes_written_per_step=statistics.fmean(sum(r["bytes_written"].values()) for r in steady))  # fmt: skip

@@ -46,7 +46,7 @@ def test_a_torch_that_keeps_them_elsewhere_is_refused_by_name():
 
 def test_a_reduce_dtype_the_grads_do_not_keep_is_said_once_naming_the_units(caplog):
     """torchtitan's MixedPrecisionPolicy(reduce_dtype=torch.float32): FSDP2 casts the reduced grads to
-    the params' dtype, which the optimizer keeps in bf16, so the FP32 reduce does not reach it."""
+    the params' dtype, which the optimizer keeps in bf16, so the FP32 reduce reaches it as bf16."""
     from fsdp_offload.optimizer_args import check_unit_dtypes
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).to(torch.bfloat16)
@@ -54,11 +54,11 @@ def test_a_reduce_dtype_the_grads_do_not_keep_is_said_once_naming_the_units(capl
         state = types.SimpleNamespace(_mp_policy=types.SimpleNamespace(reduce_dtype=reduce_dtype))
         module._get_fsdp_state = lambda state=state: state
     units = [([m], list(m.parameters())) for m in model]
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.optimizer_args"):
+    with caplog.at_level(logging.INFO, logger="fsdp_offload.optimizer_args"):
         check_unit_dtypes(model, units, list(model.parameters()), torch.bfloat16, "bfloat16")
     [record] = caplog.records
     assert "reduce their grads in torch.float32" in record.getMessage() and "torch.float32: Linear" in record.getMessage()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="fsdp_offload.optimizer_args"):
+    with caplog.at_level(logging.INFO, logger="fsdp_offload.optimizer_args"):
         check_unit_dtypes(model, units[1:], list(model[1].parameters()), torch.bfloat16, "bfloat16")
     assert not caplog.records  # reduce_dtype unset: nothing to say

@@ -279,7 +279,7 @@ def test_presets_are_near_their_nominal_size():
     assert (one_b.dim, one_b.n_layers, one_b.ffn_dim, one_b.n_heads) == (2048, 24, 5504, 16)
 
 
-# (dim, layers, heads, KV heads, FFN) of each preset as its source gives it (models/llama.py names them)
+# (dim, layers, heads, KV heads, FFN) of each preset as its source gives it (models/presets.py names them)
 SOURCES = {
     "125m": (768, 12, 12, 12, 2048),  # GPT-3 Small; FFN by LLaMA's rule
     "1b": (2048, 24, 16, 16, 5504),  # Sheared-LLaMA-1.3B

@@ -33,7 +33,7 @@ def test_model_recipes_match_presets(model):
     cfg = composed(f"model={model}")
     args = LlamaArgs(**OmegaConf.to_container(cfg.model))
     preset = dataclasses.replace(MODEL_PRESETS[model], activation_checkpointing=args.activation_checkpointing,
-                                 reshard_after_forward=args.reshard_after_forward)
+                                 reshard_after_forward=args.reshard_after_forward, sum_grads_unsharded=args.sum_grads_unsharded)
     assert args == preset
 
 

@@ -255,7 +255,7 @@ def _raise_os_error(exc: CheckpointException, tmp: str) -> None:
 
 
 # what a run note holds that does not change the state, only the compute: a resume does not compare it
-NOT_STATE = {"model": ("activation_checkpointing", "reshard_after_forward")}
+NOT_STATE = {"model": ("activation_checkpointing", "reshard_after_forward", "sum_grads_unsharded")}
 
 
 def check_checkpoint(path: str, run: dict[str, Any]) -> int:
