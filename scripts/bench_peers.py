@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
             "peers keep lr constant at train.yaml's lr; the product follows train.py's warmup/cosine schedule (speed does not depend on lr)",
             "multipath: state on the shm path is in RAM but not in the process's RSS: shm_peak_gib (the most the ranks' "
             "tier files there held at once, sampled every 0.2 s) and host_peak_with_shm_gib add it",
-            "train.py's systems (this product, gpu_only) run with model.activation_checkpointing=true and "
-            "model.reshard_after_forward=true, as the FSDP2 peer's fully_shard does: the same compute and gathers",
+            "train.py's systems (this product, gpu_only) run with model.activation_checkpointing=true, "
+            "model.reshard_after_forward=true and model.sum_grads_unsharded=false, as the FSDP2 peer's fully_shard does "
+            "and ZeRO-3 must (a reduce-scatter every micro-batch): the same compute, gathers and reductions",
             "gpu_peak_gib: torch.cuda.max_memory_allocated over the steps (train.py resets it after start-up; the "
             "workers do not: DeepSpeed initialises the FP32 model on the GPU, the FSDP2 peer on the CPU)",
         ],

@@ -114,7 +114,7 @@ def system_command(system: System, args: argparse.Namespace, sys_dir: str, run_d
     cmd = launcher(args) + [
         str(TRAIN), f"model={args.model}", f"offload={system.offload}", "data=synthetic", f"data.seq_len={args.seq}",
         f"data.micro_batch={args.batch}", f"data.seed={args.seed}", "model.activation_checkpointing=true",
-        "model.reshard_after_forward=true",
+        "model.reshard_after_forward=true", "model.sum_grads_unsharded=false",
         f"train.steps={args.steps}", f"train.micro_batches={args.micro_batches}", f"train.device={args.device}",
         f"train.seed={args.seed}", "train.progress=false", "train.log_every=1", f"hydra.run.dir={run_dir}",
         # ++: set whether or not the offload recipe names it (both optimizers clip with it)
