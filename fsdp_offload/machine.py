@@ -193,7 +193,7 @@ def timed_rate(cfg: OffloadConfig, ranks: int, threads: int, split: bool = False
 
 def split_step_rate(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> CpuRate:
     """Each rank's CPU update speed on split masters (a plan that splits them predicts its kernel from it), found
-    as measured_speeds finds the whole step's: machine.cpu_mparams_per_s, which states one rate for both; else
+    as cpu_rate finds the whole step's: machine.cpu_mparams_per_s, which states one rate for both; else
     the split step's learned here; else the split step timed here."""
     if machine.cpu_mparams_per_s is not None:
         return CpuRate(machine.cpu_mparams_per_s * 1e6, "given")
@@ -202,17 +202,19 @@ def split_step_rate(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int
     return learned_rate_for(cfg, ranks, threads, split=True) or timed_rate(cfg, ranks, threads, split=True)
 
 
-def measured_speeds(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> tuple[CpuRate, list[TierSpeed] | None]:
-    """Each rank's CPU update speed (machine.cpu_mparams_per_s; else learned from an earlier run's steps on
-    this host, in offload.bandwidth_profile; else timed here as the node's ranks run it, side by side:
-    update_rate.node_update_rate) and the tiers' speeds (profile, else measured), for a predicted update
-    time."""
+def cpu_rate(cfg: OffloadConfig, machine: MachineConfig, cpu_threads: int | None) -> CpuRate:
+    """Each rank's CPU update speed, for a predicted update time: machine.cpu_mparams_per_s; else learned
+    from an earlier run's steps on this host, in offload.bandwidth_profile, for the grads `cfg`'s kernel
+    takes; else timed here as the node's ranks run it, side by side (update_rate.node_update_rate)."""
     if machine.cpu_mparams_per_s is not None:
-        rate = CpuRate(machine.cpu_mparams_per_s * 1e6, "given")
-    else:
-        ranks = machine.ranks_per_node
-        threads = cpu_threads_per_rank(cpu_threads, ranks)
-        rate = learned_rate_for(cfg, ranks, threads) or timed_rate(cfg, ranks, threads)
-    if machine.tier_read_gbps is not None:  # the planned machine's, stated
-        return rate, [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
-    return rate, starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction
+        return CpuRate(machine.cpu_mparams_per_s * 1e6, "given")
+    ranks = machine.ranks_per_node
+    threads = cpu_threads_per_rank(cpu_threads, ranks)
+    return learned_rate_for(cfg, ranks, threads) or timed_rate(cfg, ranks, threads)
+
+
+def tier_speeds(cfg: OffloadConfig, machine: MachineConfig) -> list[TierSpeed] | None:
+    """The tiers' speeds: the planned machine's where stated, else the profile's, else measured here."""
+    if machine.tier_read_gbps is not None:
+        return [TierSpeed(r * 1e9, w * 1e9, 0.0) for r, w in zip(machine.tier_read_gbps, machine.tier_write_gbps)]
+    return starting_speeds(cfg, needed=bool(cfg.tiers)).speeds  # any tier's, for the prediction

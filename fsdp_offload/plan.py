@@ -38,8 +38,8 @@ from hydra.errors import HydraException
 
 from .command_errors import did_you_mean, hydra_error_line
 from .config import OffloadConfig
-from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, measured_speeds, planned_gpu_bytes, split_step_rate,
-                      planned_host_bytes, tiers_sharing_a_file_system)
+from .machine import (SHARED_FILE_SYSTEM_NOTE, TIER_FIELDS, MachineConfig, cpu_rate, planned_gpu_bytes, split_step_rate,
+                      planned_host_bytes, tier_speeds, tiers_sharing_a_file_system)
 from .step_memory import describe, plan_step_memory, step_overflow
 from .models import MODEL_PRESETS, num_params, preset_name
 from .node_plan import make_plan, optimizer_config, plan_speeds
@@ -215,13 +215,15 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
             raise ValueError(f"offload.tiers {', '.join(missing)}: the dir does not exist on this machine, so what it holds cannot "
                              f"be read here (planning for another machine?); state its tiers: {unstated} (one entry per tier), or "
                              "make the dir")  # fmt: skip
-    rate, speeds = measured_speeds(ocfg, machine, train.cpu_threads)
-    planned = lambda costs, args, split=None: make_plan(preset_name(args), args, ocfg, machine, data.seq_len,  # noqa: E731
-                                                        data.micro_batch, device, rate.params_per_s, speeds, costs=costs,
-                                                        split_cpu_rate=None if split is None else split.params_per_s)  # fmt: skip
-    # one that does not fit says so before seconds of timing; one that writes no tier times none
+    speeds = tier_speeds(ocfg, machine)
+    planned = lambda costs, args, rate=None, split=None: make_plan(  # noqa: E731
+        preset_name(args), args, ocfg, machine, data.seq_len, data.micro_batch, device, None if rate is None else rate.params_per_s, speeds,
+        costs=costs, split_cpu_rate=None if split is None else split.params_per_s)  # fmt: skip
+    # what the step keeps, from memory alone (nothing predicted yet): one that does not fit says so before
+    # seconds of timing; one that writes no tier times none
     plan, args = plan_step_memory(args, lambda a: planned(None, a), ocfg.gpu_headroom_gb, micro_batches=train.micro_batches)
     ocfg = optimizer_config(ocfg, args)  # the optimizer's, as the plan has it (one grad a step where FSDP2 sums them)
+    rate = cpu_rate(ocfg, machine, train.cpu_threads)  # (the kernel's rate for the grads it takes: bf16 or FP32 sums)
     # the split step's rate where a rank splits its masters (which does not depend on the rates: predicted again below)
     split = split_step_rate(ocfg, machine, train.cpu_threads) if plan.splits else None
     streams = any(t.read_bytes_per_step or t.written_bytes_per_step for r in plan.ranks for t in r.tiers)
@@ -229,8 +231,8 @@ def plan_from_config(cfg, machine: MachineConfig) -> tuple[Plan, OffloadConfig]:
     # holds it and may hold its run's walk (where only some ranks split, beside the whole step's)
     kernel_rate = split if split is not None and all(r.split_masters for r in plan.ranks) else rate
     costs = measured_costs(ocfg, machine, train.cpu_threads, kernel_rate, streams=streams)
-    if costs is not None or split is not None:  # (the same plan, predicted with the fixed costs and the split step's rate)
-        plan = dataclasses.replace(planned(costs, args, split), step_memory_why=plan.step_memory_why)
+    # the same plan, predicted with the rates and the fixed costs
+    plan = dataclasses.replace(planned(costs, args, rate, split), step_memory_why=plan.step_memory_why)
     plan.cpu_rate_source, plan.cpu_rate_detail = rate.source, rate.detail
     plan.split_cpu_rate_source, plan.split_cpu_rate_detail = (split.source, split.detail) if split else (None, "")
     return plan, ocfg

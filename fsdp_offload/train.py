@@ -134,23 +134,26 @@ def _run(cfg: DictConfig) -> list[dict]:
         if rank == 0 and recipe.config.host_budget.auto:
             log.info("%s", budget[1])
         speeds = starting_speeds(recipe.config, group=group).speeds  # once a node
-        # the update is predicted where an earlier run here saved its CPU rate (timing the kernel would slow the start)
-        learned, learned_split = (learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local), split)
-                                  for split in (False, True))  # fmt: skip
         # this node's ranks, each planned for its own shard of the job's (another node's may be smaller)
         node = node_peers(group) if group is not None else [0]
         machine = MachineConfig(ranks_per_node=local, nodes=max(1, world // local),
                                 host_gib=None if tcfg.host_memory_bytes is None else tcfg.host_memory_bytes / GIB)  # fmt: skip
-        costs = None if learned is None else learned_walk(learned)  # (nothing timed here: it would slow the start)
-        planned = lambda args: make_plan(preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch,  # noqa: E731
-                                         device.type, None if learned is None else learned.params_per_s, speeds, host_budget=budget,
-                                         costs=costs, node_ranks=node, world_size=world,
-                                         split_cpu_rate=None if learned_split is None else learned_split.params_per_s)  # fmt: skip
+        planned = lambda args, rate=None, split=None: make_plan(  # noqa: E731
+            preset_name(args), args, recipe.config, machine, dcfg.seq_len, dcfg.micro_batch, device.type,
+            None if rate is None else rate.params_per_s, speeds, host_budget=budget, costs=None if rate is None else learned_walk(rate),
+            node_ranks=node, world_size=world, split_cpu_rate=None if split is None else split.params_per_s)  # fmt: skip
         # a plan short on one node alone (its free space, its memory) is said once, by every rank
         settle = lambda short: raise_on_every_rank(None if short is None else str(short), group)  # noqa: E731
         plan, margs = plan_step_memory(margs, planned, recipe.config.gpu_headroom_gb, agree, settle, tcfg.micro_batches)
         # the optimizer's config as planned: one grad a step where FSDP2 sums the micro-batches unsharded
         recipe = dataclasses.replace(recipe, config=optimizer_config(recipe.config, margs))
+        # the update is predicted where an earlier run here saved the CPU rate of this kernel on these grads (bf16,
+        # or FP32 sums), with its steps' walk (nothing timed here: it would slow the start)
+        learned, learned_split = (learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local), split)
+                                  for split in (False, True))  # fmt: skip
+        costs = None if learned is None else learned_walk(learned)
+        if learned is not None or learned_split is not None:
+            plan = dataclasses.replace(planned(margs, learned, learned_split), step_memory_why=plan.step_memory_why)
         mine, step_memory_why = plan.ranks[node.index(rank)], plan.step_memory_why
         if rank == 0:
             log.info("plan: %s", plan_summary(mine, recipe.config))

@@ -167,3 +167,28 @@ def test_a_policy_that_reduces_in_low_precision_is_refused_by_name():
     model = build_meta(dataclasses.replace(ARGS, sum_grads_unsharded=True))
     with pytest.raises(ValueError, match=r"model.sum_grads_unsharded=true sums the grads in FP32.*reduces in torch.bfloat16"):
         shard_units(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+
+
+def test_the_plan_predicts_from_the_rate_learned_for_the_grads_its_kernel_takes(tmp_path, capsys, monkeypatch):
+    """Where FSDP2 sums the micro-batches, the kernel takes one bf16 grad a step: the plan command predicts
+    from the rate a run saved for bf16 grads, not for FP32 sums (their key differs: learned_rate.rate_key_for)."""
+    from test_update_rate_learned import cfg_for, learn
+
+    from fsdp_offload import update_costs as update_costs_module
+    from fsdp_offload.learned_rate import rate_key_for
+    from fsdp_offload.plan import main as plan_main
+    from fsdp_offload.update_costs import UpdateCosts
+
+    monkeypatch.setattr(update_costs_module, "time_update_costs", lambda *a, **kw: UpdateCosts())
+    monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 123e6)  # a timed rate: 123 M params/s
+    path, threads = str(tmp_path / "p.json"), torch.get_num_threads()
+    cfg = cfg_for(path, numel=OffloadConfig().subgroup_numel)
+    learn(path, 1e9, threads=threads, numel=cfg.subgroup_numel)  # a run with one grad a step (bf16)
+    common = ["train.device=cpu", "offload=host", "machine.host_gib=64", "offload.kernel=torch", f"offload.bandwidth_profile={path}",
+              f"train.cpu_threads={threads}", "train.micro_batches=8"]  # fmt: skip
+    assert plan_main(common) == 0  # the sums resolve true on the host
+    out = capsys.readouterr().out
+    assert f"learned from an earlier run's steps on this host ({rate_key_for(cfg, 1, threads)}, saved " in out, out
+    assert plan_main([*common, "model.sum_grads_unsharded=false"]) == 0  # the optimizer's FP32 sums: no run saved that
+    out = capsys.readouterr().out
+    assert "123 M params/s per rank" in out and rate_key_for(cfg, 1, threads) not in out.split("CPU update rate:")[1].split("\n")[0]

@@ -16,7 +16,7 @@ from fsdp_offload import OffloadConfig, calibrate, machine as machine_module
 from fsdp_offload.bandwidth import TierSpeed
 from fsdp_offload.bandwidth_profile import RATE_FIELDS, TIER_FIELDS, BandwidthProfile, entry_problem, locked_profile
 from fsdp_offload.learned_rate import learned_rate_for, rate_key_for, unlearned_note
-from fsdp_offload.machine import MachineConfig, measured_speeds
+from fsdp_offload.machine import MachineConfig, cpu_rate
 from fsdp_offload.storage import TierSpec
 
 from dist_utils import run_ranks
@@ -133,7 +133,7 @@ def test_a_bad_learned_rate_is_said_once_and_the_rate_timed(tmp_path, caplog, mo
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 123e6)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert learned_rate_for(cfg, 2, threads) is None  # rank 1's good rate alone is no run's rate: timed
-        rate, _ = measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=threads)  # (reads it twice more)
+        rate = cpu_rate(cfg, MachineConfig(ranks_per_node=2), cpu_threads=threads)  # (reads it twice more)
     assert rate.source == "timed" and rate.params_per_s == 123e6
     assert "ended before" not in rate.detail  # a broken entry is no run's: not called one cut short
     [warning] = [r.getMessage() for r in caplog.records]

@@ -16,7 +16,7 @@ from fsdp_offload import update_costs as update_costs_module
 from fsdp_offload.bandwidth import TierSpeed
 from fsdp_offload.bandwidth_profile import BandwidthProfile, locked_profile
 from fsdp_offload.learned_rate import LEARN_STEPS, UpdateRateLearner, learned_rate_for, rate_key_for, update_rate_key
-from fsdp_offload.machine import MachineConfig, measured_speeds
+from fsdp_offload.machine import MachineConfig, cpu_rate
 from fsdp_offload.plan import main as plan_main
 from fsdp_offload.update_costs import UpdateCosts, learned_walk, measured_costs
 
@@ -165,7 +165,7 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
     expected = statistics.median(numel / m.cpu_kernel_s for m in steps[1:])  # the first step is a warm-up
     walk = statistics.median((m.update_s - m.cpu_kernel_s - m.norm_s) / len(opt.layout) for m in steps[1:])
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: pytest.fail("timed a rate that was learned"))
-    rate, _ = measured_speeds(cfg, MachineConfig(), cpu_threads=torch.get_num_threads())
+    rate = cpu_rate(cfg, MachineConfig(), cpu_threads=torch.get_num_threads())
     assert rate.source == "learned" and rate.params_per_s == pytest.approx(expected, rel=1e-6)  # (kept in M params/s)
     # all in host memory: the steps' own walk is kept beside it, and the plan takes it for the timed one
     assert rate.subgroup_s == pytest.approx(walk, rel=1e-6, abs=1e-9)
@@ -173,8 +173,8 @@ def test_a_run_saves_its_rate_and_the_next_plan_here_predicts_from_it(tmp_path, 
     assert measured_costs(cfg, MachineConfig(), torch.get_num_threads(), rate, streams=False) == UpdateCosts(step_s=1e-4, subgroup_s=rate.subgroup_s)
     # another rank count, or no profile: nothing learned for it, so timed
     monkeypatch.setattr(machine_module, "node_update_rate", lambda *a: 123e6)
-    assert measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=torch.get_num_threads())[0].source == "timed"
-    assert measured_speeds(OffloadConfig(kernel="torch"), MachineConfig(), cpu_threads=None)[0].source == "timed"
+    assert cpu_rate(cfg, MachineConfig(ranks_per_node=2), cpu_threads=torch.get_num_threads()).source == "timed"
+    assert cpu_rate(OffloadConfig(kernel="torch"), MachineConfig(), cpu_threads=None).source == "timed"
 
 
 def test_the_walk_a_run_saved_goes_beside_its_rate_only_where_every_rank_saved_it(tmp_path, monkeypatch, caplog):

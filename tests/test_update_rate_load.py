@@ -10,7 +10,7 @@ import pytest
 import fsdp_offload.machine as machine_module
 import fsdp_offload.update_rate as update_rate
 from fsdp_offload.config import OffloadConfig
-from fsdp_offload.machine import MachineConfig, measured_speeds
+from fsdp_offload.machine import MachineConfig, cpu_rate
 from fsdp_offload.update_rate import MIN_LOAD_WALL_S, OtherLoad, node_cpu_ticks, timed_beside_load
 
 
@@ -51,11 +51,11 @@ def test_a_measure_gives_its_value_and_a_load_where_the_ticks_can_tell(monkeypat
 
 def test_a_plan_timed_on_a_busy_node_says_so(monkeypatch):
     monkeypatch.setattr(machine_module, "timed_beside_load", lambda measure: (123e6, OtherLoad(3.0, 0.0)))
-    rate, _ = measured_speeds(OffloadConfig(kernel="torch", subgroup_numel=4096), MachineConfig(ranks_per_node=2), cpu_threads=1)
+    rate = cpu_rate(OffloadConfig(kernel="torch", subgroup_numel=4096), MachineConfig(ranks_per_node=2), cpu_threads=1)
     assert rate.source == "timed" and rate.params_per_s == 123e6
     assert rate.detail.startswith("while the CPU rate was timed, other processes took 3.0 cores: ")
     monkeypatch.setattr(machine_module, "timed_beside_load", lambda measure: (123e6, OtherLoad(0.2, 0.0)))
-    rate, _ = measured_speeds(OffloadConfig(kernel="torch", subgroup_numel=4096), MachineConfig(ranks_per_node=2), cpu_threads=1)
+    rate = cpu_rate(OffloadConfig(kernel="torch", subgroup_numel=4096), MachineConfig(ranks_per_node=2), cpu_threads=1)
     assert rate.detail == ""  # a quiet node, no profile: nothing to add
 
 
@@ -73,10 +73,10 @@ def test_a_rate_timed_on_a_busy_node_is_timed_again_and_the_quietest_kept(monkey
     cfg = OffloadConfig(kernel="torch", subgroup_numel=4096)
     timed, calls = readings(OtherLoad(3.0, 0.0), OtherLoad(0.0, 0.2), OtherLoad(5.0, 0.0))
     monkeypatch.setattr(machine_module, "timed_beside_load", timed)
-    rate, _ = measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=1)
+    rate = cpu_rate(cfg, MachineConfig(ranks_per_node=2), cpu_threads=1)
     assert len(calls) == 2 and rate.params_per_s == 200e6 and rate.detail == ""  # quiet at the second: kept
     timed, calls = readings(OtherLoad(3.0, 0.0), OtherLoad(0.0, 1.5), OtherLoad(2.0, 0.0))
     monkeypatch.setattr(machine_module, "timed_beside_load", timed)
-    rate, _ = measured_speeds(cfg, MachineConfig(ranks_per_node=2), cpu_threads=1)
+    rate = cpu_rate(cfg, MachineConfig(ranks_per_node=2), cpu_threads=1)
     assert len(calls) == machine_module.QUIET_TRIES == 3
     assert rate.params_per_s == 200e6 and "1.5 cores to other guests" in rate.detail  # busy throughout: the least load
