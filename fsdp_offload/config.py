@@ -105,8 +105,8 @@ class OffloadConfig:
     # holds, keeping gpu_headroom_gb free (logged, and in each step's metrics as subgroups_on_gpu).
     gpu_fraction: float | str = 0.0
     # GPU memory kept free above a step's peak, in GiB, by what sizes itself from the GPU's room: gpu_fraction="auto"
-    # (above the first step's measured peak), grad_path and grad sums "auto", model.activation_checkpointing and
-    # model.reshard_after_forward "auto".
+    # (above the first step's measured peak), grad_path and grad sums "auto", model.activation_checkpointing,
+    # model.reshard_after_forward and model.sum_grads_unsharded "auto".
     gpu_headroom_gb: float = 4.0
     # "host_bf16": grads stay bf16 in host memory and are upcast in flight (MLP-Offload). "gpu_bf16": the
     # same, but the grads stay in GPU memory where backward made them, and each subgroup's come to the

@@ -78,8 +78,10 @@ def train_gpu_bytes(args: LlamaArgs, shapes: ModelShapes, local_params: int, seq
     logits = tokens * args.vocab_size * (itemsize + 4 + 4)
     # gathered params: two units at a time, or every unit from its forward to its backward (not resharded)
     gathered = 2 * shapes.largest_module if args.reshard_after_forward else sum(math.prod(s) for s in shapes.param_shapes)
-    # the micro-batches' grads summed unsharded in FP32, every unit's from the first backward to the last
-    sums = 4 * sum(math.prod(s) for s in shapes.param_shapes) if args.sum_grads_unsharded is True else 0
+    # the micro-batches' grads summed unsharded in FP32, every unit's from the first backward to the last, and the
+    # FP32 reduce-scatter input of the unit reducing them
+    summed = sum(math.prod(s) for s in shapes.param_shapes) + shapes.largest_module
+    sums = 4 * summed if args.sum_grads_unsharded is True else 0
     return local_params * itemsize + (gathered + shapes.largest_module) * itemsize + args.n_layers * per_block + block_work + logits + sums
 
 

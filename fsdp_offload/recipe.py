@@ -145,16 +145,33 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
     margs = to_dataclass(LlamaArgs, cfg.model, "model")
     dcfg = to_dataclass(DataConfig, cfg.data, "data")
     ocfg = OmegaConf.to_container(cfg.offload, resolve=True)
-    recipe = OffloadRecipe(ocfg.pop("optimizer", "offload"), to_dataclass(OffloadConfig, ocfg, "offload"))
-    if recipe.optimizer not in ("offload", "torch"):
-        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
-    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
-    if recipe.optimizer == "offload" and recipe.config.micro_batches != tcfg.micro_batches:
+    optimizer = ocfg.pop("optimizer", "offload")
+    if optimizer == "offload" and ocfg.get("micro_batches", 1) != tcfg.micro_batches:
         raise ValueError(
-            f"offload.micro_batches={recipe.config.micro_batches} but train.micro_batches={tcfg.micro_batches}: the "
+            f"offload.micro_batches={ocfg.get('micro_batches', 1)} but train.micro_batches={tcfg.micro_batches}: the "
             "optimizer plans its grad sums for the backwards train.py runs per step; drop offload.micro_batches (the "
             "recipes set it from train.micro_batches)"
         )
+    if optimizer == "offload" and tcfg.micro_batches > 1 and margs.sum_grads_unsharded is not False:
+        if ocfg.get("grad_accumulation", "auto") != "auto":
+            raise ValueError(
+                f"offload.grad_accumulation={ocfg['grad_accumulation']!r} places the optimizer's sums of the step's "
+                f"{tcfg.micro_batches} micro-batches, and model.sum_grads_unsharded={'true' if margs.sum_grads_unsharded is True else 'auto'} "
+                "leaves (or may leave) the summing to FSDP2: set model.sum_grads_unsharded=false to keep the optimizer's "
+                "sums, or drop offload.grad_accumulation"
+            )
+        if margs.sum_grads_unsharded is True:  # the optimizer takes one grad a step (node_plan.optimizer_config), from here on
+            ocfg["micro_batches"] = 1
+        elif ocfg.get("overlap") == "backward":  # (one grad a step only where the sums resolve true)
+            raise ValueError(
+                f"offload.overlap='backward' updates each subgroup as its grad comes in, one grad a step, and "
+                f"train.micro_batches={tcfg.micro_batches}: set model.sum_grads_unsharded=true (FSDP2 sums the micro-batches, "
+                "one grad a step), or use offload.overlap='next_forward'"
+            )
+    recipe = OffloadRecipe(optimizer, to_dataclass(OffloadConfig, ocfg, "offload"))
+    if recipe.optimizer not in ("offload", "torch"):
+        raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")
+    ckcfg = to_dataclass(CheckpointConfig, cfg.checkpoint, "checkpoint")
     if dcfg.seq_len > margs.max_seq_len:
         raise ValueError(
             f"data.seq_len={dcfg.seq_len} is above model.max_seq_len={margs.max_seq_len}: the model is not built for such "

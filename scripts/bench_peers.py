@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": {"preset": args.model, "params": work.params, "params_billion": work.params / 1e9, "args": dataclasses.asdict(margs),
                   "seq_len": args.seq, "micro_batch": args.batch, "micro_batches": args.micro_batches, "nproc": args.nproc,
                   "tokens_per_step": work.tokens_per_step, "flops_per_token": work.flops_per_token,
-                  "compute_dtype": "bfloat16", "activation_checkpointing": True, "reshard_after_forward": True,
+                  "compute_dtype": "bfloat16", "activation_checkpointing": True, "reshard_after_forward": True, "sum_grads_unsharded": False,
                   "data": f"synthetic (fsdp_offload.data, seed {args.seed})"},  # fmt: skip
         "model_tflops_formula": MODEL_TFLOPS_FORMULA,
         "steps": args.steps,
