@@ -246,8 +246,9 @@ def make_plan(model_name: str, args: LlamaArgs, cfg: OffloadConfig, machine: Mac
     `cpu_rate` (params/s) and `speeds` (per tier, the node's) give the predicted update time (None: not
     predicted), `split_cpu_rate` the kernel's on split masters (None: at `cpu_rate`, which the plan says),
     `costs` its fixed costs (None: none); where the placement needs speeds and none are given,
-    plan_speeds gets them once for every rank's placement. `args` checkpoint and reshard or not ('auto':
-    step_memory.plan_step_memory). `node_ranks`: the node's ranks in the job of `world_size` ranks, each
+    plan_speeds gets them once for every rank's placement. `args` checkpoint, reshard and sum the grads
+    unsharded or not ('auto': step_memory.plan_step_memory; with the sums the optimizer is planned for one
+    grad a step, `optimizer_config`). `node_ranks`: the node's ranks in the job of `world_size` ranks, each
     planned for its own shard (None: the first node's of machine.world_size; nodes may hold unlike counts)."""
     world, node = world_size or machine.world_size, list(range(machine.ranks_per_node) if node_ranks is None else node_ranks)
     if len(node) != machine.ranks_per_node or not all(0 <= r < world for r in node):

@@ -113,8 +113,9 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
                      agree: Callable[[int], bool] = lambda choice: True,
                      settle: Callable[[PlanError | None], None] = raise_if_short, micro_batches: int = 1) -> tuple[Plan, LlamaArgs]:  # fmt: skip
     """The plan `make` gives for `args` with its `auto`s resolved (see the module's note), and those
-    args (`make`: node_plan.make_plan's, which plans the optimizer as `optimizer_config` says). `agree(choice)` says whether the job's
-    ranks all made this one (train.py: same_on_every_rank), else they take the frugal step. The plan says
+    args (`make`: node_plan.make_plan's, which plans the optimizer as `optimizer_config` says).
+    `agree(choice)` says whether the job's ranks all made this one (train.py: same_on_every_rank), else
+    they take the frugal step. The plan says
     why (`step_memory_why`). Where even the frugal step does not fit, its PlanError goes to `settle` (None
     where it fits), first: train.py raises one rank's on every rank, since a node's own free space or
     memory may leave the others' plans fitting. `micro_batches`: the backwards a step (train.micro_batches)."""
