@@ -374,13 +374,13 @@ def _check_unit_synced(module: nn.Module, micro_batches: int) -> None:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
                 why = (f"{type(module).__name__}: a backward with FSDP2's gradient sync off left its grads unreduced: FSDP2 "
-                       "sums them in FP32 and reduce-scatters them in the first backward with the sync on; turn it on "
-                       "for the step's last backward (set_requires_gradient_sync(True))" if sums_in_fp32(module)
+                       "sums them in FP32 and reduce-scatters them in the first backward with the sync on, so the step "
+                       "(and a clip) come after the step's last backward, which runs with the sync on "
+                       "(set_requires_gradient_sync(True))" if sums_in_fp32(module)
                        else str(_sync_off_error(module, "a backward", micro_batches)))  # fmt: skip
                 raise RuntimeError(
-                    f"{why}. Or a backward raised part-way and "
-                    "left them: call model.reset_iter_state() (FSDP2's reset after an error in forward or backward). "
-                    "opt.zero_grad() drops the grads such a backward left, and this step's"
+                    f"{why}. Or a backward raised part-way and left them: call model.reset_iter_state() (FSDP2's reset "
+                    "after an error in forward or backward). opt.zero_grad() drops such grads with the step's others"
                 )
 
 

@@ -152,6 +152,12 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
             "optimizer plans its grad sums for the backwards train.py runs per step; drop offload.micro_batches (the "
             "recipes set it from train.micro_batches)"
         )
+    if optimizer == "offload" and tcfg.micro_batches > 1 and margs.sum_grads_unsharded is not True and ocfg.get("overlap") == "backward":
+        raise ValueError(
+            f"offload.overlap='backward' updates each subgroup as its grad comes in, one grad a step, and "
+            f"train.micro_batches={tcfg.micro_batches}: set model.sum_grads_unsharded=true (FSDP2 sums the micro-batches, "
+            "one grad a step), or use offload.overlap='next_forward'"
+        )
     if optimizer == "offload" and tcfg.micro_batches > 1 and margs.sum_grads_unsharded is not False:
         if ocfg.get("grad_accumulation", "auto") != "auto":
             raise ValueError(
@@ -162,12 +168,6 @@ def read_config(cfg: DictConfig) -> tuple[TrainConfig, LlamaArgs, DataConfig, Of
             )
         if margs.sum_grads_unsharded is True:  # the optimizer takes one grad a step (node_plan.optimizer_config), from here on
             ocfg["micro_batches"] = 1
-        elif ocfg.get("overlap") == "backward":  # (one grad a step only where the sums resolve true)
-            raise ValueError(
-                f"offload.overlap='backward' updates each subgroup as its grad comes in, one grad a step, and "
-                f"train.micro_batches={tcfg.micro_batches}: set model.sum_grads_unsharded=true (FSDP2 sums the micro-batches, "
-                "one grad a step), or use offload.overlap='next_forward'"
-            )
     recipe = OffloadRecipe(optimizer, to_dataclass(OffloadConfig, ocfg, "offload"))
     if recipe.optimizer not in ("offload", "torch"):
         raise ValueError(f"offload.optimizer={recipe.optimizer!r}: choose offload or torch")

@@ -23,7 +23,8 @@ An option is kept only where the plan with it still fits (on the CPU the step is
 counts), on a GPU every rank's estimated step stays under its memory less `offload.gpu_headroom_gb`,
 and the optimizer's state is placed as with the frugal step: the same subgroups on the GPU, host cache
 slots, grad path, grad sums and tier traffic. (With the unsharded sums the optimizer takes one grad a
-step and keeps no sums of its own: such an option is held to the frugal step planned that way.) A stated
+step and keeps no sums of its own: such an option is held to the frugal step planned that way, and keeps
+every subgroup the frugal step has on the GPU and in the host cache, at no more tier bytes.) A stated
 value is kept as stated. A job's ranks take one answer: where they differ, the frugal step.
 """
 
@@ -139,6 +140,8 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
             if sums not in held_to:
                 held_to[sums] = make(dataclasses.replace(frugal_args, sum_grads_unsharded=sums))
             reason = refusal(held_to[sums], kept_plan, headroom_gb)
+            if reason is None and sums != frugal_args.sum_grads_unsharded:  # nor may the sums' own bytes move state
+                reason = state_lost(frugal, kept_plan)
         except PlanError as exc:  # the step takes the host memory the state needs (a run on the CPU)
             # (its advice to set the options to auto, which they are, left out)
             reason = "the plan does not fit: " + str(exc).replace(f", or {frugal_step_fix(option)}", "")
@@ -165,6 +168,21 @@ def refusal(frugal: Plan, plan: Plan, headroom_gb: float) -> str | None:
                     f"less offload.gpu_headroom_gb={headroom_gb:g}")  # fmt: skip
     if state_placement(plan) != state_placement(frugal):
         return placement_change(frugal, plan)
+    return None
+
+
+def state_lost(frugal: Plan, plan: Plan) -> str | None:
+    """Where `plan` (whose optimizer takes one grad a step, the sums FSDP2's) keeps less of the optimizer's
+    state near it than `frugal` (whose optimizer sums the micro-batches): a subgroup off the GPU or out of
+    the host cache, or more tier bytes a step, the first rank's first (None: it keeps as much)."""
+    tier = lambda r: sum(t.read_bytes_per_step + t.written_bytes_per_step for t in r.tiers) / GIB  # noqa: E731
+    for a, b in zip(frugal.ranks, plan.ranks):
+        if b.gpu_subgroups < a.gpu_subgroups:
+            return f"rank {b.rank}'s subgroups on the GPU would go from {a.gpu_subgroups} to {b.gpu_subgroups}"
+        if b.cache_slots < a.cache_slots:
+            return f"rank {b.rank}'s host cache slots would go from {a.cache_slots} to {b.cache_slots}"
+        if tier(b) > tier(a):
+            return f"rank {b.rank}'s tier GiB a step would go from {tier(a):.2f} to {tier(b):.2f}"
     return None
 
 

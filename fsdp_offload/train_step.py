@@ -86,7 +86,8 @@ def run_step(model, optimizer, batches: TokenBatches, tcfg: TrainConfig, max_gra
     row["loss"] = loss_sum.item() / dist.get_world_size()
     if isinstance(optimizer, OffloadAdamW):
         row["grad_norm"] = optimizer.last_grad_norm
-        row["grad_accumulation"] = optimizer.grad_accumulation  # where several micro-batches' grads were summed
+        # where several micro-batches' grads were summed: FSDP2's unsharded FP32 sums, or the optimizer's
+        row["grad_accumulation"] = "fsdp2_unsharded" if sum_unsharded and tcfg.micro_batches > 1 else optimizer.grad_accumulation
         row["grad_path"] = optimizer.grad_path  # where the low-precision grads waited for their update
         if optimizer.loss_scaler is not None:
             row["loss_scale"] = optimizer.loss_scaler.scale

@@ -39,21 +39,23 @@ def train(rank: int, world: int, sums: bool, optimizer: str) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
     batches = TokenBatches(DataConfig(seq_len=16, micro_batch=2), vocab_size=ARGS.vocab_size, rank=rank, world_size=world)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        losses = [run_step(model, opt, batches, TrainConfig(micro_batches=MICRO), 0.5, torch.device("cpu"))["loss"]
-                  for _ in range(STEPS)]  # fmt: skip
+        rows = [run_step(model, opt, batches, TrainConfig(micro_batches=MICRO), 0.5, torch.device("cpu")) for _ in range(STEPS)]
+    losses, row = [r["loss"] for r in rows], rows[-1]
     if optimizer == "offload":  # its FP32 masters (the model's bf16 params round them)
         state = opt.state_dict()["state"]
         params = [local_data(state[i]["master_param"]).clone() for i in range(len(state))]
         opt.close()
     else:
         params = [local_data(p).detach().clone() for p in model.parameters()]
-    return {"losses": losses, "sums": sums_grads_unsharded(model), "params": params,
+    return {"losses": losses, "sums": sums_grads_unsharded(model), "params": params, "summed_by": row.get("grad_accumulation"),
             "reduces": sum(e.name.startswith("FSDP::post_backward_reduce") for e in prof.events())}  # fmt: skip
 
 
 def once_and_every(rank: int, world: int, optimizer: str) -> None:
     once, every = train(rank, world, True, optimizer), train(rank, world, False, optimizer)
     assert once["sums"] and not every["sums"]
+    if optimizer == "offload":  # each step's row says who summed the micro-batches
+        assert once["summed_by"] == "fsdp2_unsharded" and every["summed_by"] == "host"
     assert once["reduces"] > 0 and every["reduces"] == MICRO * once["reduces"]  # a unit's reduce-scatter once a step
     assert once["losses"][0] == every["losses"][0]  # the same params, the same micro-batches
     # The same sums in another order (micro-batches, then ranks). Adam's first steps move a param by about
@@ -210,5 +212,28 @@ def test_the_recipes_refuse_the_optimizers_sums_placed_beside_fsdp2s_and_take_ba
     # overlap=backward takes one grad a step: the sums stated give it that, `auto` may not
     backward = ("offload.overlap=backward", "offload.max_grad_norm=null")
     assert read(*backward, "model.sum_grads_unsharded=true")[3].config.micro_batches == 1
-    with pytest.raises(ValueError, match=r"offload.overlap='backward' .* set model.sum_grads_unsharded=true"):
-        read(*backward)
+    for sums in ("auto", "false"):
+        with pytest.raises(ValueError, match=r"offload.overlap='backward' .* set model.sum_grads_unsharded=true"):
+            read(*backward, f"model.sum_grads_unsharded={sums}")
+
+
+def test_the_sums_are_not_kept_where_their_bytes_would_push_state_off_the_gpu():
+    """With `gpu_fraction=auto` the GPU's room goes to state too: the sums' 4 bytes a param must not take
+    subgroups off it (helper-77's case: 4 of 4 on the GPU without the sums, 2 with them, and the reason
+    said the state was placed as without them)."""
+    args = dataclasses.replace(MODEL_PRESETS["1b"], activation_checkpointing="auto", reshard_after_forward="auto",
+                               sum_grads_unsharded="auto")  # fmt: skip
+    cfg = OffloadConfig(micro_batches=8, gpu_fraction="auto")
+
+    def resolve_on(gpu_gib: float) -> tuple:
+        machine = MachineConfig(gpu_gib=gpu_gib, host_gib=512, ranks_per_node=4)
+        plan, chosen = plan_step_memory(args, lambda a: make_plan("1b", a, cfg, machine, 2048, 1, "cuda"), cfg.gpu_headroom_gb,
+                                        micro_batches=8)  # fmt: skip
+        return (chosen.activation_checkpointing, chosen.reshard_after_forward, chosen.sum_grads_unsharded), plan
+
+    kept, plan = resolve_on(20)
+    assert kept == (False, False, False) and [r.gpu_subgroups for r in plan.ranks] == [4] * 4
+    assert ("keeping the activations, the gathered units and the unsharded grad sums, rank 0's subgroups on the GPU "
+            "would go from 4 to 2") in plan.step_memory_why
+    kept, plan = resolve_on(24)  # room for both
+    assert kept == (False, False, True) and [r.gpu_subgroups for r in plan.ranks] == [4] * 4
