@@ -139,15 +139,15 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
             sums = option.sum_grads_unsharded
             if sums not in held_to:
                 held_to[sums] = make(dataclasses.replace(frugal_args, sum_grads_unsharded=sums))
-            reason = refusal(held_to[sums], kept_plan, headroom_gb)
-            if reason is None and sums != frugal_args.sum_grads_unsharded:  # nor may the sums' own bytes move state
-                reason = state_lost(frugal, kept_plan)
+            # the sums' own bytes may not move state off the frugal step's places; the rest, placed as with it
+            reason = gpu_overflow(kept_plan, headroom_gb) or (state_lost(frugal, kept_plan) if sums != frugal_args.sum_grads_unsharded
+                                                              else None) or refusal(held_to[sums], kept_plan, headroom_gb)  # fmt: skip
         except PlanError as exc:  # the step takes the host memory the state needs (a run on the CPU)
             # (its advice to set the options to auto, which they are, left out)
             reason = "the plan does not fit: " + str(exc).replace(f", or {frugal_step_fix(option)}", "")
         if reason is None:
             mine, plan = i, kept_plan
-            reasons.append(holds(plan, what))
+            reasons.append(holds(plan, what, "at least as near" if sums != frugal_args.sum_grads_unsharded else "as"))
             break
         reasons.append(f"keeping {what}, {reason}")
     else:
@@ -161,38 +161,49 @@ def plan_step_memory(args: LlamaArgs, make: Callable[[LlamaArgs], Plan], headroo
 def refusal(frugal: Plan, plan: Plan, headroom_gb: float) -> str | None:
     """Why `plan` (which fits) would not do beside `frugal`, the frugal step's plan: its step above the
     GPU's room, or the optimizer's state placed otherwise; None: it does."""
-    if plan.gpu_bytes is not None:
-        room, step = plan.gpu_bytes - int(headroom_gb * GIB), max(r.gpu_train_bytes for r in plan.ranks)
-        if step > room:
-            return (f"a rank's step would take about {readable_size(step)}, above the GPU's {readable_size(plan.gpu_bytes)} "
-                    f"less offload.gpu_headroom_gb={headroom_gb:g}")  # fmt: skip
+    if gpu_overflow(plan, headroom_gb) is not None:
+        return gpu_overflow(plan, headroom_gb)
     if state_placement(plan) != state_placement(frugal):
         return placement_change(frugal, plan)
     return None
 
 
+def gpu_overflow(plan: Plan, headroom_gb: float) -> str | None:
+    """Where a rank's estimated step is above its GPU's room (its memory less the headroom), said; else None."""
+    if plan.gpu_bytes is None:
+        return None
+    room, step = plan.gpu_bytes - int(headroom_gb * GIB), max(r.gpu_train_bytes for r in plan.ranks)
+    if step > room:
+        return (f"a rank's step would take about {readable_size(step)}, above the GPU's {readable_size(plan.gpu_bytes)} "
+                f"less offload.gpu_headroom_gb={headroom_gb:g}")  # fmt: skip
+    return None
+
+
 def state_lost(frugal: Plan, plan: Plan) -> str | None:
     """Where `plan` (whose optimizer takes one grad a step, the sums FSDP2's) keeps less of the optimizer's
-    state near it than `frugal` (whose optimizer sums the micro-batches): a subgroup off the GPU or out of
-    the host cache, or more tier bytes a step, the first rank's first (None: it keeps as much)."""
+    state near it than `frugal` (whose optimizer sums the micro-batches): a subgroup off the GPU, fewer in
+    GPU or host memory, or more tier bytes a step, the first rank's first (None: it keeps as much; a grad
+    path moved is let be where none of these is worse)."""
     tier = lambda r: sum(t.read_bytes_per_step + t.written_bytes_per_step for t in r.tiers) / GIB  # noqa: E731
     for a, b in zip(frugal.ranks, plan.ranks):
         if b.gpu_subgroups < a.gpu_subgroups:
             return f"rank {b.rank}'s subgroups on the GPU would go from {a.gpu_subgroups} to {b.gpu_subgroups}"
-        if b.cache_slots < a.cache_slots:
-            return f"rank {b.rank}'s host cache slots would go from {a.cache_slots} to {b.cache_slots}"
+        if b.gpu_subgroups + b.cache_slots < a.gpu_subgroups + a.cache_slots:
+            return (f"rank {b.rank}'s subgroups in GPU or host memory would go from {a.gpu_subgroups + a.cache_slots} "
+                    f"to {b.gpu_subgroups + b.cache_slots}")  # fmt: skip
         if tier(b) > tier(a):
             return f"rank {b.rank}'s tier GiB a step would go from {tier(a):.2f} to {tier(b):.2f}"
     return None
 
 
-def holds(plan: Plan, what: str) -> str:
-    """Why a kept option was taken."""
+def holds(plan: Plan, what: str, placed: str = "as") -> str:
+    """Why a kept option was taken; `placed`: how its optimizer's state stands to the frugal step's ("as",
+    or "at least as near" where the sums moved the optimizer's own sums off)."""
     if plan.gpu_bytes is None:
-        return f"host memory holds the step keeping {what}, the optimizer's state placed as without them"
+        return f"host memory holds the step keeping {what}, the optimizer's state placed {placed} without them"
     step = max(r.gpu_train_bytes for r in plan.ranks)
     return (f"the GPU holds the step keeping {what} (about {readable_size(step)} a rank of {readable_size(plan.gpu_bytes)}), "
-            "the optimizer's state placed as without them")  # fmt: skip
+            f"the optimizer's state placed {placed} without them")  # fmt: skip
 
 
 def placement_change(frugal: Plan, plan: Plan) -> str:
