@@ -342,22 +342,19 @@ def install_sync_checks(units: list[list[nn.Module]], micro_batches: int) -> lis
     `accumulate()` and `no_sync` call), or while a unit still holds grads that a backward with the sync
     off left (the sync turned off around backward alone): FSDP2 would sum the micro-batches' unsharded
     grads in the params' low precision and reduce-scatter once, where the optimizer sums every backward's
-    grads in FP32, as torch AdamW's FP32 grads are. A unit that reduces in float32 (`sums_in_fp32`) sums
-    them in FP32 itself: let be. (`check_grads_synced` catches the sync turned off through the last
-    backward, at the step.)"""
-    for modules in units:
-        _param_groups(modules[0])
+    grads in FP32, as torch AdamW's FP32 grads are. A unit that reduces in float32 (`sums_in_fp32`, fixed
+    once it is sharded) sums them in FP32 itself: it gets no hook. (`check_grads_synced` catches the sync
+    turned off through the last backward, at the step.)"""
+    checked = [modules for modules in units if not sums_in_fp32(modules[0])]  # (reads every unit's groups: checked here)
 
     def check(module: nn.Module, _args: tuple) -> None:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return  # an eval forward; or activation checkpointing's recompute in backward, the unit's later grads in
-        if sums_in_fp32(module):
-            return
         if any(not g.reduce_grads for g in _param_groups(module)):
             raise _sync_off_error(module, "a forward", micro_batches)
         _check_unit_synced(module, micro_batches)
 
-    return [m.register_forward_pre_hook(check, prepend=True) for modules in units for m in modules]  # before FSDP2 gathers
+    return [m.register_forward_pre_hook(check, prepend=True) for modules in checked for m in modules]  # before FSDP2 gathers
 
 
 def check_grads_synced(units: list[list[nn.Module]], micro_batches: int) -> None:

@@ -151,7 +151,6 @@ def _run(cfg: DictConfig) -> list[dict]:
         # or FP32 sums), with its steps' walk (nothing timed here: it would slow the start)
         learned, learned_split = (learned_rate_for(recipe.config, local, cpu_threads_per_rank(tcfg.cpu_threads, local), split)
                                   for split in (False, True))  # fmt: skip
-        costs = None if learned is None else learned_walk(learned)
         if learned is not None or learned_split is not None:
             plan = dataclasses.replace(planned(margs, learned, learned_split), step_memory_why=plan.step_memory_why)
         mine, step_memory_why = plan.ranks[node.index(rank)], plan.step_memory_why
@@ -163,7 +162,7 @@ def _run(cfg: DictConfig) -> list[dict]:
                 log.info("plan: update %s a step predicted, from the CPU rate an earlier run saved (%s)%s%s",
                          format_seconds(plan.predicted_update_s), "; ".join(r.detail for r in (learned, learned_split) if r),
                          split_rate_words(plan),
-                         (" and its steps' walk a subgroup; the grad norm and tier transfers not counted" if costs else
+                         (" and its steps' walk a subgroup; the grad norm and tier transfers not counted" if plan.update_costs else
                           "; the update's fixed costs not counted") + " (the plan command times them)")  # fmt: skip
         # The plan's choices, made with the step's activations in view, are what the optimizer builds (its
         # memory plan: the budget, where the grad sums live, the GPU share placed now so the first steps
